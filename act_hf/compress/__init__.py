@@ -1,0 +1,20 @@
+"""Tensor -> packed context -> tensor: per-group stochastic quantization and bit packing."""
+
+from .bits import pack_bits, unpack_bits
+from .packed import PackedSpec, PackedTensor
+from .quantizer import DEFAULT_GROUP_SIZE, SUPPORTED_DTYPES, check_bits, check_group_size, dequantize, quantize
+from .rng import manual_seed
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "SUPPORTED_DTYPES",
+    "PackedSpec",
+    "PackedTensor",
+    "check_bits",
+    "check_group_size",
+    "dequantize",
+    "manual_seed",
+    "pack_bits",
+    "quantize",
+    "unpack_bits",
+]

@@ -1,0 +1,87 @@
+"""``PackedTensor``: a quantized tensor as plain tensors plus a small, tensor-free description."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PackedSpec", "PackedTensor"]
+
+
+@dataclass(frozen=True)
+class PackedSpec:
+    """Everything but the tensors: enough to rebuild a :class:`PackedTensor` from its three tensors."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    group_size: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class PackedTensor:
+    """A tensor quantized by :func:`act_hf.compress.quantize`.
+
+    Holds only tensors (``payload``, ``lo``, ``scale``) besides its :class:`PackedSpec`, so an autograd
+    Function saves it with ``ctx.save_for_backward(*packed.tensors)`` and rebuilds it in backward with
+    :meth:`rebuild`; saved-tensor hooks and ``torch.utils.checkpoint`` then see the packed bytes.
+
+    Attributes:
+        payload: ``uint8[ceil(numel * bits / 8)]``, the dense bit stream of codes.
+        lo: ``int16[n_groups]``, raw bf16 (fp16 for fp16 inputs) bit patterns of each group's zero point.
+        scale: ``int16[n_groups]``, raw bf16 bit patterns of each group's step.
+        spec: shape, dtype, bits and group size of the original tensor.
+    """
+
+    payload: torch.Tensor
+    lo: torch.Tensor
+    scale: torch.Tensor
+    spec: PackedSpec
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.payload, self.lo, self.scale
+
+    @classmethod
+    def rebuild(cls, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], spec: PackedSpec) -> PackedTensor:
+        payload, lo, scale = tensors
+        return cls(payload, lo, scale, spec)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.spec.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    @property
+    def bits(self) -> int:
+        return self.spec.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.spec.group_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.payload.device
+
+    @property
+    def nbytes(self) -> int:
+        """Payload plus metadata bytes."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={self.bits}, "
+            f"group_size={self.group_size}, nbytes={self.nbytes})"
+        )

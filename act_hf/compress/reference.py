@@ -1,0 +1,207 @@
+"""Pure-PyTorch reference of every compression kernel: the specification of the packed format.
+
+The CUDA kernels in ``csrc/quantize_kernel.cu`` compute exactly the same bits (same hash-based uniforms,
+same fp32 operation order, no fused multiply-add), so tests compare them bit for bit. This module also
+runs on the CPU and is the fallback when the extension is missing.
+
+Format of one quantized tensor of ``n`` elements, ``b`` bits, group size ``G``:
+
+* The tensor is read flat in row-major order; group ``g`` is elements ``[g*G, min((g+1)*G, n))``: contiguous
+  runs along the last dimension (continuing into the next row when the last dimension is not a multiple of
+  ``G``), so the metadata overhead is exactly ``32/G`` bit per element whatever the shape, and a kernel
+  needs no shape information. The last group may be partial; nothing is padded.
+* Per group two 16-bit numbers, stored as raw ``int16`` bit patterns: ``lo`` (the zero point: the group
+  minimum rounded *down* to bf16, or stored exactly as fp16 for fp16 inputs) and ``scale`` (bf16,
+  ``(max - lo) / (2**b - 1)`` rounded *up*). Rounding outward keeps every element inside
+  ``[lo, lo + (2**b - 1) * scale]``, and quantization uses these stored values, so the estimator stays
+  exactly unbiased.
+* A group holding NaN or Inf stores ``lo = scale = NaN`` and decodes to NaN everywhere: compression never
+  hides a divergence. A zero-range group stores ``scale = 0`` and decodes to ``lo`` exactly (exact whenever
+  the constant is representable in the metadata dtype: always for fp16/bf16 inputs; for fp32 inputs when
+  the value is a bf16 number such as 0, 1 or -10000; otherwise the group is rounded stochastically between
+  its two neighbouring bf16 values, unbiased).
+* Codes: ``code = clamp(floor((x - lo) / scale + u), 0, 2**b - 1)`` in fp32, ``u`` uniform in ``[0, 1)``
+  from :func:`uniform_from_hash`; ``E[lo + code * scale] = x``.
+* Payload: a dense little-endian bit stream, element ``i`` at bits ``[i*b, (i+1)*b)``, stream bit ``k``
+  being bit ``k % 8`` of byte ``k // 8``; ``ceil(n * b / 8)`` bytes.
+* Decoding: ``lo + code * scale`` in fp32 (a multiply, then an add, each rounded), then cast (round to
+  nearest even) to the original dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "BF16_NAN_BITS",
+    "FP16_NAN_BITS",
+    "lo_dtype_for",
+    "metadata_to_float",
+    "pack_bits",
+    "quantize_pack",
+    "uniform_from_hash",
+    "unpack_bits",
+    "unpack_dequantize",
+]
+
+BF16_NAN_BITS = 0x7FC0
+FP16_NAN_BITS = 0x7E00
+
+
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def uniform_from_hash(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The uniforms of stochastic rounding: ``splitmix64(seed + i * golden) >> 40`` scaled to ``[0, 1)``.
+
+    Counter based: element ``i`` of a tensor always gets the same draw for the same seed, on any device, in
+    any kernel launch configuration. 24 bits are kept, so every value is exactly representable in fp32.
+    """
+    idx = torch.arange(numel, dtype=torch.int64, device=device)
+    z = idx * _GOLDEN + _signed64(seed & ((1 << 64) - 1))
+    z = (z ^ _lsr(z, 30)) * _MIX1
+    z = (z ^ _lsr(z, 27)) * _MIX2
+    z = z ^ _lsr(z, 31)
+    return _lsr(z, 40).to(torch.float32) * (2.0**-24)
+
+
+def lo_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the stored zero point: fp16 for fp16 inputs (exact), bf16 otherwise (fp32's range)."""
+    return torch.float16 if dtype == torch.float16 else torch.bfloat16
+
+
+def metadata_to_float(bits16: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret raw 16-bit patterns (``int16``) as ``dtype`` (bf16 or fp16) and widen to fp32."""
+    return bits16.view(dtype).to(torch.float32)
+
+
+def _bf16_bits_round_down(t: torch.Tensor) -> torch.Tensor:
+    bits = t.view(torch.int32)
+    hi = bits >> 16  # arithmetic: keeps the sign, low 16 bits are the truncated bf16 pattern
+    inexact_negative = ((bits & 0xFFFF) != 0) & (bits < 0)
+    return (hi + inexact_negative.to(torch.int32)).to(torch.int16)
+
+
+def _bf16_bits_round_up(t: torch.Tensor) -> torch.Tensor:
+    """For t >= 0 (or +inf): the smallest bf16 not below t."""
+    bits = t.view(torch.int32)
+    return ((bits >> 16) + ((bits & 0xFFFF) != 0).to(torch.int32)).to(torch.int16)
+
+
+def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Quantize a flat tensor and pack it (see the module docstring for the format).
+
+    Args:
+        x: 1-D floating tensor (fp32, fp16, bf16 or fp64; fp64 is computed in fp32).
+        bits: 1..8.
+        group_size: positive multiple of 8.
+        seed: 63-bit seed of the rounding stream.
+
+    Returns:
+        ``(payload uint8[ceil(n*bits/8)], lo int16[n_groups], scale int16[n_groups])``.
+    """
+    n = x.numel()
+    n_groups = -(-n // group_size)
+    levels = (1 << bits) - 1
+    if n == 0:
+        empty16 = torch.empty(0, dtype=torch.int16, device=x.device)
+        return torch.empty(0, dtype=torch.uint8, device=x.device), empty16, empty16.clone()
+    xf = x.reshape(-1).to(torch.float32)
+    pad = n_groups * group_size - n
+    if pad:  # replicate the last element: the partial group's min and max are unchanged
+        xf = torch.cat([xf, xf[-1:].expand(pad)])
+    groups = xf.view(n_groups, group_size)
+    group_min = groups.amin(dim=1)
+    group_max = groups.amax(dim=1)
+    finite = torch.isfinite(groups).all(dim=1)
+
+    lo_dtype = lo_dtype_for(x.dtype)
+    if lo_dtype == torch.float16:
+        lo_bits = group_min.to(torch.float16).view(torch.int16)  # the min of fp16 values is exact in fp16
+        nan_lo = FP16_NAN_BITS
+    else:
+        lo_bits = _bf16_bits_round_down(group_min)
+        nan_lo = BF16_NAN_BITS
+    lo = metadata_to_float(lo_bits, lo_dtype)
+    scale_bits = _bf16_bits_round_up((group_max - lo) / float(levels))
+    lo_bits = torch.where(finite, lo_bits, torch.tensor(nan_lo, dtype=torch.int16, device=x.device))
+    scale_bits = torch.where(finite, scale_bits, torch.tensor(BF16_NAN_BITS, dtype=torch.int16, device=x.device))
+    lo = metadata_to_float(lo_bits, lo_dtype)
+    scale = metadata_to_float(scale_bits, torch.bfloat16)
+
+    has_scale = (scale > 0)[:, None]  # False for zero-range and NaN groups: their codes are 0
+    safe_scale = torch.where(has_scale, scale[:, None], torch.ones_like(scale[:, None]))
+    v = torch.where(has_scale, (groups - lo[:, None]) / safe_scale, torch.zeros_like(groups))
+    u = uniform_from_hash(seed, n_groups * group_size, x.device).view(n_groups, group_size)
+    codes = torch.floor(v + u).clamp_(0, levels).to(torch.uint8).view(-1)[:n]
+    return pack_bits(codes, bits), lo_bits, scale_bits
+
+
+def unpack_dequantize(
+    payload: torch.Tensor,
+    lo: torch.Tensor,
+    scale: torch.Tensor,
+    bits: int,
+    group_size: int,
+    numel: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_pack`: a flat tensor of ``numel`` elements in ``dtype``."""
+    if numel == 0:
+        return torch.empty(0, dtype=dtype, device=payload.device)
+    n_groups = lo.numel()
+    codes = unpack_bits(payload, bits, numel).to(torch.float32)
+    pad = n_groups * group_size - numel
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    lo_f = metadata_to_float(lo, lo_dtype_for(dtype))[:, None]
+    scale_f = metadata_to_float(scale, torch.bfloat16)[:, None]
+    out = lo_f + codes.view(n_groups, group_size) * scale_f
+    return out.view(-1)[:numel].to(dtype)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``uint8`` codes (each < 2**bits; higher bits are masked off) into a dense bit stream."""
+    n = codes.numel()
+    codes = codes.reshape(-1)
+    if bits == 8:
+        return codes.clone()
+    n_octets = -(-n // 8)
+    pad = n_octets * 8 - n
+    c = codes.to(torch.int64) & ((1 << bits) - 1)
+    if pad:
+        c = torch.cat([c, c.new_zeros(pad)])
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    words = (c.view(n_octets, 8) << shifts).sum(dim=1)
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    stream = ((words[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).view(-1)
+    return stream[: math.ceil(n * bits / 8)]
+
+
+def unpack_bits(payload: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``numel`` codes as ``uint8``."""
+    if bits == 8:
+        return payload[:numel].clone()
+    n_octets = -(-numel // 8)
+    need = n_octets * bits
+    p = payload.to(torch.int64)
+    if need > p.numel():
+        p = torch.cat([p, p.new_zeros(need - p.numel())])
+    byte_shifts = torch.arange(bits, device=payload.device, dtype=torch.int64) * 8
+    words = (p.view(n_octets, bits) << byte_shifts).sum(dim=1)
+    shifts = torch.arange(8, device=payload.device, dtype=torch.int64) * bits
+    codes = (words[:, None] >> shifts) & ((1 << bits) - 1)
+    return codes.to(torch.uint8).view(-1)[:numel]

@@ -1,0 +1,97 @@
+// act_hf._C: host-side argument checks and the pybind11 module. Kernels live in *_kernel.cu.
+#include <torch/extension.h>
+
+#include <vector>
+
+#define CHECK_CUDA(x) TORCH_CHECK((x).is_cuda(), #x " must be a CUDA tensor, got one on ", (x).device())
+#define CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), #x " must be contiguous")
+#define CHECK_DTYPE(x, T) TORCH_CHECK((x).scalar_type() == (T), #x " must have dtype ", (T), ", got ", (x).scalar_type())
+#define CHECK_SHAPE(x, ...) \
+  TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x " must have shape (" #__VA_ARGS__ "), got ", (x).sizes())
+
+namespace act_hf {
+std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed);
+at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
+                                  int64_t bits, int64_t group_size, int64_t numel, at::ScalarType dtype);
+at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits);
+at::Tensor unpack_bits_cuda(const at::Tensor& payload, int64_t bits, int64_t numel);
+}  // namespace act_hf
+
+namespace {
+
+void check_bits(int64_t bits) { TORCH_CHECK(bits >= 1 && bits <= 8, "bits must be an integer from 1 to 8, got ", bits); }
+
+void check_group_size(int64_t group_size) {
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, "group_size must be a positive multiple of 8, got ", group_size);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+std::vector<at::Tensor> quantize_pack(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
+  CHECK_CUDA(x);
+  CHECK_CONTIGUOUS(x);
+  TORCH_CHECK(x.dim() == 1, "x must be flat (1-D), got ", x.dim(), " dims");
+  TORCH_CHECK(is_float_type(x.scalar_type()), "x must be float32, float16, bfloat16 or float64, got ", x.scalar_type());
+  check_bits(bits);
+  check_group_size(group_size);
+  return act_hf::quantize_pack_cuda(x, bits, group_size, seed);
+}
+
+at::Tensor unpack_dequantize(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale, int64_t bits,
+                             int64_t group_size, int64_t numel, at::ScalarType dtype) {
+  CHECK_CUDA(payload);
+  CHECK_CUDA(lo);
+  CHECK_CUDA(scale);
+  CHECK_CONTIGUOUS(payload);
+  CHECK_CONTIGUOUS(lo);
+  CHECK_CONTIGUOUS(scale);
+  CHECK_DTYPE(payload, at::kByte);
+  CHECK_DTYPE(lo, at::kShort);
+  CHECK_DTYPE(scale, at::kShort);
+  check_bits(bits);
+  check_group_size(group_size);
+  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
+  TORCH_CHECK(is_float_type(dtype), "dtype must be float32, float16, bfloat16 or float64, got ", dtype);
+  CHECK_SHAPE(payload, ceil_div(numel * bits, 8));
+  CHECK_SHAPE(lo, ceil_div(numel, group_size));
+  CHECK_SHAPE(scale, ceil_div(numel, group_size));
+  return act_hf::unpack_dequantize_cuda(payload, lo, scale, bits, group_size, numel, dtype);
+}
+
+at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
+  CHECK_CUDA(codes);
+  CHECK_CONTIGUOUS(codes);
+  CHECK_DTYPE(codes, at::kByte);
+  check_bits(bits);
+  return act_hf::pack_bits_cuda(codes.reshape({-1}), bits);
+}
+
+at::Tensor unpack_bits(const at::Tensor& payload, int64_t bits, int64_t numel) {
+  CHECK_CUDA(payload);
+  CHECK_CONTIGUOUS(payload);
+  CHECK_DTYPE(payload, at::kByte);
+  check_bits(bits);
+  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
+  TORCH_CHECK(payload.numel() >= ceil_div(numel * bits, 8), "payload holds ", payload.numel(),
+              " bytes, fewer than ceil(numel * bits / 8) = ", ceil_div(numel * bits, 8));
+  return act_hf::unpack_bits_cuda(payload, bits, numel);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "act_hf CUDA kernels: per-group stochastic quantization and bit packing";
+  m.def("quantize_pack", &quantize_pack, "Quantize a flat tensor and pack its codes: (payload, lo, scale)",
+        py::arg("x"), py::arg("bits"), py::arg("group_size"), py::arg("seed"), py::call_guard<py::gil_scoped_release>());
+  m.def("unpack_dequantize", &unpack_dequantize, "Unpack and dequantize into a flat tensor of dtype", py::arg("payload"),
+        py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"), py::arg("numel"), py::arg("dtype"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("unpack_bits", &unpack_bits, "Unpack a dense bit stream into uint8 codes", py::arg("payload"), py::arg("bits"),
+        py::arg("numel"), py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,20 @@
+// Compile-time dispatch helpers shared by act_hf's kernels (flash-attn / apex static_switch.h style).
+#pragma once
+
+#include <c10/util/Exception.h>
+
+// Turns a runtime bit width 1..8 into a constexpr `CONST_NAME` inside the lambda body.
+#define ACT_BITS_SWITCH(BITS, CONST_NAME, ...)                                      \
+  [&] {                                                                             \
+    switch (BITS) {                                                                 \
+      case 1: { constexpr int CONST_NAME = 1; return __VA_ARGS__(); }              \
+      case 2: { constexpr int CONST_NAME = 2; return __VA_ARGS__(); }              \
+      case 3: { constexpr int CONST_NAME = 3; return __VA_ARGS__(); }              \
+      case 4: { constexpr int CONST_NAME = 4; return __VA_ARGS__(); }              \
+      case 5: { constexpr int CONST_NAME = 5; return __VA_ARGS__(); }              \
+      case 6: { constexpr int CONST_NAME = 6; return __VA_ARGS__(); }              \
+      case 7: { constexpr int CONST_NAME = 7; return __VA_ARGS__(); }              \
+      case 8: { constexpr int CONST_NAME = 8; return __VA_ARGS__(); }              \
+      default: TORCH_CHECK(false, "bits must be an integer from 1 to 8, got ", BITS); \
+    }                                                                               \
+  }()

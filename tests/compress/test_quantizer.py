@@ -1,0 +1,249 @@
+"""The quantizer's contract (CPU reference, which is the specification)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from act_hf.compress import PackedTensor, dequantize, pack_bits, quantize, unpack_bits
+from act_hf.compress import reference as R
+
+ALL_BITS = [1, 2, 3, 4, 5, 6, 7, 8]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def group_ranges(x: torch.Tensor, g: int) -> torch.Tensor:
+    """Per-element (max - min) of its group, for the error bound."""
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    out = torch.empty(n)
+    for s in range(0, n, g):
+        part = flat[s : s + g]
+        out[s : s + g] = part.max() - part.min()
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 1023), (7, 129), (4, 256), (3, 5, 17)])
+def test_round_trip_error_within_group_bound(bits, dtype, shape):
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    g = 64
+    p = quantize(x, bits, g, seed=123)
+    y = dequantize(p)
+    assert y.dtype == dtype and y.shape == x.shape
+    # One step of the (outward-rounded) grid: range/(2^b-1) widened by bf16 rounding of lo and scale,
+    # plus the output dtype's own rounding.
+    step = group_ranges(x, g) / (2**bits - 1)
+    slack = 2.0**-7 * (x.float().abs() + step) + 2 * torch.finfo(dtype).eps * x.float().abs().clamp_min(1)
+    err = (y.float() - x.float()).abs()
+    assert bool((err <= step * (1 + 2.0**-7) + slack).all()), f"max excess {(err - step).max()}"
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unbiased_and_variance_matches_stochastic_rounding(bits, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(2, 256).to(dtype)
+    draws = 1500
+    ys = torch.stack([dequantize(quantize(x, bits, 256, seed=s)).double() for s in range(draws)])
+    mean, var = ys.mean(0), ys.var(0)
+    # Variance predicted by the formula scale^2 * f * (1 - f), f = frac((x - lo) / scale), from stored metadata.
+    p = quantize(x, bits, 256, seed=0)
+    lo = R.metadata_to_float(p.lo, R.lo_dtype_for(dtype)).double().repeat_interleave(256)
+    scale = R.metadata_to_float(p.scale, torch.bfloat16).double().repeat_interleave(256)
+    v = (x.reshape(-1).double() - lo) / scale
+    f = v - v.floor()
+    predicted = (scale**2 * f * (1 - f)).view(x.shape)
+    # The sample mean has standard error sqrt(var/draws); allow 5 standard errors (plus output-dtype rounding).
+    se = (predicted / draws).sqrt()
+    tol = 5 * se + torch.finfo(dtype).eps * x.double().abs()
+    assert bool(((mean - x.double()).abs() <= tol + 1e-12).all()), f"bias {(mean - x.double()).abs().max()}"
+    if dtype == torch.float32:  # bf16 output rounding adds its own variance
+        rel = (var.sum() - predicted.sum()).abs() / predicted.sum()
+        assert rel < 0.05, f"variance off by {rel:.3f}"
+
+
+def test_mean_over_draws_converges_for_fp32_metadata_rounding():
+    """The ActNN bias (fp32 metadata used for quantizing, bf16 stored) would show up here as ~0.4%."""
+    x = torch.full((1, 256), 0.3) + torch.linspace(0, 1.7, 256)
+    draws = 5000
+    acc = torch.zeros(256, dtype=torch.float64)
+    for s in range(draws):
+        acc += dequantize(quantize(x, 2, 256, seed=s)).double().view(-1)
+    rel_bias = ((acc / draws).sum() - x.double().sum()).abs() / x.double().sum()
+    assert rel_bias < 1e-3, rel_bias  # the standard error of this sum is ~2e-4
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_packed_size_is_dense(bits):
+    for n in [0, 1, 7, 8, 9, 255, 256, 1000]:
+        x = torch.randn(n)
+        p = quantize(x, bits, 256, seed=0)
+        assert p.payload.numel() == math.ceil(n * bits / 8)
+        assert p.lo.numel() == p.scale.numel() == math.ceil(n / 256)
+        assert p.nbytes == math.ceil(n * bits / 8) + 4 * math.ceil(n / 256)
+    # metadata is 0.125 bit per element at group size 256
+    x = torch.randn(256 * 64)
+    p = quantize(x, 3, 256, seed=0)
+    assert (p.nbytes * 8) / x.numel() == 3 + 0.125
+
+
+def test_top_code_is_clamped_and_values_stay_on_the_stored_grid():
+    x = torch.tensor([[0.0, 1.0] * 128])
+    for s in range(50):
+        p = quantize(x, 8, 256, seed=s)
+        y = dequantize(p)
+        top = R.metadata_to_float(p.scale, torch.bfloat16) * 255  # lo = 0; the scale is rounded up
+        assert y.min() >= 0 and y.max() <= top
+        assert top < 1.0 + 2.0**-7
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value", [0.0, 1.0, -10240.0, 0.328125, 7.5, -3.3895313892515355e38])
+def test_zero_range_groups_are_exact(dtype, value):
+    if dtype == torch.float16 and abs(value) > 65504:
+        pytest.skip("not an fp16 value")
+    x = torch.full((3, 256), value, dtype=dtype)
+    for bits in [1, 3, 8]:
+        y = dequantize(quantize(x, bits, 256, seed=1))
+        assert torch.equal(y, x)
+
+
+def test_fp32_zero_range_off_the_bf16_grid_is_unbiased_within_one_bf16_ulp():
+    c = -10000.3  # not a bf16 number: the documented exception, rounded stochastically between neighbours
+    x = torch.full((256,), c)
+    ys = torch.stack([dequantize(quantize(x, 2, 256, seed=s)).double() for s in range(400)])
+    assert (ys - c).abs().max() <= 2.0**-7 * abs(c)
+    assert abs(ys.mean().item() - c) < 0.5
+
+
+def test_fp16_zero_range_exact_where_bf16_cannot_represent():
+    x = torch.full((256,), 0.1, dtype=torch.float16)  # not a bf16 number: the fp16 zero point keeps it exact
+    assert torch.equal(dequantize(quantize(x, 2, 256, seed=0)), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_stays_non_finite(dtype, bad):
+    x = torch.randn(4, 256).to(dtype)
+    x[1, 17] = bad
+    y = dequantize(quantize(x, 3, 256, seed=0))
+    assert not torch.isfinite(y[1]).any()  # the whole group is marked
+    assert torch.isfinite(y[[0, 2, 3]]).all()  # other groups are untouched
+
+
+def test_empty_and_non_contiguous_and_partial_groups():
+    assert dequantize(quantize(torch.empty(0, 5), 3)).shape == (0, 5)
+    x = torch.randn(64, 48).t()  # non-contiguous
+    assert not x.is_contiguous()
+    p = quantize(x, 8, 64, seed=0)
+    torch.testing.assert_close(dequantize(p), x, atol=0.05, rtol=0)
+    x = torch.randn(1000)  # 1000 = 3 * 256 + 232
+    torch.testing.assert_close(dequantize(quantize(x, 8, 256, seed=0)), x, atol=0.05, rtol=0)
+
+
+def test_reproducible_with_seed_and_generator():
+    x = torch.randn(10, 100)
+    a, b = quantize(x, 2, seed=7), quantize(x, 2, seed=7)
+    assert torch.equal(a.payload, b.payload)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(quantize(x, 2, seed=g1).payload, quantize(x, 2, seed=g2).payload)
+    assert not torch.equal(quantize(x, 2, seed=1).payload, quantize(x, 2, seed=2).payload)
+
+
+def test_does_not_touch_global_rng():
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    quantize(torch.randn(1000), 2)  # default stream: act_hf's own generator
+    # randn above consumed the global RNG; redo the same consumption without quantize to compare
+    torch.manual_seed(5)
+    torch.randn(1000)
+    after_plain = torch.rand(3)
+    torch.manual_seed(5)
+    torch.randn(1000)
+    quantize(torch.ones(1000), 2)
+    assert torch.equal(torch.rand(3), after_plain)
+    assert expected.shape == after_plain.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float64])
+def test_float64_round_trip(dtype):
+    x = torch.randn(300, dtype=dtype)
+    y = dequantize(quantize(x, 8, 64, seed=0))
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, x, atol=0.05, rtol=0)
+
+
+def test_packed_tensor_rebuild_and_repr():
+    x = torch.randn(5, 40)
+    p = quantize(x, 3, 64, seed=0)
+    q = PackedTensor.rebuild(p.tensors, p.spec)
+    assert torch.equal(dequantize(q), dequantize(p))
+    assert "bits=3" in repr(p) and p.shape == x.shape and p.dtype == x.dtype
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_pack_bits_round_trip(bits):
+    for n in [0, 1, 5, 8, 13, 1001]:
+        codes = torch.randint(0, 2**bits, (n,), dtype=torch.uint8)
+        payload = pack_bits(codes, bits)
+        assert payload.numel() == math.ceil(n * bits / 8)
+        assert torch.equal(unpack_bits(payload, bits, n), codes)
+
+
+def test_bit_stream_layout_is_little_endian():
+    # element i at bits [i*b, (i+1)*b); stream bit k is bit k%8 of byte k//8
+    codes = torch.tensor([1, 0, 3, 2, 7], dtype=torch.uint8)
+    payload = pack_bits(codes, 3)
+    stream = 0
+    for i, c in enumerate(codes.tolist()):
+        stream |= c << (3 * i)
+    assert payload.tolist() == [(stream >> (8 * k)) & 0xFF for k in range(math.ceil(15 / 8))]
+    assert pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1], dtype=torch.uint8), 1).tolist() == [0b10001101, 1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bits=0), "bits must be an integer from 1 to 8, got 0"),
+        (dict(bits=9), "bits must be an integer from 1 to 8, got 9"),
+        (dict(bits=2.5), "bits must be an integer"),
+        (dict(bits=True), "bits must be an integer"),
+        (dict(group_size=0), "group_size must be a positive multiple of 8"),
+        (dict(group_size=-8), "group_size must be a positive multiple of 8"),
+        (dict(group_size=100), "group_size must be a positive multiple of 8"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, match):
+    args = dict(bits=3, group_size=256) | kwargs
+    with pytest.raises((ValueError, TypeError), match=match):
+        quantize(torch.randn(10), **args)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64])
+def test_integer_bool_complex_tensors_refused(dtype):
+    with pytest.raises(ValueError, match="x must be a floating tensor"):
+        quantize(torch.zeros(10, dtype=dtype), 3)
+
+
+def test_non_tensor_refused():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        quantize([1.0, 2.0], 3)
+    with pytest.raises(TypeError, match="packed must be a PackedTensor"):
+        dequantize(torch.zeros(3))
+    with pytest.raises(ValueError, match="codes must be a uint8 or bool"):
+        pack_bits(torch.zeros(3, dtype=torch.int32), 2)
+
+
+def test_metadata_rounded_outward():
+    x = torch.randn(64, 256) * 10 + 3
+    p = quantize(x, 3, 256, seed=0)
+    lo = R.metadata_to_float(p.lo, torch.bfloat16)
+    scale = R.metadata_to_float(p.scale, torch.bfloat16)
+    groups = x.view(-1, 256)
+    assert bool((lo <= groups.amin(1)).all())
+    assert bool((lo + 7 * scale >= groups.amax(1)).all())

@@ -1,0 +1,78 @@
+"""torch.library registration: schema, fake kernels and torch.compile tracing of the act_hf ops."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import act_hf.ops._library  # noqa: F401
+from act_hf.compress import dequantize, quantize
+
+
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_opcheck_quantize_and_dequantize(dtype):
+    x = torch.randn(1000).to(dtype)
+    torch.library.opcheck(torch.ops.act_hf.quantize_pack.default, (x, 3, 256, 7), test_utils=OPCHECK_TESTS)
+    payload, lo, scale = torch.ops.act_hf.quantize_pack(x, 3, 256, 7)
+    torch.library.opcheck(
+        torch.ops.act_hf.unpack_dequantize.default, (payload, lo, scale, 3, 256, 1000, dtype), test_utils=OPCHECK_TESTS
+    )
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_opcheck_pack_bits(bits):
+    codes = torch.randint(0, 2**bits, (77,), dtype=torch.uint8)
+    torch.library.opcheck(torch.ops.act_hf.pack_bits.default, (codes, bits), test_utils=OPCHECK_TESTS)
+    payload = torch.ops.act_hf.pack_bits(codes, bits)
+    torch.library.opcheck(torch.ops.act_hf.unpack_bits.default, (payload, bits, 77), test_utils=OPCHECK_TESTS)
+
+
+def test_compile_fullgraph_sees_the_ops():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    counter = CompileCounterWithBackend(backend)
+
+    def round_trip(x):
+        return dequantize(quantize(x, 4, 64, seed=3)) * 2
+
+    compiled = torch.compile(round_trip, backend=counter, fullgraph=True)
+    x = torch.randn(8, 100)
+    torch.testing.assert_close(compiled(x), round_trip(x))
+    assert counter.frame_count == 1
+    code = "\n".join(g.code for g in graphs)
+    assert "act_hf.quantize_pack" in code and "act_hf.unpack_dequantize" in code
+
+
+def test_import_is_lean():
+    """import act_hf neither initialises CUDA nor builds/imports the extension."""
+    code = (
+        "import sys, torch, act_hf, act_hf.compress;"
+        "assert not torch.cuda.is_initialized();"
+        "assert not any(m.startswith('act_hf_C') for m in sys.modules), 'extension imported';"
+        "assert 'transformers' not in sys.modules and 'timm' not in sys.modules, 'heavy import'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_disable_ext_switch_forces_reference(monkeypatch):
+    from act_hf import _ext
+
+    monkeypatch.setenv("ACT_HF_DISABLE_EXT", "1")
+    monkeypatch.setattr(_ext, "_tried", False)
+    monkeypatch.setattr(_ext, "_module", None)
+    assert _ext.load() is None
+    with pytest.raises(RuntimeError, match="ACT_HF_DISABLE_EXT=1.*act-hf build-ext"):
+        _ext.require()
