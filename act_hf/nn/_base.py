@@ -1,0 +1,93 @@
+"""The base of every act_hf module: slot naming, bits, when to compress, and in-place class conversion.
+
+act_hf modules are mixins placed in front of the original class (``ActLinear(ActModule, nn.Linear)``), so a
+converted module keeps its parameters, buffers, state-dict keys and ``isinstance`` relations; converting back
+restores the original class exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..context import store
+from ..ops._saving import OpSettings
+
+__all__ = ["ActModule", "act_class_for", "convert", "register_act_class", "revert"]
+
+_CLASS_CACHE: dict[tuple[type, type], type] = {}
+
+
+class ActModule:
+    """Mixin: attributes and helpers shared by every act_hf module.
+
+    Attributes:
+        act_slot: the module path used to name its slots (``"<path>:<role>"``); the patcher sets it.
+        act_bits: default bits of this module's quantized slots (the allocator may override per slot).
+        act_group_size: quantization group size.
+    """
+
+    act_slot: str = ""
+    act_bits: int = 3
+    act_group_size: int = 256
+    act_original_class: type | None = None
+
+    def act_configure(self, *, slot: str | None = None, bits: int | None = None, group_size: int | None = None):
+        """Set slot name, bits and group size (only the ones given)."""
+        if slot is not None:
+            self.act_slot = slot
+        if bits is not None:
+            self.act_bits = bits
+        if group_size is not None:
+            self.act_group_size = group_size
+        return self
+
+    def act_settings(self, role: str = "input") -> OpSettings:
+        """Settings for the slot ``<act_slot>:<role>``, with the bits the allocator gave it."""
+        slot = f"{self.act_slot or type(self).__name__}:{role}"
+        return OpSettings(slot=slot, bits=store.bits_for(slot, self.act_bits), group_size=self.act_group_size)
+
+    def act_enabled(self, *inputs: torch.Tensor | None) -> bool:
+        """Compress only when training with autograd recording something this module must save for."""
+        if not self.training or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return False
+        if any(t is not None and t.requires_grad for t in inputs):
+            return True
+        return any(p.requires_grad for p in self.parameters(recurse=False))  # type: ignore[attr-defined]
+
+
+def register_act_class(original: type, mixin: type, cls: type) -> type:
+    """Use the predefined ``cls`` (e.g. ``ActLinear``) when converting an exact ``original`` with ``mixin``."""
+    cls.act_original_class = original
+    _CLASS_CACHE[(original, mixin)] = cls
+    return cls
+
+
+def act_class_for(original: type, mixin: type) -> type:
+    """The class ``(mixin, original)``, made once per pair; a class already combined with ``mixin`` is kept."""
+    if issubclass(original, mixin):
+        return original
+    key = (original, mixin)
+    cls = _CLASS_CACHE.get(key)
+    if cls is None:
+        cls = type(f"Act{original.__name__}", (mixin, original), {"__module__": mixin.__module__,
+                                                                   "act_original_class": original})
+        _CLASS_CACHE[key] = cls
+    return cls
+
+
+def convert(module: nn.Module, mixin: type, *, slot: str = "", bits: int = 3, group_size: int = 256) -> nn.Module:
+    """Turn ``module`` into its act_hf version in place (same object, parameters and state dict)."""
+    module.__class__ = act_class_for(type(module), mixin)
+    module.act_configure(slot=slot, bits=bits, group_size=group_size)  # type: ignore[attr-defined]
+    return module
+
+
+def revert(module: nn.Module) -> nn.Module:
+    """Undo :func:`convert` in place; a module that was not converted is returned unchanged."""
+    original = getattr(type(module), "act_original_class", None)
+    if original is not None:
+        module.__class__ = original
+        for attr in ("act_slot", "act_bits", "act_group_size"):
+            module.__dict__.pop(attr, None)
+    return module

@@ -1,0 +1,67 @@
+"""Drop-in Linear and convolution modules that save their input quantized."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops.linear import act_conv, act_linear
+from ._base import ActModule, register_act_class
+
+__all__ = ["ActConv1d", "ActConv2d", "ActConv3d", "ActConvMixin", "ActLinear", "ActLinearMixin",
+           "ActTransposedLinearMixin"]
+
+
+class ActLinearMixin(ActModule):
+    """For ``nn.Linear`` and its subclasses: slot ``<path>:input``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        return act_linear(x, self.weight, self.bias, self.act_settings("input"))
+
+
+class ActTransposedLinearMixin(ActModule):
+    """For linear layers whose weight is stored ``(in, out)`` and compute ``x @ weight + bias`` (GPT-2's
+    ``Conv1D`` in transformers): the same op on ``weight.t()``, a view, so gradients reach the parameter."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        return act_linear(x, self.weight.t(), self.bias, self.act_settings("input"))
+
+
+class ActConvMixin(ActModule):
+    """For ``nn.Conv1d/2d/3d`` (any groups, stride, dilation, padding mode): slot ``<path>:input``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x) or isinstance(self.padding, str) and self.padding != "valid":
+            return super().forward(x)  # string padding "same" stays on the original op
+        padding = (0,) * len(self.kernel_size) if isinstance(self.padding, str) else self.padding
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = (0,) * len(self.kernel_size)
+        return act_conv(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
+                        self.act_settings("input"))
+
+
+class ActLinear(ActLinearMixin, nn.Linear):
+    """``nn.Linear`` whose saved input is quantized to ``act_bits``."""
+
+
+class ActConv1d(ActConvMixin, nn.Conv1d):
+    """``nn.Conv1d`` whose saved input is quantized."""
+
+
+class ActConv2d(ActConvMixin, nn.Conv2d):
+    """``nn.Conv2d`` whose saved input is quantized."""
+
+
+class ActConv3d(ActConvMixin, nn.Conv3d):
+    """``nn.Conv3d`` whose saved input is quantized."""
+
+
+register_act_class(nn.Linear, ActLinearMixin, ActLinear)
+register_act_class(nn.Conv1d, ActConvMixin, ActConv1d)
+register_act_class(nn.Conv2d, ActConvMixin, ActConv2d)
+register_act_class(nn.Conv3d, ActConvMixin, ActConv3d)

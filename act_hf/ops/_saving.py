@@ -1,0 +1,59 @@
+"""Saving a mix of tensors, packed contexts and ``None`` through ``ctx.save_for_backward``.
+
+Everything an act_hf op keeps goes through ``save_for_backward`` (packed payloads are tensors too), so
+saved-tensor hooks, ``torch.utils.checkpoint`` and :func:`act_hf.track_saved` see exactly what is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..compress import PackedTensor
+
+__all__ = ["OpSettings", "load_context", "save_context"]
+
+
+@dataclass(frozen=True)
+class OpSettings:
+    """What an op needs to compress one saved tensor: the slot name, its bits and the group size."""
+
+    slot: str
+    bits: int
+    group_size: int = 256
+
+
+def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | None) -> None:
+    """Save ``items`` (tensors, :class:`PackedTensor` or ``None``) on ``ctx``; :func:`load_context` gives them back."""
+    flat: list[torch.Tensor] = []
+    layout: list[tuple] = []
+    for item in items:
+        if item is None:
+            layout.append(("none",))
+        elif isinstance(item, PackedTensor):
+            layout.append(("packed", len(flat), item.spec))
+            flat.extend(item.tensors)
+        elif isinstance(item, torch.Tensor):
+            layout.append(("tensor", len(flat)))
+            flat.append(item)
+        else:
+            raise TypeError(f"save_context takes tensors, PackedTensor or None, got {type(item).__name__}")
+    ctx.save_for_backward(*flat)
+    ctx.act_layout = layout
+
+
+def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | None]:
+    """The items given to :func:`save_context`, in order."""
+    saved = ctx.saved_tensors
+    out: list[torch.Tensor | PackedTensor | None] = []
+    for entry in ctx.act_layout:
+        if entry[0] == "none":
+            out.append(None)
+        elif entry[0] == "packed":
+            i = entry[1]
+            out.append(PackedTensor.rebuild(saved[i : i + 3], entry[2]))
+        else:
+            out.append(saved[entry[1]])
+    return out
