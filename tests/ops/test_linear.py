@@ -1,0 +1,221 @@
+"""Linear / conv ops: forward exact, gradients vs exact autograd, what is saved, needs_input_grad."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import act_hf.compress
+from act_hf.context import track_saved
+from act_hf.nn._base import convert, revert
+from act_hf.nn.linear import ActConvMixin, ActLinear, ActLinearMixin, ActTransposedLinearMixin
+from tests.utils import sqnr_db
+
+# Minimum weight-gradient SQNR (dB) per bit width for Gaussian inputs. A single row's gradient carries one
+# draw of stochastic rounding per element: SQNR ~= 10*log10((2^b - 1)^2 / 6) for a +-3 sigma group range,
+# i.e. 1.8, 9.1, 15.7 and 40.3 dB at 2, 3, 4, 8 bits; more rows average the noise down.
+SQNR_MIN = {2: 0.5, 3: 6.0, 4: 12.0, 8: 34.0}
+
+
+def _pair(module: nn.Module, mixin: type, bits: int, dtype=torch.float32):
+    ref = module.to(dtype)
+    return ref, convert(copy.deepcopy(ref), mixin, slot="m", bits=bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 1023), (2, 7, 129), (5, 64)])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_linear_forward_exact_and_grads(dtype, shape, bits):
+    torch.manual_seed(0)
+    ref, act = _pair(nn.Linear(shape[-1], 33), ActLinearMixin, bits, dtype)
+    x = torch.randn(shape, dtype=dtype)
+    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ya = ref(xr), act(xa)
+    assert ya.dtype == yr.dtype and torch.equal(ya, yr)
+    g = torch.randn_like(yr)
+    yr.backward(g)
+    ya.backward(g)
+    assert torch.equal(xa.grad, xr.grad)  # the input gradient uses the exact weight
+    assert torch.equal(act.bias.grad, ref.bias.grad)
+    s = sqnr_db(ref.weight.grad, act.weight.grad)
+    print(f"bits={bits} dtype={dtype} weight-grad SQNR {s:.1f} dB")
+    assert s >= SQNR_MIN[bits]
+
+
+def test_linear_weight_grad_matches_float64_at_8_bits():
+    torch.manual_seed(1)
+    lin = nn.Linear(40, 20).double()
+    act = convert(copy.deepcopy(lin), ActLinearMixin, bits=8)
+    x = torch.randn(16, 40, dtype=torch.float64)
+    act(x).sum().backward()
+    lin(x).sum().backward()
+    torch.testing.assert_close(act.weight.grad, lin.weight.grad, rtol=0, atol=0.02 * lin.weight.grad.abs().max().item())
+
+
+def test_linear_weight_grad_unbiased_over_draws():
+    torch.manual_seed(2)
+    lin = nn.Linear(32, 8)
+    act = convert(copy.deepcopy(lin), ActLinearMixin, bits=2)
+    x = torch.randn(4, 32)
+    g = torch.randn(4, 8)
+    lin(x).backward(g)
+    exact = lin.weight.grad.clone()
+    errs = []
+    acc = torch.zeros_like(exact)
+    for k in range(1, 401):
+        act.weight.grad = None
+        act(x).backward(g)
+        acc += act.weight.grad
+        if k in (25, 400):
+            errs.append((acc / k - exact).norm().item())
+    # the error of the mean shrinks like 1/sqrt(K): 16x more draws -> ~4x smaller
+    assert errs[1] < errs[0] / 2.5, errs
+
+
+def test_saved_bytes_formula_and_needs_input_grad():
+    act = ActLinear(256, 64).act_configure(slot="lin", bits=3)
+    x = torch.randn(8, 100, 256)
+    n = x.numel()
+    with track_saved(act) as saved:
+        act(x.requires_grad_())
+    assert saved.bytes == math.ceil(n * 3 / 8) + 4 * math.ceil(n / 256)
+    assert saved.by_slot == {"lin:input": saved.bytes}
+
+    act.weight.requires_grad_(False)
+    act.bias.requires_grad_(False)
+    with track_saved(act) as saved:  # frozen layer: nothing of x is needed
+        y = act(x)
+    assert saved.bytes == 0
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def test_frozen_input_and_weight_saves_nothing_and_runs_original():
+    act = ActLinear(16, 4)
+    act.requires_grad_(False)
+    x = torch.randn(3, 16)
+    with track_saved() as saved:
+        y = act(x)
+    assert saved.bytes == 0 and not y.requires_grad
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "inference_mode"])
+def test_eval_no_grad_inference_run_the_original(mode):
+    act = ActLinear(16, 4).act_configure(bits=2)
+    x = torch.randn(3, 16, requires_grad=True)
+    if mode == "eval":
+        act.eval()
+        with track_saved() as saved:
+            y = act(x)
+        assert saved.by_slot.keys() <= {"<uncompressed:torch.float32>"}  # the plain F.linear context
+        assert y.grad_fn.name() == "AddmmBackward0"
+    else:
+        ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+        with ctx:
+            y = act(x)
+        assert y.grad_fn is None
+
+
+def test_transposed_linear_gpt2_style():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    ref = Conv1D(12, 20)
+    act = convert(copy.deepcopy(ref), ActTransposedLinearMixin, bits=8)
+    x = torch.randn(2, 5, 20, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    ya, yr = act(x), ref(x2)
+    torch.testing.assert_close(ya, yr, rtol=1e-6, atol=1e-6)  # F.linear(x, W.t()) vs addmm(x, W)
+    ya.sum().backward()
+    yr.sum().backward()
+    assert sqnr_db(ref.weight.grad, act.weight.grad) > 35
+    assert list(act.state_dict()) == list(ref.state_dict())
+
+
+CONV_CASES = [
+    (nn.Conv1d, dict(in_channels=4, out_channels=6, kernel_size=3, padding=1), (2, 4, 17)),
+    (nn.Conv2d, dict(in_channels=3, out_channels=8, kernel_size=3, stride=2, padding=1), (2, 3, 15, 13)),
+    (nn.Conv2d, dict(in_channels=8, out_channels=8, kernel_size=3, groups=8, padding=2, dilation=2), (1, 8, 9, 9)),
+    (nn.Conv2d, dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, padding_mode="reflect"), (2, 4, 8, 8)),
+    (nn.Conv2d, dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, padding_mode="circular", bias=False),
+     (2, 4, 8, 8)),
+    (nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=(1, 3, 3), padding=(0, 1, 1)), (1, 2, 3, 6, 6)),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, shape", CONV_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_forward_exact_and_grads(cls, kwargs, shape, dtype):
+    torch.manual_seed(0)
+    ref = cls(**kwargs).to(dtype)
+    act = convert(copy.deepcopy(ref), ActConvMixin, bits=8)
+    x = torch.randn(shape, dtype=dtype)
+    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ya = ref(xr), act(xa)
+    assert torch.equal(ya, yr)
+    g = torch.randn_like(yr)
+    yr.backward(g)
+    ya.backward(g)
+    torch.testing.assert_close(xa.grad, xr.grad)
+    s = sqnr_db(ref.weight.grad, act.weight.grad)
+    print(f"{cls.__name__} {kwargs} {dtype}: weight-grad SQNR {s:.1f} dB")
+    assert s > (30 if dtype == torch.float32 else 20)
+    if ref.bias is not None:
+        torch.testing.assert_close(act.bias.grad, ref.bias.grad)
+
+
+def test_conv_input_grad_only_when_weight_frozen():
+    torch.manual_seed(0)
+    ref = nn.Conv2d(3, 4, 3, padding=1)
+    act = convert(copy.deepcopy(ref), ActConvMixin, bits=3)
+    for m in (ref, act):
+        m.requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8)
+    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with track_saved(act) as saved:
+        ya = act(xa)
+    assert saved.bytes == 0
+    ref(xr).sum().backward()
+    ya.sum().backward()
+    torch.testing.assert_close(xa.grad, xr.grad)
+
+
+def test_autocast_bf16_saves_the_original_input_and_never_the_weight_copy():
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 32)
+    act = convert(copy.deepcopy(ref), ActLinearMixin, slot="l", bits=8)
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with track_saved(act) as saved:
+            ya = act(x)
+        yr = ref(x)
+    assert ya.dtype == yr.dtype == torch.bfloat16 and torch.equal(ya, yr)
+    assert set(saved.by_slot) == {"l:input"}
+    ya.float().sum().backward()
+    assert act.weight.grad.dtype == torch.float32
+
+
+def test_revert_restores_class_and_state_dict():
+    lin = nn.Linear(4, 2)
+    sd = {k: v.clone() for k, v in lin.state_dict().items()}
+    convert(lin, ActLinearMixin, slot="x", bits=2)
+    assert type(lin).__name__ == "ActLinear" and isinstance(lin, nn.Linear)
+    revert(lin)
+    assert type(lin) is nn.Linear and not hasattr(lin, "act_slot") or lin.act_slot == ""
+    assert all(torch.equal(sd[k], v) for k, v in lin.state_dict().items())
+
+
+def test_inside_checkpoint_grads_match_exact():
+    torch.manual_seed(0)
+    ref = nn.Linear(32, 16)
+    act = convert(copy.deepcopy(ref), ActLinearMixin, bits=8)
+    x = torch.randn(5, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    torch.utils.checkpoint.checkpoint(act, x, use_reentrant=False).sum().backward()
+    ref(x2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    assert sqnr_db(ref.weight.grad, act.weight.grad) > 35

@@ -1,0 +1,77 @@
+"""The context store: one packed copy per distinct tensor, exact identity, lifetime, accounting."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+
+from act_hf.context import store, track_saved
+from act_hf.nn.linear import ActLinear
+
+
+def _three_linears(bits=(3, 3, 3)):
+    return [ActLinear(64, 64).act_configure(slot=f"l{i}", bits=b) for i, b in enumerate(bits)]
+
+
+def test_tensor_read_by_three_linears_is_stored_once():
+    q, k, v = _three_linears()
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    with track_saved() as saved:
+        outs = [m(x) for m in (q, k, v)]
+    n = x.numel()
+    assert saved.bytes == n * 3 // 8 + 4 * (n // 256)
+    assert saved.by_slot == {"l0:input": saved.bytes}
+    sum(o.sum() for o in outs).backward()
+
+
+def test_different_bits_are_separate_copies():
+    q, k, v = _three_linears((3, 3, 4))
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    with track_saved() as saved:
+        [m(x) for m in (q, k, v)]
+    assert set(saved.by_slot) == {"l0:input", "l2:input"}
+
+
+def test_in_place_modification_invalidates_the_entry():
+    a, b, _ = _three_linears()
+    x = torch.randn(4, 64)
+    with track_saved() as saved:
+        y1 = a(x.requires_grad_(False).clone().requires_grad_())
+        base = torch.randn(4, 64)
+        y = a(base)  # weight needs grad: saves quantize(base)
+        base.mul_(2)  # new version: a second reader must not get the stale copy
+        y2 = b(base)
+    assert saved.num_tensors == 3 * 3
+    del y1, y, y2
+
+
+def test_views_with_different_layout_are_not_confused():
+    a, b, _ = _three_linears()
+    x = torch.randn(8, 64)
+    with track_saved() as saved:
+        a(x)
+        b(x[:4])  # same storage and offset, different shape: a different tensor
+    assert saved.num_tensors == 6
+
+
+def test_entries_die_with_the_graph():
+    a, b, _ = _three_linears()
+    x = torch.randn(8, 64)
+    y = a(x) + b(x)
+    assert len(store) >= 1
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert len(store) == 0
+
+
+def test_track_saved_excludes_parameters_and_counts_plain_ops():
+    lin = nn.Linear(32, 32)
+    x = torch.randn(10, 32, requires_grad=True)
+    with track_saved(lin) as saved:
+        torch.relu(lin(x))
+    # addmm saves x (10*32 fp32) -> weight excluded; relu saves its output (10*32 fp32)
+    assert saved.bytes == 2 * 10 * 32 * 4
+    assert saved.by_slot == {"<uncompressed:torch.float32>": saved.bytes}
