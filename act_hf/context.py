@@ -89,9 +89,15 @@ class ContextStore:
             self._local.inserts += 1
             if self._local.inserts % _PURGE_EVERY == 0:
                 self._purge()
-            for tracker in self._trackers:
-                tracker._label(packed, slot)
+            self.register(packed.tensors, slot=slot, original_nbytes=packed.spec.numel * _itemsize(x.dtype))
         return packed
+
+    def register(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], *, slot: str,
+                 original_nbytes: int) -> None:
+        """Label compressed tensors made outside :meth:`compress` (few-bit codes, 1-bit masks, pooling
+        indices) with their slot and the size of what they stand for, for :func:`track_saved`."""
+        for tracker in self._trackers:
+            tracker._label(tensors, slot, original_nbytes)
 
     def _purge(self) -> None:
         entries = self._entries
@@ -108,6 +114,10 @@ class ContextStore:
 
 
 store = ContextStore()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _is_parameter_like(t: torch.Tensor) -> bool:
@@ -131,18 +141,23 @@ class SavedTracker:
         by_slot: the same bytes split by slot; tensors saved uncompressed go under ``"<uncompressed>"`` with
             their dtype, e.g. ``"<uncompressed:torch.bfloat16>"``.
         num_tensors: how many unique storages were saved.
+        uncompressed_bytes: what the same context would take uncompressed: compressed entries at the size of
+            the tensors they stand for, everything else as saved. ``uncompressed_bytes / bytes`` is the
+            compression ratio of the saved context (not counting the sharing act_hf adds).
     """
 
     bytes: int = 0
     by_slot: dict[str, int] = field(default_factory=dict)
     num_tensors: int = 0
+    uncompressed_bytes: int = 0
     _seen: set = field(default_factory=set, repr=False)
     _labels: dict = field(default_factory=dict, repr=False)
     _exclude: set = field(default_factory=set, repr=False)
+    _keep: list = field(default_factory=list, repr=False)  # holds counted storages: no address reuse while tracking
 
-    def _label(self, packed: PackedTensor, slot: str) -> None:
-        for t in packed.tensors:
-            self._labels[t.untyped_storage().data_ptr()] = slot
+    def _label(self, tensors, slot: str, original_nbytes: int) -> None:
+        for i, t in enumerate(tensors):
+            self._labels[t.untyped_storage().data_ptr()] = (slot, original_nbytes if i == 0 else 0)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if _is_parameter_like(t):
@@ -152,8 +167,10 @@ class SavedTracker:
         if ptr in self._exclude or (ptr, t.device) in self._seen or storage.nbytes() == 0:
             return t
         self._seen.add((ptr, t.device))
+        self._keep.append(t)
         nbytes = storage.nbytes()
-        slot = self._labels.get(ptr, f"<uncompressed:{t.dtype}>")
+        slot, original = self._labels.get(ptr, (f"<uncompressed:{t.dtype}>", nbytes))
+        self.uncompressed_bytes += original
         self.bytes += nbytes
         self.num_tensors += 1
         self.by_slot[slot] = self.by_slot.get(slot, 0) + nbytes
@@ -162,6 +179,11 @@ class SavedTracker:
     @property
     def megabytes(self) -> float:
         return self.bytes / 2**20
+
+    @property
+    def ratio(self) -> float:
+        """``uncompressed_bytes / bytes`` (1.0 when nothing was saved)."""
+        return self.uncompressed_bytes / self.bytes if self.bytes else 1.0
 
 
 @contextlib.contextmanager
@@ -187,3 +209,4 @@ def track_saved(model: nn.Module | None = None) -> Iterator[SavedTracker]:
             yield tracker
     finally:
         store._trackers.remove(tracker)
+        tracker._keep.clear()

@@ -88,6 +88,6 @@ def revert(module: nn.Module) -> nn.Module:
     original = getattr(type(module), "act_original_class", None)
     if original is not None:
         module.__class__ = original
-        for attr in ("act_slot", "act_bits", "act_group_size"):
-            module.__dict__.pop(attr, None)
+        for attr in [a for a in module.__dict__ if a.startswith("act_")]:
+            del module.__dict__[attr]
     return module

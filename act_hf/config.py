@@ -1,0 +1,188 @@
+"""``ActConfig``: every act_hf knob in one validated dataclass."""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ActHFTypeError, ActHFValueError, ActHFWarning
+
+__all__ = ["ACT_KINDS", "ActConfig", "ActPreset"]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "act_hf_config.json"
+#: The kinds of module act_hf can compress; ``ActConfig.kinds`` selects among them.
+ACT_KINDS = ("linear", "conv", "attention", "norm", "activation", "dropout", "pool")
+
+
+class ActPreset(str, enum.Enum):
+    """Named settings for :meth:`ActConfig.from_preset`."""
+
+    NONE = "none"  # the baseline: nothing compressed
+    INT8 = "int8"
+    INT4 = "int4"
+    INT3 = "int3"
+    INT2 = "int2"
+    ADAPTIVE_2_5 = "adaptive2.5"
+
+
+_PRESETS: dict[ActPreset, dict[str, Any]] = {
+    ActPreset.NONE: {"bits": 8, "kinds": ()},
+    ActPreset.INT8: {"bits": 8},
+    ActPreset.INT4: {"bits": 4},
+    ActPreset.INT3: {"bits": 3},
+    ActPreset.INT2: {"bits": 2},
+    ActPreset.ADAPTIVE_2_5: {"bits": 2.5},
+}
+
+
+@dataclass
+class ActConfig:
+    """Every option of :func:`act_hf.patch`, validated on construction.
+
+    Args:
+        bits: an ``int`` 1..8 quantizes every compressed slot at that width; a ``float`` (e.g. 2.5) is an
+            average budget over all slots, weighted by their sizes, that the adaptive allocator distributes.
+        group_size: elements per quantization group (a positive multiple of 8).
+        kinds: which kinds of module to compress, a subset of ``ACT_KINDS``.
+        activation_bits: bits of the few-bit activation-derivative codes (1..4); ``None`` takes
+            ``min(4, round(bits))``.
+        norm_context: what LayerNorm/RMSNorm keep: ``"output"`` (shared with the next Linear, In-Place ABN
+            style) or ``"input"`` (ActNN style).
+        target_modules: only patch these modules: a string is a full-match regex on the module path, a list
+            matches exact paths or ``.``-suffixes. ``None``: every module the family rules find.
+        exclude_modules: never patch these (same matching as ``target_modules``).
+        module_filter_fn: ``fn(module, path) -> bool``; modules for which it returns False are skipped.
+        exclude_head: keep the task head (classifier, LM head, pooler) and the loss's inputs uncompressed.
+        strict: raise when the model family is unknown or nothing could be patched, instead of falling back.
+        fallback_hooks: for unknown families, also compress the remaining saved tensors through saved-tensor
+            hooks.
+        adapt_interval: steps between re-allocations of adaptive bits (used when ``bits`` is a float).
+    """
+
+    bits: int | float = field(default=3, metadata={"help": "int 1..8, or a float average budget for adaptive bits"})
+    group_size: int = field(default=256, metadata={"help": "quantization group size (multiple of 8)"})
+    kinds: tuple[str, ...] = field(default=ACT_KINDS, metadata={"help": f"kinds to compress, among {ACT_KINDS}"})
+    activation_bits: int | None = field(default=None, metadata={"help": "few-bit activation code width 1..4"})
+    norm_context: str = field(default="output", metadata={"help": "'output' or 'input'"})
+    target_modules: str | list[str] | None = field(default=None, metadata={"help": "regex or list of paths"})
+    exclude_modules: str | list[str] | None = field(default=None, metadata={"help": "regex or list of paths"})
+    module_filter_fn: Callable[[Any, str], bool] | None = field(default=None, metadata={"help": "filter function"})
+    exclude_head: bool = field(default=True, metadata={"help": "keep the task head uncompressed"})
+    strict: bool = field(default=False, metadata={"help": "error instead of fallback for unknown models"})
+    fallback_hooks: bool = field(default=True, metadata={"help": "saved-tensor hooks for unknown families"})
+    adapt_interval: int = field(default=500, metadata={"help": "steps between adaptive re-allocations"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
+            raise ActHFTypeError(f"bits must be an int 1..8 or a float in [1, 8], got {self.bits!r}")
+        if not 1 <= self.bits <= 8:
+            raise ActHFValueError(f"bits must be an int 1..8 or a float in [1, 8], got {self.bits}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0 \
+                or self.group_size % 8:
+            raise ActHFValueError(f"group_size must be a positive multiple of 8, got {self.group_size!r}")
+        if isinstance(self.kinds, str):
+            self.kinds = (self.kinds,)
+        self.kinds = tuple(self.kinds)
+        unknown = [k for k in self.kinds if k not in ACT_KINDS]
+        if unknown:
+            raise ActHFValueError(f"kinds: unknown kind(s) {unknown}; allowed: {list(ACT_KINDS)}")
+        if self.activation_bits is not None and (
+            isinstance(self.activation_bits, bool) or self.activation_bits not in (1, 2, 3, 4)
+        ):
+            raise ActHFValueError(f"activation_bits must be 1, 2, 3 or 4 (or None), got {self.activation_bits!r}")
+        if self.norm_context not in ("output", "input"):
+            raise ActHFValueError(f"norm_context must be 'output' or 'input', got {self.norm_context!r}")
+        for name in ("target_modules", "exclude_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    re.compile(value)
+                except re.error as exc:
+                    raise ActHFValueError(f"{name} is not a valid regex ({exc}): {value!r}") from None
+            elif value is not None:
+                if not isinstance(value, (list, tuple, set)) or not all(isinstance(v, str) for v in value):
+                    raise ActHFTypeError(f"{name} must be a regex string or a list of module paths, got {value!r}")
+                setattr(self, name, sorted(set(value)))
+        if self.module_filter_fn is not None and not callable(self.module_filter_fn):
+            raise ActHFTypeError("module_filter_fn must be callable: fn(module, path) -> bool")
+        if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
+            raise ActHFValueError(f"adapt_interval must be a positive int, got {self.adapt_interval!r}")
+
+    @property
+    def adaptive(self) -> bool:
+        """True when ``bits`` is a float budget (e.g. 2.5) rather than a fixed width."""
+        return isinstance(self.bits, float) and not self.bits.is_integer()
+
+    @property
+    def default_bits(self) -> int:
+        """The fixed width, or the budget rounded up as the starting width of adaptive allocation."""
+        return int(self.bits) if not self.adaptive else min(8, int(self.bits) + 1)
+
+    @property
+    def derivative_bits(self) -> int:
+        """Bits of the few-bit activation codes."""
+        if self.activation_bits is not None:
+            return self.activation_bits
+        return max(1, min(4, round(self.bits)))
+
+    def with_overrides(self, **overrides: Any) -> ActConfig:
+        """A copy with some fields replaced; unknown names raise ``ValueError`` listing the valid ones."""
+        valid = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - valid)
+        if unknown:
+            raise ActHFValueError(f"unknown option(s) {unknown}; valid options: {sorted(valid)}")
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data.update(overrides)
+        return ActConfig(**data)
+
+    @classmethod
+    def from_preset(cls, name: str | ActPreset, **overrides: Any) -> ActConfig:
+        """Config of a named preset (``none``, ``int8``, ``int4``, ``int3``, ``int2``, ``adaptive2.5``)."""
+        try:
+            preset = ActPreset(name)
+        except ValueError:
+            raise ActHFValueError(
+                f"unknown preset {name!r}; valid presets: {[p.value for p in ActPreset]}"
+            ) from None
+        return cls(**{**_PRESETS[preset], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (``module_filter_fn`` cannot be serialised and is left out)."""
+        data = asdict(self)
+        data.pop("module_filter_fn")
+        data["kinds"] = list(self.kinds)
+        return data
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``act_hf_config.json`` (sorted keys, with the act_hf version) into ``directory``."""
+        from . import __version__
+
+        path = Path(directory) / CONFIG_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**self.to_dict(), "act_hf_version": __version__}, sort_keys=True, indent=2))
+        return path
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> ActConfig:
+        """Read ``act_hf_config.json``; keys from a newer act_hf are dropped with a warning to upgrade."""
+        data = json.loads((Path(directory) / CONFIG_NAME).read_text())
+        version = data.pop("act_hf_version", "unknown")
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            warnings.warn(
+                f"{CONFIG_NAME} was written by act_hf {version} and has options this version does not know: "
+                f"{unknown}. They are ignored; upgrade act_hf to use them.",
+                ActHFWarning,
+                stacklevel=2,
+            )
+        return cls(**{k: (tuple(v) if k == "kinds" else v) for k, v in data.items() if k in valid})

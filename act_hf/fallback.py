@@ -1,0 +1,92 @@
+"""Generic fallback: compress whatever else a model saves for backward through saved-tensor hooks.
+
+For models act_hf has no family for, the known leaf modules are converted as usual, and every *other*
+floating tensor that autograd saves during the model's forward (matmuls in custom attention code,
+element-wise products, unknown layers) is quantized through ``torch.autograd.graph.saved_tensors_hooks``.
+Tensors saved inside act_hf's own modules are left to those modules (an inner pass-through hook shields
+them), parameters and their casts are never touched, and tiny tensors (statistics, scalars) stay exact.
+
+Only the innermost saved-tensor hooks apply, so these hooks report every tensor to active
+:func:`act_hf.track_saved` trackers themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .compress import PackedTensor, dequantize
+from .context import _is_parameter_like, store
+from .nn._base import ActModule
+
+__all__ = ["MIN_NUMEL", "install_fallback_hooks"]
+
+logger = logging.getLogger(__name__)
+
+#: Saved tensors smaller than this stay exact (per-row statistics, scalars, small masks).
+MIN_NUMEL = 4096
+
+
+def _report(t: torch.Tensor) -> None:
+    for tracker in store._trackers:
+        tracker._pack(t)
+
+
+class _Compressing:
+    def __init__(self, slot: str, bits: int, group_size: int) -> None:
+        self.slot, self.bits, self.group_size = slot, bits, group_size
+
+    def pack(self, t: torch.Tensor):
+        if not t.is_floating_point() or t.numel() < MIN_NUMEL or _is_parameter_like(t):
+            _report(t)
+            return t
+        packed = store.compress(t, slot=self.slot, bits=self.bits, group_size=self.group_size)
+        for p in packed.tensors:
+            _report(p)
+        return (packed.tensors, packed.spec)
+
+    @staticmethod
+    def unpack(obj):
+        if isinstance(obj, tuple):
+            return dequantize(PackedTensor.rebuild(*obj))
+        return obj
+
+
+def _pass_through(t: torch.Tensor) -> torch.Tensor:
+    _report(t)
+    return t
+
+
+def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int) -> list:
+    """Install the hooks on ``model``; returns the hook handles (remove them to uninstall).
+
+    The compressing hooks are active during the root module's forward in training with grad enabled; every
+    act_hf module pushes a pass-through hook around its own forward.
+    """
+    compressing = _Compressing(f"{type(model).__name__}:saved", bits, group_size)
+    stack: list = []
+
+    def enter(hooks):
+        def pre_hook(module, args):
+            if module.training and torch.is_grad_enabled():
+                ctx = torch.autograd.graph.saved_tensors_hooks(*hooks)
+                ctx.__enter__()
+                stack.append((module, ctx))
+
+        return pre_hook
+
+    def leave(module, args, output):
+        if stack and stack[-1][0] is module:
+            stack.pop()[1].__exit__(None, None, None)
+
+    handles = [
+        model.register_forward_pre_hook(enter((compressing.pack, compressing.unpack))),
+        model.register_forward_hook(leave, always_call=True),
+    ]
+    for module in model.modules():
+        if isinstance(module, ActModule):
+            handles.append(module.register_forward_pre_hook(enter((_pass_through, lambda t: t))))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    return handles

@@ -1,0 +1,272 @@
+"""The engine: family registry, ``patch`` / ``unpatch``, module rules and target matching.
+
+``patch(model)`` looks up the model's family (HF ``config.model_type``, or the timm model class), and the
+family's function decides which module gets which act_hf behaviour, mostly by handing
+:func:`patch_modules` a few family-specific :class:`Rule` objects in front of the generic ones. Modules are
+converted in place (their class becomes an act_hf subclass of the original class), so parameters, buffers
+and state-dict keys never change and ``unpatch`` restores the original classes exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .config import ActConfig
+from .errors import ActHFTypeError, ActHFValueError, ActHFWarning, NoMatchingModuleError
+from .nn._base import ActModule, convert, revert
+
+__all__ = [
+    "PATCH_FUNCTIONS",
+    "Rule",
+    "family_of",
+    "generic_rules",
+    "patch",
+    "patch_modules",
+    "register_patch",
+    "same_forward",
+    "unpatch",
+]
+
+logger = logging.getLogger(__name__)
+
+PatchFunction = Callable[[nn.Module, ActConfig], list[str]]
+#: family key -> patch function; HF keys are ``config.model_type``, timm keys ``"timm:<ClassName>"``.
+PATCH_FUNCTIONS: dict[str, PatchFunction] = {}
+
+
+def register_patch(*names: str) -> Callable[[PatchFunction], PatchFunction]:
+    """Register a family patch function under one or more keys (lowercase HF model types or ``timm:Class``)."""
+
+    def decorator(fn: PatchFunction) -> PatchFunction:
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise ActHFValueError(f"family name must be a non-empty string, got {name!r}")
+            if not name.startswith("timm:") and name != name.lower():
+                raise ActHFValueError(f"HF family names are lowercase model types, got {name!r}")
+            if name in PATCH_FUNCTIONS and PATCH_FUNCTIONS[name] is not fn:
+                warnings.warn(f"act_hf family {name!r} was registered twice; the later one wins", ActHFWarning,
+                              stacklevel=2)
+            PATCH_FUNCTIONS[name] = fn
+        return fn
+
+    return decorator
+
+
+def _load_families() -> None:
+    from . import patches  # noqa: F401  (importing registers every family)
+
+
+def family_of(model: nn.Module) -> str | None:
+    """The registry key of ``model``: HF ``config.model_type``, or ``timm:<Class>`` for a timm model."""
+    _load_families()
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if isinstance(model_type, str) and model_type in PATCH_FUNCTIONS:
+        return model_type
+    for cls in type(model).__mro__:
+        key = f"timm:{cls.__name__}"
+        if cls.__module__.startswith("timm.") and key in PATCH_FUNCTIONS:
+            return key
+    return None
+
+
+@dataclass
+class Rule:
+    """Which act_hf behaviour a kind of module gets.
+
+    Attributes:
+        kind: one of ``act_hf.config.ACT_KINDS``; the rule applies only if the config compresses that kind.
+        match: ``fn(module) -> bool``.
+        mixin: ``fn() -> type``, the act_hf mixin put in front of the module's class (imported lazily).
+        attrs: ``fn(module, config) -> dict`` of extra attributes to set on the converted module.
+        bits: ``fn(config) -> int``, the module's default bits (the allocator may override per slot).
+    """
+
+    kind: str
+    match: Callable[[nn.Module], bool]
+    mixin: Callable[[], type]
+    attrs: Callable[[nn.Module, ActConfig], dict[str, Any]] = field(default=lambda m, c: {})
+    bits: Callable[[ActConfig], int] = field(default=lambda c: c.default_bits)
+
+
+def same_forward(*bases: type) -> Callable[[nn.Module], bool]:
+    """Matches instances of ``bases`` whose class does not override ``forward``.
+
+    A subclass with its own forward (timm's ``LayerNorm2d``, HF's channels-first ``ConvNextLayerNorm``)
+    computes something else, and only a family rule that knows it may convert it.
+    """
+    return lambda m: any(isinstance(m, b) and type(m).forward is b.forward for b in bases)
+
+
+def generic_rules() -> list[Rule]:
+    """Rules for torch's own modules, shared by every family (family rules go in front of these)."""
+    from .nn import activation, dropout, linear, norm, pooling
+
+    return [
+        Rule("linear", same_forward(nn.Linear), lambda: linear.ActLinearMixin),
+        Rule("conv", same_forward(nn.Conv1d, nn.Conv2d, nn.Conv3d), lambda: linear.ActConvMixin),
+        Rule("norm", same_forward(nn.LayerNorm), lambda: norm.ActLayerNormMixin,
+             attrs=lambda m, c: {"act_norm_context": c.norm_context}),
+        Rule("norm", same_forward(nn.RMSNorm), lambda: norm.ActRMSNormMixin,
+             attrs=lambda m, c: {"act_rms_style": "torch", "act_norm_context": c.norm_context}),
+        Rule("norm", same_forward(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), lambda: norm.ActBatchNormMixin),
+        Rule("activation", lambda m: type(m) in activation.TORCH_ACTIVATIONS,
+             lambda: None, bits=lambda c: c.derivative_bits),  # mixin resolved per class in _resolve_mixin
+        Rule("dropout", same_forward(nn.Dropout), lambda: dropout.ActDropoutMixin),
+        Rule("pool", same_forward(nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d), lambda: pooling.ActMaxPoolMixin),
+    ]
+
+
+def _resolve_mixin(rule: Rule, module: nn.Module) -> type:
+    mixin = rule.mixin()
+    if mixin is None and rule.kind == "activation":
+        from .nn import activation
+
+        mixin = activation.TORCH_ACTIVATIONS[type(module)][0]
+    return mixin
+
+
+def _matches(path: str, patterns: str | list[str] | None) -> bool:
+    if patterns is None:
+        return False
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, path) is not None
+    return any(path == p or path.endswith("." + p) for p in patterns)
+
+
+def _selected(module: nn.Module, path: str, config: ActConfig, head_paths: Iterable[str]) -> bool:
+    if config.target_modules is not None and not _matches(path, config.target_modules):
+        return False
+    if _matches(path, config.exclude_modules):
+        return False
+    if config.exclude_head and any(path == h or path.startswith(h + ".") for h in head_paths):
+        return False
+    return config.module_filter_fn is None or bool(config.module_filter_fn(module, path))
+
+
+def patch_modules(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (),
+                  head_paths: Iterable[str] = ()) -> list[str]:
+    """Convert every selected module that a rule matches (``rules`` first, then :func:`generic_rules`).
+
+    Args:
+        model: the model, converted in place.
+        config: the act_hf config (kinds, bits, targeting).
+        rules: family-specific rules tried before the generic ones.
+        head_paths: module paths of the task head, skipped when ``config.exclude_head``.
+
+    Returns:
+        The paths of the converted modules.
+    """
+    all_rules = list(rules) + generic_rules()
+    head_paths = tuple(head_paths)
+    patched = []
+    for path, module in model.named_modules():
+        if isinstance(module, ActModule) or not _selected(module, path, config, head_paths):
+            continue
+        for rule in all_rules:
+            if rule.kind in config.kinds and rule.match(module):
+                convert(module, _resolve_mixin(rule, module), slot=path, bits=rule.bits(config),
+                        group_size=config.group_size)
+                module.act_kind = rule.kind
+                for name, value in rule.attrs(module, config).items():
+                    setattr(module, name, value)
+                patched.append(path)
+                break
+    return patched
+
+
+def hf_head_paths(model: nn.Module) -> list[str]:
+    """Task-head paths of an HF model: every top-level child outside the base model, plus its pooler."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if base is None or base is model:
+        return []
+    heads = [name for name, _ in model.named_children() if name != prefix]
+    heads += [f"{prefix}.{name}" for name, _ in base.named_children() if name == "pooler"]
+    return heads
+
+
+def patch(model: nn.Module, bits: int | float = 3, config: ActConfig | None = None, *, strict: bool | None = None,
+          **overrides: Any) -> nn.Module:
+    """Make ``model`` store its backward context compressed. In place; returns the model.
+
+    Args:
+        model: an HF transformers model, a timm model, or any ``nn.Module`` (generic fallback).
+        bits: an int 1..8, or a float average budget for adaptive bits (e.g. 2.5). Ignored when ``config``
+            is given (use ``bits=`` inside the config or as an override).
+        config: a full :class:`ActConfig`; ``overrides`` replace single fields of it.
+        strict: raise instead of falling back when the family is unknown or nothing could be patched.
+        **overrides: any :class:`ActConfig` field (``group_size=128``, ``kinds=("linear",)``, ...).
+
+    Returns:
+        The same model object. Patching an already patched model is a no-op.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: an unknown or invalid option (the message names it), or, with ``strict``, an unknown
+            family; :class:`act_hf.errors.NoMatchingModuleError` when nothing at all could be patched.
+    """
+    if not isinstance(model, nn.Module):
+        raise ActHFTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, "act_hf_config", None) is not None:
+        logger.info("model is already patched by act_hf; patch() is a no-op")
+        return model
+    if config is None:
+        config = ActConfig(bits=bits)
+    elif not isinstance(config, ActConfig):
+        raise ActHFTypeError(f"config must be an act_hf.ActConfig, got {type(config).__name__}")
+    if strict is not None:
+        overrides["strict"] = strict
+    if overrides:
+        config = config.with_overrides(**overrides)
+
+    family = family_of(model)
+    if family is None:
+        if config.strict:
+            raise ActHFValueError(
+                f"act_hf has no patch for {type(model).__name__} (model_type="
+                f"{getattr(getattr(model, 'config', None), 'model_type', None)!r}); supported families: "
+                f"{sorted(PATCH_FUNCTIONS)}. Pass strict=False for the generic fallback."
+            )
+        from .patches import generic
+
+        patched = generic.patch_generic(model, config)
+    else:
+        patched = PATCH_FUNCTIONS[family](model, config)
+    if not patched:
+        raise NoMatchingModuleError(
+            f"act_hf found nothing to patch in {type(model).__name__} (kinds={list(config.kinds)}, "
+            f"target_modules={config.target_modules!r}, exclude_modules={config.exclude_modules!r})"
+        )
+    model.act_hf_config = config
+    model.act_hf_family = family or "generic"
+    model.act_hf_patched_modules = patched
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Restore the original module classes and attention implementation. In place; returns the model."""
+    if not isinstance(model, nn.Module):
+        raise ActHFTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for cleanup in getattr(model, "act_hf_cleanups", []):
+        cleanup()
+    for module in model.modules():
+        if isinstance(module, ActModule):
+            revert(module)
+    for attr in ("act_hf_config", "act_hf_family", "act_hf_patched_modules", "act_hf_cleanups"):
+        model.__dict__.pop(attr, None)
+    return model
+
+
+def add_cleanup(model: nn.Module, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on :func:`unpatch` (restoring an attention implementation, removing hooks, ...)."""
+    if "act_hf_cleanups" not in model.__dict__:
+        model.act_hf_cleanups = []
+    model.act_hf_cleanups.append(fn)

@@ -1,0 +1,126 @@
+"""What every Hugging Face family shares: HF activation classes, GPT-2's Conv1D, RMSNorm classes found by
+name, the task head, and switching the model's attention implementation to act_hf's."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import transformers
+from packaging import version
+from torch import nn
+from transformers import activations as hf_act
+from transformers.pytorch_utils import Conv1D
+
+from act_hf.config import ActConfig
+from act_hf.errors import ActHFWarning
+from act_hf.patcher import Rule, add_cleanup, hf_head_paths, patch_modules
+
+__all__ = ["HF_ACTIVATIONS", "hf_rules", "patch_hf", "rms_norm_rule"]
+
+logger = logging.getLogger(__name__)
+
+MIN_TRANSFORMERS_VERSION = "4.48"
+if version.parse(transformers.__version__) < version.parse(MIN_TRANSFORMERS_VERSION):
+    raise ImportError(
+        f"act_hf's Hugging Face patches need transformers >= {MIN_TRANSFORMERS_VERSION}, "
+        f"found {transformers.__version__}"
+    )
+
+#: transformers activation classes -> the few-bit derivative table of the function each computes.
+HF_ACTIVATIONS: dict[type, str] = {
+    hf_act.NewGELUActivation: "gelu_tanh",
+    hf_act.FastGELUActivation: "gelu_tanh",
+    hf_act.GELUTanh: "gelu_tanh",
+    hf_act.QuickGELUActivation: "quick_gelu",
+    hf_act.SiLUActivation: "silu",
+    hf_act.MishActivation: "mish",
+}
+
+
+def _gelu_fn_name(m: nn.Module) -> str:
+    # GELUActivation(use_gelu_python=True) computes the same erf GELU in Python
+    return "gelu"
+
+
+def _activation_rules() -> list[Rule]:
+    from act_hf.nn import activation
+
+    return [
+        Rule("activation", lambda m: type(m) is hf_act.GELUActivation, lambda: activation.ActModuleActivationMixin,
+             attrs=lambda m, c: {"act_fn_name": _gelu_fn_name(m)}, bits=lambda c: c.derivative_bits),
+        Rule("activation", lambda m: type(m) in HF_ACTIVATIONS, lambda: activation.ActModuleActivationMixin,
+             attrs=lambda m, c: {"act_fn_name": HF_ACTIVATIONS[type(m)]}, bits=lambda c: c.derivative_bits),
+    ]
+
+
+def rms_norm_rule(style_of=lambda m: "llama") -> Rule:
+    """RMSNorm classes of HF models (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``T5LayerNorm``...), found by name."""
+    from act_hf.nn import norm
+
+    def match(m: nn.Module) -> bool:
+        name = type(m).__name__
+        return (name.endswith("RMSNorm") or name == "T5LayerNorm") and isinstance(getattr(m, "weight", None),
+                                                                                  nn.Parameter)
+
+    return Rule("norm", match, lambda: norm.ActRMSNormMixin,
+                attrs=lambda m, c: {"act_rms_style": style_of(m), "act_norm_context": c.norm_context})
+
+
+def hf_rules() -> list[Rule]:
+    """Rules every HF family uses in front of the generic torch ones."""
+    from act_hf.nn import linear
+
+    return _activation_rules() + [Rule("linear", lambda m: type(m) is Conv1D, lambda: linear.ActTransposedLinearMixin)]
+
+
+def _enable_attention(model: nn.Module, config: ActConfig, head_paths: list[str]) -> list[str]:
+    from . import _hf_attention
+
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        warnings.warn(
+            f"act_hf compresses attention for attn_implementation 'sdpa' or 'eager'; this model uses {impl!r}, "
+            "so its attention context stays uncompressed",
+            ActHFWarning,
+            stacklevel=4,
+        )
+        return []
+    patched = []
+    for path, module in model.named_modules():
+        if type(module).__name__.endswith("Attention") and not any(path.startswith(h) for h in head_paths):
+            module.act_slot = path
+            module.act_bits = config.default_bits
+            module.act_group_size = config.group_size
+            patched.append(path)
+    if patched:
+        _hf_attention.enable(model)
+        add_cleanup(model, lambda: _hf_attention.disable(model))
+
+        def forget_attrs():
+            for path in patched:
+                m = model.get_submodule(path)
+                for attr in ("act_slot", "act_bits", "act_group_size"):
+                    m.__dict__.pop(attr, None)
+
+        add_cleanup(model, forget_attrs)
+    return patched
+
+
+def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), attention: bool = True,
+             head_paths: list[str] | None = None) -> list[str]:
+    """Patch an HF model: family ``rules``, then the HF and generic rules, then attention.
+
+    Args:
+        model: the HF model (any head).
+        config: act_hf config.
+        rules: the family's own rules, tried first.
+        attention: switch the model to act_hf's attention function (models that dispatch on
+            ``config._attn_implementation``).
+        head_paths: modules left uncompressed with ``exclude_head``; default: everything outside the base model.
+    """
+    heads = hf_head_paths(model) if head_paths is None else head_paths
+    patched = patch_modules(model, config, rules=list(rules) + hf_rules() + [rms_norm_rule()], head_paths=heads)
+    if attention and "attention" in config.kinds:
+        patched += _enable_attention(model, config, heads if config.exclude_head else [])
+    return patched

@@ -1,0 +1,60 @@
+"""The generic fallback for models without a family: known leaf modules, plus saved-tensor hooks."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from act_hf.config import ActConfig
+from act_hf.errors import ActHFWarning
+from act_hf.fallback import install_fallback_hooks
+from act_hf.nn._base import ActModule
+from act_hf.patcher import Rule, add_cleanup, patch_modules
+
+__all__ = ["patch_generic"]
+
+# Leaf modules that keep no activation context of their own (or only integer indices).
+_CONTEXT_FREE = (nn.Identity, nn.Embedding, nn.Flatten, nn.Unflatten, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+                 nn.AdaptiveAvgPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.ReLU)
+
+
+def _known_rules() -> list[Rule]:
+    rules: list[Rule] = []
+    try:
+        from ._hf import hf_rules, rms_norm_rule
+
+        rules += hf_rules() + [rms_norm_rule()]
+    except ImportError:
+        pass
+    try:
+        from .timm_models import timm_rules
+
+        rules += timm_rules()
+    except ImportError:
+        pass
+    return rules
+
+
+def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
+    """Convert every known leaf module; warn with the module types left uncompressed; hook the rest."""
+    patched = patch_modules(model, config, rules=_known_rules())
+    left = sorted({
+        type(m).__name__
+        for m in model.modules()
+        if not isinstance(m, ActModule) and not list(m.children()) and not isinstance(m, _CONTEXT_FREE)
+    })
+    hooks = config.fallback_hooks
+    if left:
+        warnings.warn(
+            f"act_hf has no family for {type(model).__name__}; patched {len(patched)} known modules. Module types "
+            f"it could not compress: {left}"
+            + (". Their saved tensors are compressed through saved-tensor hooks instead." if hooks else "."),
+            ActHFWarning,
+            stacklevel=3,
+        )
+    if hooks:
+        handles = install_fallback_hooks(model, bits=config.default_bits, group_size=config.group_size)
+        add_cleanup(model, lambda: [h.remove() for h in handles])
+        patched.append("<saved-tensor hooks>")
+    return patched

@@ -1,0 +1,35 @@
+"""HF vision models: ViT, Swin, ConvNeXt.
+
+ViT and Swin: Linear, LayerNorm, GELU, dropout and attention (Swin's relative position bias and shift mask
+reach act_hf's attention as an additive mask). ConvNeXt: its ``ConvNextLayerNorm`` is channels-last
+(a plain LayerNorm) or channels-first (permuted, the timm LayerNorm2d form); depthwise convs and pointwise
+Linears save quantized inputs. The classifier stays exact.
+"""
+
+from act_hf.patcher import Rule, register_patch
+
+from ._hf import patch_hf
+
+
+def _convnext_rules() -> list[Rule]:
+    from act_hf.nn import norm
+
+    def is_convnext_ln(m):
+        return type(m).__name__ == "ConvNextLayerNorm"
+
+    return [
+        Rule("norm", lambda m: is_convnext_ln(m) and m.data_format == "channels_first",
+             lambda: norm.ActLayerNorm2dMixin, attrs=lambda m, c: {"act_norm_context": c.norm_context}),
+        Rule("norm", lambda m: is_convnext_ln(m) and m.data_format == "channels_last",
+             lambda: norm.ActLayerNormMixin, attrs=lambda m, c: {"act_norm_context": c.norm_context}),
+    ]
+
+
+@register_patch("vit", "swin")
+def patch_vit(model, config) -> list[str]:
+    return patch_hf(model, config)
+
+
+@register_patch("convnext")
+def patch_convnext(model, config) -> list[str]:
+    return patch_hf(model, config, rules=_convnext_rules(), attention=False)
