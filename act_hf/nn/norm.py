@@ -1,0 +1,272 @@
+"""Drop-in normalization modules that save a compressed context (see :mod:`act_hf.ops.norm`).
+
+Mixins go in front of the original class (``ActLayerNorm(ActLayerNormMixin, nn.LayerNorm)``) and rely only on
+the original's attributes, so the patcher can attach them to transformers/timm classes with
+:func:`act_hf.nn._base.act_class_for` without this module importing either library:
+
+- :class:`ActLayerNormMixin`: ``nn.LayerNorm`` and subclasses whose forward is ``F.layer_norm`` (timm
+  ``LayerNorm``); ``normalized_shape``, ``weight``, ``bias``, ``eps``.
+- :class:`ActLayerNorm2dMixin`: timm ``LayerNorm2d`` (permute to NHWC, LayerNorm over C, permute back).
+- :class:`ActRMSNormMixin`: HF ``LlamaRMSNorm``/``Qwen2RMSNorm``/``MistralRMSNorm`` (``"llama"``),
+  ``T5LayerNorm`` (``"t5"``), ``GemmaRMSNorm`` (``"gemma"``), ``nn.RMSNorm`` (``"torch"``); reads ``weight`` and
+  ``variance_epsilon`` or ``eps``; the style comes from ``act_rms_style`` (set by the patcher, or
+  :func:`infer_rms_style`).
+- :class:`ActBatchNormMixin`: ``nn.BatchNorm1d/2d/3d`` (ActNN input form).
+- :class:`ActBatchNormActMixin`: a BatchNorm whose following invertible activation the patcher folds in
+  (``act_activation``/``act_activation_param``); In-Place ABN output form.
+- :class:`ActBatchNormAct2dMixin`: timm ``BatchNormAct2d`` (reads ``self.drop`` and ``self.act``).
+
+Knobs (class or instance attributes): ``act_norm_context`` in ``{"output", "input"}`` (default ``"output"`` for
+LayerNorm/RMSNorm, measured in :mod:`act_hf.ops.norm`) and ``act_gamma_eps`` (small-``|gamma|`` guard).
+``nn.SyncBatchNorm`` is not supported (its forward all-reduces statistics): a converted one runs its original
+forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops.norm import (
+    DEFAULT_GAMMA_EPS,
+    DEFAULT_NORM_CONTEXT,
+    act_batch_norm,
+    act_batch_norm_act,
+    act_layer_norm,
+    act_rms_norm,
+    check_activation,
+    check_norm_context,
+    check_rms_style,
+)
+from ._base import ActModule, register_act_class
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ActBatchNorm1d",
+    "ActBatchNorm2d",
+    "ActBatchNorm3d",
+    "ActBatchNormAct2dMixin",
+    "ActBatchNormActMixin",
+    "ActBatchNormMixin",
+    "ActLayerNorm",
+    "ActLayerNorm2dMixin",
+    "ActLayerNormMixin",
+    "ActRMSNorm",
+    "ActRMSNormMixin",
+    "infer_rms_style",
+]
+
+
+class _ActNormMixin(ActModule):
+    """Shared knobs of the norm mixins."""
+
+    act_norm_context: str = DEFAULT_NORM_CONTEXT
+    act_gamma_eps: float = DEFAULT_GAMMA_EPS
+
+    def _act_context(self) -> str:
+        return check_norm_context(self.act_norm_context, "act_norm_context")
+
+
+class ActLayerNormMixin(_ActNormMixin):
+    """For ``nn.LayerNorm`` and subclasses computing ``F.layer_norm``: slot ``<path>:output`` or ``<path>:input``.
+
+    timm's ``_fast_norm`` path (apex or forced fp32) keeps the original forward.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x) or getattr(self, "_fast_norm", False):
+            return super().forward(x)
+        context = self._act_context()
+        return act_layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, self.act_settings(context),
+                              context=context, gamma_eps=self.act_gamma_eps, cache_guard=True)
+
+
+class ActLayerNorm2dMixin(_ActNormMixin):
+    """For timm ``LayerNorm2d`` (NCHW input, LayerNorm over channels); the saved output is the NCHW view the
+    next op receives, so a following convolution at the same bits shares it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x) or getattr(self, "_fast_norm", False):
+            return super().forward(x)
+        context = self._act_context()
+        return act_layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps,
+                              self.act_settings(context), context=context, gamma_eps=self.act_gamma_eps,
+                              out_perm=(0, 3, 1, 2), cache_guard=True)
+
+
+def infer_rms_style(module: nn.Module | type) -> str:
+    """Guess :attr:`ActRMSNormMixin.act_rms_style` from the class (name only; no transformers import).
+
+    ``nn.RMSNorm`` -> ``"torch"``; a class name containing ``T5`` -> ``"t5"``; ``Gemma`` -> ``"gemma"``; else
+    ``"llama"``. Patchers should set the style explicitly per family; this is the fallback.
+    """
+    cls = module if isinstance(module, type) else type(module)
+    original = getattr(cls, "act_original_class", None) or cls
+    if issubclass(original, nn.RMSNorm):
+        return "torch"
+    name = original.__name__
+    if "T5" in name:
+        return "t5"
+    if "Gemma" in name:
+        return "gemma"
+    return "llama"
+
+
+class ActRMSNormMixin(_ActNormMixin):
+    """For RMSNorm-like modules with ``weight`` and ``variance_epsilon`` or ``eps``.
+
+    Attributes:
+        act_rms_style: ``"llama"``, ``"t5"``, ``"torch"`` or ``"gemma"`` (see :func:`act_hf.ops.norm.act_rms_norm`);
+            must match the original class's formula, or the forward would change. ``None`` (default): guessed
+            by :func:`infer_rms_style`.
+    """
+
+    act_rms_style: str | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        style = self.act_rms_style or infer_rms_style(self)
+        check_rms_style(style, "act_rms_style")
+        eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
+        context = self._act_context()
+        return act_rms_norm(x, self.weight, eps, self.act_settings(context), style=style,
+                            normalized_shape=getattr(self, "normalized_shape", None), context=context,
+                            gamma_eps=self.act_gamma_eps, cache_guard=True)
+
+
+def _bn_args(bn: nn.Module):
+    """The running buffers and averaging factor ``_BatchNorm.forward`` passes to ``F.batch_norm`` in training
+    (updates ``num_batches_tracked`` exactly as it does)."""
+    eaf = 0.0 if bn.momentum is None else bn.momentum
+    if bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        eaf = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    track = bn.track_running_stats
+    return (bn.running_mean if track else None), (bn.running_var if track else None), eaf
+
+
+def _bn_supported(bn: nn.Module, x: Tensor) -> bool:
+    if isinstance(bn, nn.SyncBatchNorm):
+        return False
+    if hasattr(bn, "_check_input_dim"):
+        bn._check_input_dim(x)
+    return True
+
+
+class ActBatchNormMixin(_ActNormMixin):
+    """For ``nn.BatchNorm1d/2d/3d`` in training mode: slot ``<path>:input`` (ActNN form; eval and no-grad run the
+    original)."""
+
+    act_norm_context: str = "input"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x) or not _bn_supported(self, x):
+            return super().forward(x)
+        running_mean, running_var, eaf = _bn_args(self)
+        return act_batch_norm(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
+                              self.act_settings("input"))
+
+
+class ActBatchNormActMixin(_ActNormMixin):
+    """A BatchNorm with its following invertible activation folded in (In-Place ABN): slot ``<path>:output``.
+
+    The patcher sets ``act_activation`` (``"identity"``, ``"leaky_relu"``, ``"elu"``) and
+    ``act_activation_param`` (slope / alpha) and makes the original activation module an identity; forward is
+    then ``act(batch_norm(x))`` exactly. ``act_norm_context="input"`` saves the BN input instead.
+    """
+
+    act_activation: str = "identity"
+    act_activation_param: float = 0.0
+    act_norm_context: str = "output"
+
+    def forward(self, x: Tensor) -> Tensor:
+        activation = check_activation(self.act_activation, self.act_activation_param, "act_activation")
+        if not self.act_enabled(x) or not _bn_supported(self, x):
+            return _apply_activation(super().forward(x), activation, self.act_activation_param)
+        running_mean, running_var, eaf = _bn_args(self)
+        if self._act_context() == "input":
+            y = act_batch_norm(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
+                               self.act_settings("input"))
+            return _apply_activation(y, activation, self.act_activation_param)
+        return act_batch_norm_act(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
+                                  self.act_settings("output"), activation=activation,
+                                  param=self.act_activation_param, gamma_eps=self.act_gamma_eps, cache_guard=True)
+
+
+def _apply_activation(y: Tensor, activation: str, param: float) -> Tensor:
+    if activation == "leaky_relu":
+        return F.leaky_relu(y, param)
+    if activation == "elu":
+        return F.elu(y, param)
+    return y
+
+
+def _fusable_activation(module: nn.Module) -> tuple[str, float] | None:
+    """``(activation, param)`` when ``module`` is an invertible activation the fused op supports."""
+    if isinstance(module, nn.Identity):
+        return "identity", 0.0
+    if isinstance(module, nn.LeakyReLU) and module.negative_slope > 0:
+        return "leaky_relu", float(module.negative_slope)
+    if isinstance(module, nn.ELU) and module.alpha > 0:
+        return "elu", float(module.alpha)
+    return None
+
+
+class ActBatchNormAct2dMixin(_ActNormMixin):
+    """For timm ``BatchNormAct2d`` (BatchNorm2d, then ``self.drop``, then ``self.act``).
+
+    With ``drop`` an identity and ``act`` an ``nn.Identity``/``nn.LeakyReLU`` (slope > 0)/``nn.ELU``, and
+    ``act_norm_context="output"`` (default), the fused In-Place ABN op saves only the activation output
+    (slot ``<path>:output``). Otherwise the BatchNorm saves its quantized input (slot ``<path>:input``) and
+    ``drop``/``act`` run as modules (the patcher may convert ``act`` itself).
+    """
+
+    act_norm_context: str = "output"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x) or not _bn_supported(self, x):
+            return super().forward(x)
+        if x.ndim != 4:
+            return super().forward(x)  # let the original raise its own error
+        running_mean, running_var, eaf = _bn_args(self)
+        fused = _fusable_activation(self.act) if isinstance(self.drop, nn.Identity) else None
+        if fused is not None and self._act_context() == "output":
+            return act_batch_norm_act(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
+                                      self.act_settings("output"), activation=fused[0], param=fused[1],
+                                      gamma_eps=self.act_gamma_eps, cache_guard=True)
+        y = act_batch_norm(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
+                           self.act_settings("input"))
+        return self.act(self.drop(y))
+
+
+class ActLayerNorm(ActLayerNormMixin, nn.LayerNorm):
+    """``nn.LayerNorm`` saving its quantized output (or input) for backward."""
+
+
+class ActRMSNorm(ActRMSNormMixin, nn.RMSNorm):
+    """``nn.RMSNorm`` saving its quantized output (or input) for backward."""
+
+    act_rms_style = "torch"
+
+
+class ActBatchNorm1d(ActBatchNormMixin, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` saving its quantized input for backward."""
+
+
+class ActBatchNorm2d(ActBatchNormMixin, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` saving its quantized input for backward."""
+
+
+class ActBatchNorm3d(ActBatchNormMixin, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` saving its quantized input for backward."""
+
+
+register_act_class(nn.LayerNorm, ActLayerNormMixin, ActLayerNorm)
+register_act_class(nn.RMSNorm, ActRMSNormMixin, ActRMSNorm)
+register_act_class(nn.BatchNorm1d, ActBatchNormMixin, ActBatchNorm1d)
+register_act_class(nn.BatchNorm2d, ActBatchNormMixin, ActBatchNorm2d)
+register_act_class(nn.BatchNorm3d, ActBatchNormMixin, ActBatchNorm3d)

@@ -1,0 +1,545 @@
+"""Norm ops: forward exact, gradients vs float64 autograd, what is saved, running stats, fallbacks."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import act_hf.compress
+from act_hf.context import track_saved
+from act_hf.errors import ActHFValueError
+from act_hf.nn._base import convert, revert
+from act_hf.nn.linear import ActConvMixin, ActLinearMixin
+from act_hf.nn.norm import (
+    ActBatchNormAct2dMixin,
+    ActBatchNormActMixin,
+    ActBatchNormMixin,
+    ActLayerNorm,
+    ActLayerNorm2dMixin,
+    ActLayerNormMixin,
+    ActRMSNormMixin,
+    infer_rms_style,
+)
+from act_hf.ops._saving import OpSettings
+from act_hf.ops.norm import act_batch_norm_act, act_layer_norm, act_rms_norm
+from tests.utils import sqnr_db
+
+# Minimum gradient SQNR (dB) vs float64 autograd, per bit width, for Gaussian inputs (fp32 / bf16 inputs). The
+# input gradient is mostly exact terms (only its x_hat-weighted term carries noise), the weight gradient is a sum of
+# per-element rounding noise: thresholds are for the worse of the two, on the odd shapes below (one row included).
+SQNR_MIN = {2: 0.0, 3: 6.0, 4: 12.0, 8: 30.0}
+SQNR_MIN_BF16_8 = 22.0  # bf16 rounding of the forward itself limits the match with float64
+BITS = 8
+GROUP = 256
+
+
+def _packed_bytes(n: int, bits: int, group: int = GROUP) -> int:
+    return math.ceil(n * bits / 8) + 4 * math.ceil(n / group)
+
+
+def _randomize(module: nn.Module, scale: float = 0.1) -> nn.Module:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_((1.0 if name == "weight" else 0.0) + scale * torch.randn_like(p))
+    return module
+
+
+def _act(module: nn.Module, mixin: type, bits: int = BITS, **attrs) -> nn.Module:
+    act = convert(copy.deepcopy(module), mixin, slot="m", bits=bits)
+    for k, v in attrs.items():
+        setattr(act, k, v)
+    return act
+
+
+def _grads_f64(module: nn.Module, x: torch.Tensor, g: torch.Tensor, fn=None):
+    """Input and parameter gradients of ``module`` (deep-copied to float64) at ``x``."""
+    ref = copy.deepcopy(module).double()
+    xd = x.detach().double().requires_grad_()
+    y = ref(xd) if fn is None else fn(ref, xd)
+    y.backward(g.double())
+    return xd.grad, {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _check_grads(tag: str, x_grad, p_grads: dict, ref_x, ref_p: dict, min_db: float) -> None:
+    pairs = [("x", x_grad, ref_x)] + [(n, p_grads[n], ref_p[n]) for n in ref_p]
+    values = {n: sqnr_db(r, a) for n, a, r in pairs}
+    print(tag, {n: round(v, 1) for n, v in values.items()})
+    for n, v in values.items():
+        assert v >= min_db, f"{tag}: {n} gradient SQNR {v:.1f} dB < {min_db}"
+
+
+def _run(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    xx = x.clone().requires_grad_()
+    y = module(xx)
+    y.backward(g)
+    return y, xx.grad, {n: p.grad for n, p in module.named_parameters()}
+
+
+def _min_db(dtype, bits=BITS):
+    return SQNR_MIN_BF16_8 if dtype == torch.bfloat16 and bits == 8 else SQNR_MIN[bits]
+
+
+# ---------------------------------------------------------------------------------------------- LayerNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 1023), (2, 7, 129)])
+@pytest.mark.parametrize("affine", ["affine", "nobias", "none"])
+@pytest.mark.parametrize("context", ["output", "input"])
+def test_layer_norm_forward_exact_and_grads(dtype, shape, affine, context):
+    torch.manual_seed(0)
+    ln = nn.LayerNorm(shape[-1], elementwise_affine=affine != "none", bias=affine == "affine")
+    ln = _randomize(ln).to(dtype)
+    act = _act(ln, ActLayerNormMixin, act_norm_context=context)
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    g = torch.randn(shape, dtype=dtype)
+    y_ref, *_ = _run(ln, x, g)
+    y, gx, gp = _run(act, x, g)
+    assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)
+    rx, rp = _grads_f64(ln, x, g)
+    _check_grads(f"LN {dtype} {shape} {affine} {context}", gx, gp, rx, rp, _min_db(dtype))
+    assert gx.dtype == dtype and all(gp[n].dtype == p.dtype for n, p in act.named_parameters())
+
+
+def test_layer_norm_multi_dim_normalized_shape():
+    torch.manual_seed(1)
+    ln = _randomize(nn.LayerNorm((5, 33)))
+    act = _act(ln, ActLayerNormMixin)
+    x, g = torch.randn(3, 5, 33), torch.randn(3, 5, 33)
+    y, gx, gp = _run(act, x, g)
+    assert torch.equal(y, ln(x))
+    rx, rp = _grads_f64(ln, x, g)
+    _check_grads("LN (5,33)", gx, gp, rx, rp, SQNR_MIN[8])
+
+
+@pytest.mark.parametrize("context", ["output", "input"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_layer_norm_low_bits_sqnr(context, bits):
+    torch.manual_seed(2)
+    ln = _randomize(nn.LayerNorm(256))
+    act = _act(ln, ActLayerNormMixin, bits=bits, act_norm_context=context)
+    x, g = torch.randn(8, 32, 256), torch.randn(8, 32, 256)
+    _, gx, gp = _run(act, x, g)
+    rx, rp = _grads_f64(ln, x, g)
+    _check_grads(f"LN bits={bits} {context}", gx, gp, rx, rp, SQNR_MIN[bits])
+
+
+@pytest.mark.parametrize("context", ["output", "input"])
+def test_layer_norm_unbiased_over_draws(context):
+    """The mean of K gradient draws at 2 bits approaches the exact gradient like 1/sqrt(K)."""
+    torch.manual_seed(3)
+    ln = _randomize(nn.LayerNorm(129))
+    act = _act(ln, ActLayerNormMixin, bits=2, act_norm_context=context)
+    x, g = torch.randn(2, 7, 129), torch.randn(2, 7, 129)
+    rx, rp = _grads_f64(ln, x, g)
+    draws_x, draws_w = [], []
+    for s in range(64):
+        act_hf.compress.manual_seed(s)
+        act.zero_grad()
+        _, gx, gp = _run(act, x, g)
+        draws_x.append(gx.double())
+        draws_w.append(gp["weight"].double())
+
+    def err(draws, ref, k):  # mean error of the average of k draws, over 64 / k disjoint batches
+        return sum((torch.stack(draws[i:i + k]).mean(0) - ref).norm().item() for i in range(0, 64, k)) / (64 // k)
+
+    for name, draws, ref in (("x", draws_x, rx), ("weight", draws_w, rp["weight"])):
+        e1, e16 = err(draws, ref, 1), err(draws, ref, 16)
+        print(f"{context} {name}: error of 1 draw {e1:.4g}, of the mean of 16 {e16:.4g} (ratio {e1 / e16:.2f})")
+        assert e16 < e1 / 2.5  # 4x for exactly unbiased noise
+
+
+def test_layer_norm_saved_bytes_output_and_input():
+    torch.manual_seed(4)
+    rows, n = 14, 129
+    ln = _randomize(nn.LayerNorm(n))
+    x = torch.randn(2, 7, n, requires_grad=True)
+    for context, extra in (("output", rows * 4), ("input", 2 * rows * 4)):
+        act = _act(ln, ActLayerNormMixin, bits=3, act_norm_context=context)
+        with track_saved(act) as saved:
+            act(x)
+        expected = _packed_bytes(rows * n, 3) + extra
+        print(context, saved.bytes, expected, saved.by_slot)
+        assert saved.bytes == expected
+        assert saved.by_slot[f"m:{context}"] == _packed_bytes(rows * n, 3)
+
+
+def test_layer_norm_needs_input_grad():
+    torch.manual_seed(5)
+    n = 129
+    ln = _randomize(nn.LayerNorm(n))
+    x = torch.randn(3, n)
+    # frozen weight and bias, input needs grad: context saved, no parameter gradients
+    act = _act(ln, ActLayerNormMixin, bits=8)
+    act.weight.requires_grad_(False)
+    act.bias.requires_grad_(False)
+    xx = x.clone().requires_grad_()
+    with track_saved(act) as saved:
+        y = act(xx)
+    y.sum().backward()
+    assert act.weight.grad is None and act.bias.grad is None and xx.grad is not None
+    assert saved.bytes == _packed_bytes(3 * n, 8) + 3 * 4
+    # input without grad, weight trainable: the output and no rstd
+    act = _act(ln, ActLayerNormMixin, bits=8)
+    with track_saved(act) as saved:
+        y = act(x)
+    y.sum().backward()
+    assert act.weight.grad is not None
+    assert saved.bytes == _packed_bytes(3 * n, 8)
+    # only the bias trains: nothing to save
+    act.weight.requires_grad_(False)
+    act.bias.grad = None
+    with track_saved(act) as saved:
+        y = act(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert saved.bytes == 0
+    torch.testing.assert_close(act.bias.grad, g.sum(0))
+
+
+def test_layer_norm_feeding_linear_saves_output_once():
+    torch.manual_seed(6)
+    n, rows = 256, 24
+    model = nn.Sequential(_randomize(nn.LayerNorm(n)), nn.Linear(n, 64), nn.Linear(n, 64))
+    convert(model[0], ActLayerNormMixin, slot="ln", bits=3)
+    convert(model[1], ActLinearMixin, slot="q", bits=3)
+    convert(model[2], ActLinearMixin, slot="k", bits=3)
+    x = torch.randn(rows, n, requires_grad=True)
+    with track_saved(model) as saved:
+        h = model[0](x)
+        out = model[1](h) + model[2](h)
+    print(saved.by_slot)
+    assert set(saved.by_slot) == {"ln:output", "<uncompressed:torch.float32>"}
+    assert saved.bytes == _packed_bytes(rows * n, 3) + rows * 4
+    out.sum().backward()
+    assert x.grad is not None and model[1].weight.grad is not None
+
+
+def test_layer_norm_small_gamma_falls_back_to_input():
+    torch.manual_seed(7)
+    n = 64
+    ln = _randomize(nn.LayerNorm(n))
+    with torch.no_grad():
+        ln.weight[3] = 0.0
+    act = _act(ln, ActLayerNormMixin, bits=8)
+    x, g = torch.randn(4, n), torch.randn(4, n)
+    with track_saved(act) as saved:
+        y, gx, gp = _run(act, x, g)
+    assert saved.bytes == _packed_bytes(4 * n, 8) + 2 * 4 * 4  # the input form
+    rx, rp = _grads_f64(ln, x, g)
+    _check_grads("LN gamma=0", gx, gp, rx, rp, SQNR_MIN[8])
+    # the guard is recomputed after the weight changes
+    with torch.no_grad():
+        act.weight[3] = 1.0
+    with track_saved(act) as saved:
+        act(x.requires_grad_())
+    assert saved.bytes == _packed_bytes(4 * n, 8) + 4 * 4
+
+
+def test_layer_norm_eval_and_no_grad_run_original():
+    ln = _randomize(nn.LayerNorm(33))
+    act = _act(ln, ActLayerNormMixin)
+    x = torch.randn(5, 33, requires_grad=True)
+    with track_saved(act) as saved:
+        with torch.no_grad():
+            y1 = act(x)
+        act.eval()
+        y2 = act(x)
+    assert torch.equal(y1, ln(x)) and torch.equal(y2, ln(x))
+    assert saved.by_slot.get("m:output", 0) == 0 and y2.grad_fn is not None
+    assert type(y2.grad_fn).__name__ == "NativeLayerNormBackward0"
+
+
+@pytest.mark.parametrize("mixin_kind", ["ln", "rms", "bn"])
+def test_checkpoint_same_grads(mixin_kind):
+    torch.manual_seed(8)
+    if mixin_kind == "ln":
+        mod = _act(_randomize(nn.LayerNorm(64)), ActLayerNormMixin, bits=3)
+        x = torch.randn(6, 64)
+    elif mixin_kind == "rms":
+        mod = _act(_randomize(nn.RMSNorm(64)), ActRMSNormMixin, bits=3)
+        x = torch.randn(6, 64)
+    else:
+        mod = _act(_randomize(nn.BatchNorm2d(4)), ActBatchNormMixin, bits=3)
+        x = torch.randn(3, 4, 5, 5)
+    g = torch.randn_like(x)
+
+    def grads(use_ckpt: bool):
+        mod.zero_grad()
+        xx = x.clone().requires_grad_()
+        act_hf.compress.manual_seed(11)
+        y = checkpoint(mod, xx, use_reentrant=False) if use_ckpt else mod(xx)
+        act_hf.compress.manual_seed(11)  # the recomputation draws the same rounding as the first forward
+        y.backward(g)
+        return [xx.grad] + [p.grad.clone() for p in mod.parameters()]
+
+    for a, b in zip(grads(False), grads(True)):
+        assert torch.equal(a, b)
+
+
+def test_layer_norm_autocast_dtypes():
+    torch.manual_seed(9)
+    ln = _randomize(nn.LayerNorm(64))
+    lin = nn.Linear(64, 32)
+    act_ln, act_lin = _act(ln, ActLayerNormMixin, bits=8), _act(lin, ActLinearMixin, bits=8)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 64, dtype=dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yr = lin(ln(x))
+            ya = act_lin(act_ln(x.clone().requires_grad_()))
+            assert act_ln(x.requires_grad_()).dtype == ln(x).dtype
+        assert ya.dtype == yr.dtype and torch.equal(ya, yr)
+        ya.float().sum().backward()
+
+
+def test_layer_norm_functional_errors():
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ActHFValueError, match="context"):
+        act_layer_norm(x, 8, None, None, 1e-5, OpSettings("s", 3), context="middle")
+    with pytest.raises(ActHFValueError, match="style"):
+        act_rms_norm(x, torch.ones(8), 1e-6, OpSettings("s", 3), style="mistral")
+    with pytest.raises(ActHFValueError, match="activation"):
+        act_batch_norm_act(torch.randn(2, 3, 4), None, None, None, None, 0.1, 1e-5, OpSettings("s", 3),
+                           activation="relu")
+    with pytest.raises(ActHFValueError, match="negative_slope"):
+        act_batch_norm_act(torch.randn(2, 3, 4), None, None, None, None, 0.1, 1e-5, OpSettings("s", 3),
+                           activation="leaky_relu", param=0.0)
+    act = ActLayerNorm(8)
+    act.act_norm_context = "both"
+    with pytest.raises(ActHFValueError, match="act_norm_context"):
+        act(x)
+
+
+def test_act_layer_norm_class_round_trip():
+    ln = _randomize(nn.LayerNorm(16))
+    act = convert(ln, ActLayerNormMixin, slot="a")
+    assert type(act) is ActLayerNorm and isinstance(act, nn.LayerNorm)
+    assert type(revert(act)) is nn.LayerNorm
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+
+def _rms_modules():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    del transformers
+    return {"llama": LlamaRMSNorm, "qwen2": Qwen2RMSNorm, "t5": T5LayerNorm, "gemma": GemmaRMSNorm,
+            "torch": lambda n: nn.RMSNorm(n, eps=1e-6)}
+
+
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                          (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("shape", [(1, 1, 1023), (2, 7, 129)])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "t5", "gemma", "torch"])
+@pytest.mark.parametrize("context", ["output", "input"])
+def test_rms_norm_forward_exact_and_grads(dtype, wdtype, shape, kind, context):
+    torch.manual_seed(10)
+    mod = _randomize(_rms_modules()[kind](shape[-1])).to(wdtype)
+    if kind == "gemma":
+        with torch.no_grad():
+            mod.weight.sub_(1.0)  # (1 + weight) ~ 1
+    act = _act(mod, ActRMSNormMixin, act_norm_context=context)
+    assert infer_rms_style(act) == {"qwen2": "llama"}.get(kind, kind)
+    x = (torch.randn(shape) * 2).to(dtype)
+    y_ref = mod(x)
+    g = torch.randn(shape, dtype=y_ref.dtype)
+    y, gx, gp = _run(act, x, g)
+    assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)
+    rx, rp = _grads_f64(mod, x, g)
+    _check_grads(f"RMS {kind} {dtype}/{wdtype} {shape} {context}", gx, gp, rx, rp,
+                 _min_db(torch.bfloat16 if torch.bfloat16 in (dtype, wdtype) else dtype))
+
+
+def test_rms_norm_torch_multi_dim_no_affine_and_eps_none():
+    torch.manual_seed(11)
+    for mod in (nn.RMSNorm((4, 33)), nn.RMSNorm(33, elementwise_affine=False)):
+        mod = _randomize(mod)
+        act = _act(mod, ActRMSNormMixin, bits=8)
+        x = torch.randn(3, 4, 33)
+        g = torch.randn_like(x)
+        y, gx, gp = _run(act, x, g)
+        assert torch.equal(y, mod(x))
+        rx, rp = _grads_f64(mod, x, g)
+        _check_grads(f"torch RMS {mod}", gx, gp, rx, rp, SQNR_MIN[8])
+
+
+@pytest.mark.parametrize("context", ["output", "input"])
+def test_rms_norm_saved_bytes_and_low_bits(context):
+    torch.manual_seed(12)
+    mod = _randomize(_rms_modules()["llama"](256))
+    for bits in (2, 3, 4):
+        act = _act(mod, ActRMSNormMixin, bits=bits, act_norm_context=context)
+        x, g = torch.randn(8, 32, 256), torch.randn(8, 32, 256)
+        with track_saved(act) as saved:
+            _, gx, gp = _run(act, x, g)
+        assert saved.bytes == _packed_bytes(8 * 32 * 256, bits) + 8 * 32 * 4
+        rx, rp = _grads_f64(mod, x, g)
+        _check_grads(f"RMS bits={bits} {context}", gx, gp, rx, rp, SQNR_MIN[bits])
+
+
+# ---------------------------------------------------------------------------------------------- LayerNorm2d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context", ["output", "input"])
+def test_timm_layer_norm2d(dtype, context):
+    timm_norm = pytest.importorskip("timm.layers.norm")
+    torch.manual_seed(13)
+    mod = _randomize(timm_norm.LayerNorm2d(5)).to(dtype)
+    act = _act(mod, ActLayerNorm2dMixin, act_norm_context=context)
+    x = torch.randn(3, 5, 4, 4, dtype=dtype)
+    g = torch.randn_like(x)
+    y_ref = mod(x)
+    y, gx, gp = _run(act, x, g)
+    assert y.dtype == y_ref.dtype and y.stride() == y_ref.stride() and torch.equal(y, y_ref)
+    rx, rp = _grads_f64(mod, x, g)
+    _check_grads(f"LN2d {dtype} {context}", gx, gp, rx, rp, _min_db(dtype))
+
+
+def test_timm_layer_norm2d_feeding_conv_saves_output_once():
+    timm_norm = pytest.importorskip("timm.layers.norm")
+    torch.manual_seed(14)
+    norm = convert(_randomize(timm_norm.LayerNorm2d(8)), ActLayerNorm2dMixin, slot="ln", bits=4)
+    conv = convert(nn.Conv2d(8, 8, 3, padding=1), ActConvMixin, slot="conv", bits=4)
+    x = torch.randn(2, 8, 5, 5, requires_grad=True)
+    with track_saved(nn.ModuleList([norm, conv])) as saved:
+        out = conv(norm(x))
+    print(saved.by_slot)
+    assert "conv:input" not in saved.by_slot
+    assert saved.bytes == _packed_bytes(2 * 8 * 25, 4) + 2 * 25 * 4
+    out.sum().backward()
+    assert norm.weight.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------- BatchNorm
+
+
+_BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+_BN_SHAPES = {1: [(5, 3), (4, 3, 7)], 2: [(3, 5, 4, 4)], 3: [(2, 5, 3, 4, 5)]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims,shape", [(d, s) for d, ss in _BN_SHAPES.items() for s in ss])
+@pytest.mark.parametrize("momentum,track", [(0.1, True), (None, True), (0.1, False)])
+def test_batch_norm_forward_stats_and_grads(dtype, dims, shape, momentum, track):
+    torch.manual_seed(15)
+    bn = _randomize(_BN[dims](shape[1], momentum=momentum, track_running_stats=track))
+    act = _act(bn, ActBatchNormMixin)
+    for step in range(2):
+        x = (torch.randn(shape) * 2 + 0.5).to(dtype)
+        g = torch.randn(shape, dtype=dtype)
+        y_ref, *_ = _run(bn, x, g)
+        y, gx, gp = _run(act, x, g)
+        assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)
+        for name, buf in bn.named_buffers():
+            assert torch.equal(dict(act.named_buffers())[name], buf), name
+    rx, rp = _grads_f64(bn.train(), x, g)
+    act.zero_grad()
+    _, gx, gp = _run(act, x, g)
+    _check_grads(f"BN{dims}d {dtype} {shape} m={momentum} track={track}", gx, gp, rx, rp, _min_db(dtype))
+
+
+def test_batch_norm_saved_bytes_eval_and_frozen():
+    torch.manual_seed(16)
+    bn = _randomize(nn.BatchNorm2d(5))
+    act = _act(bn, ActBatchNormMixin, bits=4)
+    x = torch.randn(3, 5, 4, 4, requires_grad=True)
+    with track_saved(act) as saved:
+        act(x)
+    assert saved.bytes == _packed_bytes(x.numel(), 4) + 2 * 5 * 4
+    act.eval()
+    with track_saved(act) as saved:
+        y = act(x)
+    expected = F.batch_norm(x, act.running_mean, act.running_var, act.weight, act.bias, False, 0.1, act.eps)
+    assert torch.equal(y, expected) and "m:input" not in saved.by_slot
+    act.train()
+    with torch.no_grad():
+        assert torch.equal(act(x), bn.train()(x))
+    # frozen affine, input needs grad
+    act.weight.requires_grad_(False)
+    act.bias.requires_grad_(False)
+    x.grad = None
+    act(x).sum().backward()
+    assert act.weight.grad is None and x.grad is not None
+
+
+def test_sync_batch_norm_runs_original():
+    sbn = nn.SyncBatchNorm(4)
+    act = convert(copy.deepcopy(sbn), ActBatchNormMixin, slot="m")
+    act.eval()
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    assert torch.equal(act(x), sbn.eval()(x))
+
+
+# ---------------------------------------------------------------------------------------------- In-Place ABN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_layer,min_db", [(nn.Identity, None), (lambda: nn.LeakyReLU(0.1), None),
+                                              (lambda: nn.LeakyReLU(0.01), 20.0), (nn.ELU, None),
+                                              (nn.ReLU, None)])
+def test_timm_batch_norm_act(dtype, act_layer, min_db):
+    norm_act = pytest.importorskip("timm.layers.norm_act")
+    torch.manual_seed(17)
+    mod = _randomize(norm_act.BatchNormAct2d(5, act_layer=act_layer, inplace=True))
+    act = _act(mod, ActBatchNormAct2dMixin)
+    x = (torch.randn(3, 5, 4, 4) * 2 + 0.3).to(dtype)
+    g = torch.randn(3, 5, 4, 4, dtype=dtype)
+    with track_saved(act) as saved:
+        y, gx, gp = _run(act, x, g)
+    y_ref, *_ = _run(mod, x, g)
+    assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)
+    for name, buf in mod.named_buffers():
+        assert torch.equal(dict(act.named_buffers())[name], buf), name
+    fused = not isinstance(mod.act, nn.ReLU)
+    assert (f"m:{'output' if fused else 'input'}") in saved.by_slot
+    act.zero_grad()
+    _, gx, gp = _run(act, x, g)
+    rx, rp = _grads_f64(mod, x, g)
+    # min_db: a 0.01 slope multiplies the rounding noise of the negative branch by 100
+    _check_grads(f"BNAct {mod.act} {dtype}", gx, gp, rx, rp, min_db or _min_db(dtype))
+
+
+@pytest.mark.parametrize("activation,param", [("identity", 0.0), ("leaky_relu", 0.2), ("elu", 1.0)])
+def test_batch_norm_act_mixin_on_plain_bn(activation, param):
+    torch.manual_seed(18)
+    bn = _randomize(nn.BatchNorm1d(6))
+    act = _act(bn, ActBatchNormActMixin, act_activation=activation, act_activation_param=param)
+    ref_act = {"identity": nn.Identity(), "leaky_relu": nn.LeakyReLU(param), "elu": nn.ELU(param)}[activation]
+    ref = nn.Sequential(bn, ref_act)
+    x, g = torch.randn(7, 6, 9), torch.randn(7, 6, 9)
+    with track_saved(act) as saved:
+        y, gx, gp = _run(act, x, g)
+    assert torch.equal(y, ref(x))
+    mask = 0 if activation == "identity" else math.ceil(x.numel() / 8)
+    assert saved.bytes == _packed_bytes(x.numel(), BITS) + mask + 6 * 4  # z, its sign bits, save_invstd
+    rx, rp = _grads_f64(ref, x, g)
+    _check_grads(f"BN+{activation}", gx, gp, rx, {n.split(".", 1)[1]: v for n, v in rp.items()}, SQNR_MIN[8])
+    act.eval()
+    assert torch.equal(act(x), ref.eval()(x))
+
+
+def test_batch_norm_act_zero_gamma_falls_back():
+    torch.manual_seed(19)
+    bn = _randomize(nn.BatchNorm2d(4))
+    with torch.no_grad():
+        bn.weight.zero_()
+    act = _act(bn, ActBatchNormActMixin, act_activation="leaky_relu", act_activation_param=0.1)
+    x = torch.randn(2, 4, 3, 3)
+    with track_saved(act) as saved:
+        y, gx, gp = _run(act, x, torch.randn_like(x))
+    assert torch.equal(y, F.leaky_relu(bn(x), 0.1))
+    # the input form (x, mean, invstd), then F.leaky_relu saving its own fp32 input
+    assert saved.bytes == _packed_bytes(x.numel(), BITS) + 2 * 4 * 4 + x.numel() * 4
+    assert torch.isfinite(gx).all() and torch.isfinite(gp["weight"]).all()
