@@ -84,14 +84,14 @@ class Rule:
     Attributes:
         kind: one of ``act_hf.config.ACT_KINDS``; the rule applies only if the config compresses that kind.
         match: ``fn(module) -> bool``.
-        mixin: ``fn() -> type``, the act_hf mixin put in front of the module's class (imported lazily).
+        mixin: ``fn(module) -> type``, the act_hf mixin put in front of the module's class (imported lazily).
         attrs: ``fn(module, config) -> dict`` of extra attributes to set on the converted module.
         bits: ``fn(config) -> int``, the module's default bits (the allocator may override per slot).
     """
 
     kind: str
     match: Callable[[nn.Module], bool]
-    mixin: Callable[[], type]
+    mixin: Callable[[nn.Module], type]
     attrs: Callable[[nn.Module, ActConfig], dict[str, Any]] = field(default=lambda m, c: {})
     bits: Callable[[ActConfig], int] = field(default=lambda c: c.default_bits)
 
@@ -110,27 +110,18 @@ def generic_rules() -> list[Rule]:
     from .nn import activation, dropout, linear, norm, pooling
 
     return [
-        Rule("linear", same_forward(nn.Linear), lambda: linear.ActLinearMixin),
-        Rule("conv", same_forward(nn.Conv1d, nn.Conv2d, nn.Conv3d), lambda: linear.ActConvMixin),
-        Rule("norm", same_forward(nn.LayerNorm), lambda: norm.ActLayerNormMixin,
+        Rule("linear", same_forward(nn.Linear), lambda m: linear.ActLinearMixin),
+        Rule("conv", same_forward(nn.Conv1d, nn.Conv2d, nn.Conv3d), lambda m: linear.ActConvMixin),
+        Rule("norm", same_forward(nn.LayerNorm), lambda m: norm.ActLayerNormMixin,
              attrs=lambda m, c: {"act_norm_context": c.norm_context}),
-        Rule("norm", same_forward(nn.RMSNorm), lambda: norm.ActRMSNormMixin,
+        Rule("norm", same_forward(nn.RMSNorm), lambda m: norm.ActRMSNormMixin,
              attrs=lambda m, c: {"act_rms_style": "torch", "act_norm_context": c.norm_context}),
-        Rule("norm", same_forward(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), lambda: norm.ActBatchNormMixin),
+        Rule("norm", same_forward(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), lambda m: norm.ActBatchNormMixin),
         Rule("activation", lambda m: type(m) in activation.TORCH_ACTIVATIONS,
-             lambda: None, bits=lambda c: c.derivative_bits),  # mixin resolved per class in _resolve_mixin
-        Rule("dropout", same_forward(nn.Dropout), lambda: dropout.ActDropoutMixin),
-        Rule("pool", same_forward(nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d), lambda: pooling.ActMaxPoolMixin),
+             lambda m: activation.TORCH_ACTIVATIONS[type(m)][0], bits=lambda c: c.derivative_bits),
+        Rule("dropout", same_forward(nn.Dropout), lambda m: dropout.ActDropoutMixin),
+        Rule("pool", same_forward(nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d), lambda m: pooling.ActMaxPoolMixin),
     ]
-
-
-def _resolve_mixin(rule: Rule, module: nn.Module) -> type:
-    mixin = rule.mixin()
-    if mixin is None and rule.kind == "activation":
-        from .nn import activation
-
-        mixin = activation.TORCH_ACTIVATIONS[type(module)][0]
-    return mixin
 
 
 def _matches(path: str, patterns: str | list[str] | None) -> bool:
@@ -172,7 +163,7 @@ def patch_modules(model: nn.Module, config: ActConfig, *, rules: list[Rule] = ()
             continue
         for rule in all_rules:
             if rule.kind in config.kinds and rule.match(module):
-                convert(module, _resolve_mixin(rule, module), slot=path, bits=rule.bits(config),
+                convert(module, rule.mixin(module), slot=path, bits=rule.bits(config),
                         group_size=config.group_size)
                 module.act_kind = rule.kind
                 for name, value in rule.attrs(module, config).items():

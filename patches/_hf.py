@@ -4,7 +4,6 @@ name, the task head, and switching the model's attention implementation to act_h
 from __future__ import annotations
 
 import logging
-import warnings
 
 import transformers
 from packaging import version
@@ -13,7 +12,6 @@ from transformers import activations as hf_act
 from transformers.pytorch_utils import Conv1D
 
 from act_hf.config import ActConfig
-from act_hf.errors import ActHFWarning
 from act_hf.patcher import Rule, add_cleanup, hf_head_paths, patch_modules
 
 __all__ = ["HF_ACTIVATIONS", "hf_rules", "patch_hf", "rms_norm_rule"]
@@ -47,9 +45,9 @@ def _activation_rules() -> list[Rule]:
     from act_hf.nn import activation
 
     return [
-        Rule("activation", lambda m: type(m) is hf_act.GELUActivation, lambda: activation.ActModuleActivationMixin,
+        Rule("activation", lambda m: type(m) is hf_act.GELUActivation, lambda m: activation.ActModuleActivationMixin,
              attrs=lambda m, c: {"act_fn_name": _gelu_fn_name(m)}, bits=lambda c: c.derivative_bits),
-        Rule("activation", lambda m: type(m) in HF_ACTIVATIONS, lambda: activation.ActModuleActivationMixin,
+        Rule("activation", lambda m: type(m) in HF_ACTIVATIONS, lambda m: activation.ActModuleActivationMixin,
              attrs=lambda m, c: {"act_fn_name": HF_ACTIVATIONS[type(m)]}, bits=lambda c: c.derivative_bits),
     ]
 
@@ -63,7 +61,7 @@ def rms_norm_rule(style_of=lambda m: "llama") -> Rule:
         return (name.endswith("RMSNorm") or name == "T5LayerNorm") and isinstance(getattr(m, "weight", None),
                                                                                   nn.Parameter)
 
-    return Rule("norm", match, lambda: norm.ActRMSNormMixin,
+    return Rule("norm", match, lambda m: norm.ActRMSNormMixin,
                 attrs=lambda m, c: {"act_rms_style": style_of(m), "act_norm_context": c.norm_context})
 
 
@@ -71,40 +69,29 @@ def hf_rules() -> list[Rule]:
     """Rules every HF family uses in front of the generic torch ones."""
     from act_hf.nn import linear
 
-    return _activation_rules() + [Rule("linear", lambda m: type(m) is Conv1D, lambda: linear.ActTransposedLinearMixin)]
+    return _activation_rules() + [Rule("linear", lambda m: type(m) is Conv1D, lambda m: linear.ActTransposedLinearMixin)]
 
 
 def _enable_attention(model: nn.Module, config: ActConfig, head_paths: list[str]) -> list[str]:
+    """Mark the attention modules (outside the head) and switch the model to act_hf's attention functions."""
     from . import _hf_attention
 
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl not in ("sdpa", "eager"):
-        warnings.warn(
-            f"act_hf compresses attention for attn_implementation 'sdpa' or 'eager'; this model uses {impl!r}, "
-            "so its attention context stays uncompressed",
-            ActHFWarning,
-            stacklevel=4,
-        )
+    modules = [(path, m) for path, m in _hf_attention.find_attention_modules(model)
+               if not any(path == h or path.startswith(h + ".") for h in head_paths)]
+    if not modules or not _hf_attention.enable(model):
         return []
-    patched = []
-    for path, module in model.named_modules():
-        if type(module).__name__.endswith("Attention") and not any(path.startswith(h) for h in head_paths):
-            module.act_slot = path
-            module.act_bits = config.default_bits
-            module.act_group_size = config.group_size
-            patched.append(path)
-    if patched:
-        _hf_attention.enable(model)
-        add_cleanup(model, lambda: _hf_attention.disable(model))
+    for path, module in modules:
+        _hf_attention.mark(module, slot=path, bits=config.default_bits, group_size=config.group_size)
+        module.act_kind = "attention"
 
-        def forget_attrs():
-            for path in patched:
-                m = model.get_submodule(path)
-                for attr in ("act_slot", "act_bits", "act_group_size"):
-                    m.__dict__.pop(attr, None)
+    def restore():
+        _hf_attention.disable(model)
+        for _, module in modules:
+            _hf_attention.unmark(module)
+            module.__dict__.pop("act_kind", None)
 
-        add_cleanup(model, forget_attrs)
-    return patched
+    add_cleanup(model, restore)
+    return [path for path, _ in modules]
 
 
 def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), attention: bool = True,

@@ -41,14 +41,13 @@ def timm_rules() -> list[Rule]:
 
     ln_attrs = lambda m, c: {"act_norm_context": c.norm_context}  # noqa: E731
     return [
-        Rule("attention", lambda m: _is_timm(m, "Attention"), lambda: _timm_attention.ActTimmAttentionMixin),
-        Rule("attention", lambda m: _is_timm(m, "WindowAttention"), lambda: _timm_attention.ActWindowAttentionMixin),
-        Rule("norm", lambda m: _is_timm(m, "LayerNorm2d"), lambda: norm.ActLayerNorm2dMixin, attrs=ln_attrs),
+        Rule("attention", lambda m: _timm_attention.mixin_for(m) is not None, _timm_attention.mixin_for),
+        Rule("norm", lambda m: _is_timm(m, "LayerNorm2d"), lambda m: norm.ActLayerNorm2dMixin, attrs=ln_attrs),
         Rule("norm", lambda m: _is_timm(m, "LayerNorm") and not getattr(m, "_fast_norm", False),
-             lambda: norm.ActLayerNormMixin, attrs=ln_attrs),
-        Rule("norm", lambda m: _is_timm(m, "BatchNormAct2d"), lambda: norm.ActBatchNormAct2dMixin),
+             lambda m: norm.ActLayerNormMixin, attrs=ln_attrs),
+        Rule("norm", lambda m: _is_timm(m, "BatchNormAct2d"), lambda m: norm.ActBatchNormAct2dMixin),
         Rule("activation", lambda m: type(m).__module__.startswith("timm.") and type(m).__name__ in _TIMM_ACTIVATIONS,
-             lambda: activation.ActModuleActivationMixin,
+             lambda m: activation.ActModuleActivationMixin,
              attrs=lambda m, c: {"act_fn_name": _TIMM_ACTIVATIONS[type(m).__name__]}, bits=lambda c: c.derivative_bits),
     ]
 

@@ -19,9 +19,9 @@ def _convnext_rules() -> list[Rule]:
 
     return [
         Rule("norm", lambda m: is_convnext_ln(m) and m.data_format == "channels_first",
-             lambda: norm.ActLayerNorm2dMixin, attrs=lambda m, c: {"act_norm_context": c.norm_context}),
+             lambda m: norm.ActLayerNorm2dMixin, attrs=lambda m, c: {"act_norm_context": c.norm_context}),
         Rule("norm", lambda m: is_convnext_ln(m) and m.data_format == "channels_last",
-             lambda: norm.ActLayerNormMixin, attrs=lambda m, c: {"act_norm_context": c.norm_context}),
+             lambda m: norm.ActLayerNormMixin, attrs=lambda m, c: {"act_norm_context": c.norm_context}),
     ]
 
 

@@ -1,0 +1,439 @@
+"""Scaled dot-product attention (SDPA) and eager attention with a quantized saved context.
+
+Forward is the original computation, bit for bit: :func:`act_sdpa` calls ``F.scaled_dot_product_attention``
+itself (so the same fused kernel runs), :func:`act_eager_attention` runs the eager formula exactly as
+transformers / timm write it. The context kept for backward is only
+
+* ``q``, ``k``, ``v`` quantized through the context store, one slot each: ``<base>:q``, ``<base>:k``,
+  ``<base>:v`` (``<base>`` is ``settings.slot``, e.g. ``bert.encoder.layer.0.attention.self``), each at the
+  bits the allocator gave that slot (``store.bits_for``, default ``settings.bits``);
+* with dropout, the keep mask at 1 bit per attention-matrix element (``act_hf.compress.pack_bits``);
+* the attention mask / bias as given (not compressed: HF passes one mask tensor shared by every layer, so it is
+  stored once; timm's Swin passes a small ``(1, heads, N, N)`` bias);
+
+and backward *recomputes* attention from the dequantized ``q``, ``k``, ``v`` and applies the exact
+softmax/matmul backward (through autograd on the recomputation: ``F.scaled_dot_product_attention`` itself
+without dropout, so CUDA backward uses the fused memory-efficient kernels; an explicit fp32 math path with the
+saved keep mask otherwise).
+
+Why recompute and not the fused SDPA backward ops
+-------------------------------------------------
+The fused backward ops (``aten._scaled_dot_product_*_backward``) need the forward output and the log-sum-exp.
+Feeding them dequantized ``q, k`` with the *exact* output/log-sum-exp is inconsistent (``exp(s_hat - lse)`` is
+no longer normalised) and blows up at low bits; saving the output also costs a fourth tensor. Measured on CPU
+(``B, H, S, D = 4, 8, 128, 64``, fp32, group size 256, random normal q/k/v, mean of 3 draws), gradient SQNR in
+dB vs the exact gradient, dq / dk / dv::
+
+    bits  recompute (chosen)     fused bwd, exact out+lse   fused bwd, quantized out
+    2     -7.2 / -7.1 / -3.3      -20.1 / -20.0 / -14.9       -20.1 / -20.0 / -14.9
+    3      3.0 /  3.0 /  6.3        0.6 /   0.7 /   4.3         0.5 /   0.7 /   4.3
+    4     10.2 / 10.2 / 13.4        9.3 /   9.4 /  12.6         9.2 /   9.4 /  12.6
+    8     35.0 / 35.0 / 38.1       34.4 /  34.5 /  37.7        34.3 /  34.5 /  37.7
+    (q, k scaled x3, peaky attention)
+    4      0.7 /  0.7 /  5.2      -33.7 / -33.6 / -34.7       -34.8 / -34.7 / -34.7
+    8     22.4 / 22.3 / 28.5       17.5 /  17.9 /  18.2        17.4 /  17.7 /  18.2
+
+Saved bytes for that shape (q, k, v are 1 MiB each in fp32): recompute 208,896 / 307,200 / 405,504 /
+798,720 at 2 / 3 / 4 / 8 bits; fused backward with the exact fp32 output and log-sum-exp 1,273,856 /
+1,372,160 / 1,470,464 / 1,863,680; with the output quantized too 294,912 / 425,984 / 557,056 / 1,081,344.
+Recompute is both smaller and more accurate at every width, so it is the only backward here. Its cost is one
+extra attention forward in backward (the math path, used with dropout, materialises the ``S x S`` scores of
+one layer at a time in backward, as the unpatched math path does in forward).
+
+Dropout and the RNG
+-------------------
+On CPU ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` dispatches to
+``aten._scaled_dot_product_attention_math`` (flash-for-CPU has no dropout), with a boolean mask first turned
+into an additive ``0 / -inf`` mask in the query dtype. Calling that op directly with the converted mask gives
+``torch.equal`` outputs and consumes the global RNG identically (checked in fp32 and bf16), and it also returns
+the attention probabilities after dropout, from which the keep mask (``attn != 0``) is packed at 1 bit. Where
+a probability is 0 the keep bit is irrelevant for every gradient, so zeros count as dropped.
+
+On CUDA (and other devices) without dropout the forward *is* ``F.scaled_dot_product_attention``. With
+``dropout_p > 0`` the fused flash / memory-efficient / cuDNN kernels draw their masks with an internal Philox
+stream that cannot be replayed outside the kernel, so act_hf runs the math op instead (same distribution, a
+different draw, math-path numerics and ``S x S`` forward memory) and warns once (:class:`ActHFWarning`). When
+SDPA itself would pick the math path (e.g. a mask that requires grad) there is no difference and no warning.
+
+Fully masked rows follow PyTorch: without dropout the recomputation is SDPA itself; the math path uses
+``aten._safe_softmax`` as SDPA's math path does (rows of ``-inf`` give zeros, and zero gradients).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..compress import dequantize, pack_bits, unpack_bits
+from ..context import store
+from ..errors import ActHFTypeError, ActHFValueError, ActHFWarning
+from ._saving import OpSettings, load_context, save_context
+
+__all__ = [
+    "ActEagerAttentionFunction",
+    "ActSDPAFunction",
+    "act_eager_attention",
+    "act_sdpa",
+    "repeat_kv",
+    "role_settings",
+]
+
+logger = logging.getLogger(__name__)
+
+_MATH_BACKEND = 0  # int(torch.nn.attention.SDPBackend.MATH)
+_warned_fused_dropout = False
+
+
+def role_settings(settings: OpSettings, role: str) -> OpSettings:
+    """Settings of the slot ``<settings.slot>:<role>`` with the bits the allocator gave it."""
+    slot = f"{settings.slot}:{role}"
+    return OpSettings(slot=slot, bits=store.bits_for(slot, settings.bits), group_size=settings.group_size)
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """``(B, Hkv, S, D) -> (B, Hkv * n_rep, S, D)`` exactly as transformers' ``repeat_kv`` (expand + reshape)."""
+    if n_rep == 1:
+        return x
+    batch, heads, slen, dim = x.shape
+    return x[:, :, None, :, :].expand(batch, heads, n_rep, slen, dim).reshape(batch, heads * n_rep, slen, dim)
+
+
+def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """SDPA's ``convert_boolean_attn_mask``: True keeps (0), False masks (-inf), in ``dtype``."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
+
+
+def _compress(t: Tensor, settings: OpSettings, role: str):
+    s = role_settings(settings, role)
+    return store.compress(t, slot=s.slot, bits=s.bits, group_size=s.group_size)
+
+
+def _pack_keep(attn_after_dropout: Tensor, settings: OpSettings) -> Tensor:
+    payload = pack_bits(attn_after_dropout != 0, 1)
+    store.register((payload,), slot=f"{settings.slot}:dropout_mask", original_nbytes=attn_after_dropout.numel())
+    return payload
+
+
+def _unpack_keep(payload: Tensor, shape: torch.Size) -> Tensor:
+    return unpack_bits(payload, 1, math.prod(shape)).view(shape).bool()
+
+
+def _add_window_mask(scores: Tensor, window_mask: Tensor) -> Tensor:
+    """Swin's shifted-window mask: scores viewed ``(-1, num_windows, H, L, S)`` plus ``mask[None, :, None]``."""
+    heads, L, S = scores.shape[-3:]
+    scores = scores.view(-1, window_mask.shape[0], heads, L, S) + window_mask.unsqueeze(1).unsqueeze(0)
+    return scores.view(-1, heads, L, S)
+
+
+def _math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, ...], keep: Tensor | None,
+                    dropout_p: float, is_causal: bool, scale: float, safe_softmax: bool,
+                    window_mask: Tensor | None = None) -> Tensor:
+    """Differentiable fp32 reference attention used by the backward recomputation (k, v already repeated)."""
+    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
+    if is_causal:
+        L, S = scores.shape[-2], scores.shape[-1]
+        causal = torch.ones(L, S, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
+    for mask in masks:
+        if mask is None:
+            continue
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + mask.to(dtype)
+    if window_mask is not None:
+        scores = _add_window_mask(scores, window_mask.to(dtype))
+    probs = torch.ops.aten._safe_softmax(scores, -1) if safe_softmax else torch.softmax(scores, -1)
+    if keep is not None:
+        probs = probs * keep * (1.0 / (1.0 - dropout_p))
+    return torch.matmul(probs, v.to(dtype))
+
+
+def _expand_heads(x: Tensor, q_heads: int, n_rep: int, enable_gqa: bool) -> Tensor:
+    if n_rep > 1:
+        x = repeat_kv(x, n_rep)
+    if enable_gqa and x.shape[-3] != q_heads:
+        x = x.repeat_interleave(q_heads // x.shape[-3], dim=-3)
+    return x
+
+
+def _load_qkv(ctx, pq, pk, pv, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    q = dequantize(pq).to(dtype)
+    k = dequantize(pk).to(dtype)
+    if pv is not None:
+        v = dequantize(pv).to(dtype)
+    else:  # only dv is wanted: v's values do not enter it, only its shape
+        v = torch.zeros(ctx.v_shape, dtype=dtype, device=q.device)
+    return q, k, v
+
+
+def _grads(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list[Tensor | None]:
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    got = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True)) if wanted else iter(())
+    return [next(got) if t is not None and t.requires_grad else None for t in leaves]
+
+
+def _check_dropout(dropout_p: float) -> None:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ActHFValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+class ActSDPAFunction(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` with a quantized saved context.
+
+    Saves: ``quantize(q)`` and ``quantize(k)`` (when any input needs a gradient), ``quantize(v)`` (only when
+    ``q``, ``k`` or the mask need a gradient: ``dv = P^T dO`` does not read ``v``), ``attn_mask`` as given,
+    and with dropout the keep mask packed at 1 bit per element of the ``(B, H, L, S)`` attention matrix.
+    ``k`` and ``v`` are saved before the ``n_rep`` head repetition.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
+                scale: float | None, enable_gqa: bool, n_rep: int, settings: OpSettings) -> Tensor:
+        k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        keep_payload = None
+        if dropout_p > 0.0:
+            out, attn = _sdpa_math_with_dropout(q, k_full, v_full, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            keep_payload = _pack_keep(attn, settings)
+            ctx.keep_shape = attn.shape
+            del attn
+        else:
+            out = F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=attn_mask, dropout_p=0.0,
+                                                 is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        need_q, need_k, need_v, need_m = ctx.needs_input_grad[:4]
+        any_grad = need_q or need_k or need_v or need_m
+        pq = _compress(q, settings, "q") if any_grad else None
+        pk = _compress(k, settings, "k") if any_grad else None
+        pv = _compress(v, settings, "v") if need_q or need_k or need_m else None
+        save_context(ctx, pq, pk, pv, attn_mask if any_grad else None, keep_payload)
+        ctx.v_shape = v.shape
+        ctx.args = (dropout_p, is_causal, scale, enable_gqa, n_rep)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        pq, pk, pv, mask, keep_payload = load_context(ctx)
+        dropout_p, is_causal, scale, enable_gqa, n_rep = ctx.args
+        need = ctx.needs_input_grad
+        q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
+        with torch.enable_grad():
+            q = q.requires_grad_(need[0])
+            k = k.requires_grad_(need[1])
+            v = v.requires_grad_(need[2])
+            m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
+            k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+            if keep_payload is None:
+                out = F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=m, dropout_p=0.0,
+                                                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            else:
+                keep = _unpack_keep(keep_payload, ctx.keep_shape)
+                k_full = _expand_heads(k_full, q.shape[-3], 1, enable_gqa)
+                v_full = _expand_heads(v_full, q.shape[-3], 1, enable_gqa)
+                s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+                out = _math_attention(q, k_full, v_full, (m,), keep, dropout_p, is_causal, s, safe_softmax=True)
+            dq, dk, dv, dm = _grads(out, [q, k, v, m], grad_out)
+        return dq, dk, dv, dm, None, None, None, None, None, None
+
+
+def _sdpa_math_with_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                            is_causal: bool, scale: float | None, enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    """SDPA's math path with dropout: ``(out, attn_after_dropout)``; identical to SDPA where SDPA picks math."""
+    global _warned_fused_dropout
+    choice = torch.ops.aten._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                               enable_gqa=enable_gqa)
+    if choice != _MATH_BACKEND and not _warned_fused_dropout:
+        _warned_fused_dropout = True
+        warnings.warn(
+            f"act_hf: attention dropout on {q.device.type} with a fused SDPA kernel (backend {choice}): its dropout "
+            "RNG cannot be replayed, so act_hf runs SDPA's math path instead. Outputs have the same distribution "
+            "but not the same dropout draw as the unpatched model; set the attention dropout to 0 for exact "
+            "forward equality.",
+            ActHFWarning,
+            stacklevel=4,
+        )
+        logger.info("attention dropout with fused backend %s: using the math path", choice)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = _bool_to_additive(attn_mask, q.dtype)
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                              scale=scale, enable_gqa=enable_gqa)
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, n_rep: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ActHFTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ActHFValueError(f"{name} must be a floating tensor, got dtype {t.dtype}")
+    if isinstance(n_rep, bool) or not isinstance(n_rep, int) or n_rep < 1:
+        raise ActHFValueError(f"repeat_kv must be a positive integer, got {n_rep!r}")
+    if n_rep > 1 and (k.dim() != 4 or v.dim() != 4):
+        raise ActHFValueError(f"repeat_kv > 1 needs 4-d k and v (B, Hkv, S, D), got {k.dim()}-d and {v.dim()}-d")
+
+
+def act_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+             is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+             settings: OpSettings, repeat_kv: int = 1) -> Tensor:
+    """``F.scaled_dot_product_attention`` whose saved context is ``q``, ``k``, ``v`` quantized.
+
+    Same arguments and output as ``F.scaled_dot_product_attention`` (bit-identical where the same kernel runs,
+    see the module docstring for dropout on CUDA). When grad is disabled or nothing requires grad, this is
+    plain SDPA.
+
+    Args:
+        q, k, v: query ``(..., L, E)``, key ``(..., S, E)``, value ``(..., S, Ev)``.
+        attn_mask: boolean (True = attend) or additive float mask broadcastable to ``(..., L, S)``; it may
+            require grad (a learned bias), and then gets a gradient.
+        dropout_p: attention dropout probability.
+        is_causal: top-left causal mask.
+        scale: softmax scale; ``None`` is ``1/sqrt(E)``.
+        enable_gqa: SDPA's grouped-query attention (k/v with fewer heads).
+        settings: base slot (``settings.slot``; the roles ``:q``, ``:k``, ``:v`` are appended), default bits
+            and group size.
+        repeat_kv: repeat k and v ``n`` times along the head dim with transformers' ``repeat_kv`` before
+            attention (exactly that forward); k and v are then saved *un*-repeated, ``n`` times smaller.
+
+    Returns:
+        The attention output, as SDPA returns it.
+
+    Raises:
+        ValueError: bad ``dropout_p`` or ``repeat_kv``, non-floating inputs.
+    """
+    _check_dropout(dropout_p)
+    _check_qkv(q, k, v, repeat_kv)
+    tensors = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return F.scaled_dot_product_attention(q, _repeat(k, repeat_kv), _repeat(v, repeat_kv), attn_mask=attn_mask,
+                                              dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    return ActSDPAFunction.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa),
+                                 repeat_kv, settings)
+
+
+_repeat = repeat_kv  # act_sdpa's keyword shadows the module-level name
+
+
+class ActEagerAttentionFunction(torch.autograd.Function):
+    """Eager attention ``softmax(q k^T * scale + masks) -> dropout -> @ v`` with a quantized saved context.
+
+    Forward, exactly as transformers' ``eager_attention_forward`` (``scale_query=False``: ``matmul(q, k^T) *
+    scaling``) or timm's unfused path (``scale_query=True``: ``(q * scale) @ k^T``); then ``+ attn_mask``, then
+    Swin's per-window ``window_mask`` (two separate additions, as Swin adds bias and shift mask); softmax over
+    the last dim (in ``softmax_dtype``, then cast back to ``q``'s dtype, when given); ``F.dropout``. Returns
+    the output and the (non-differentiable) attention weights after dropout.
+
+    Saves the same context as :class:`ActSDPAFunction`: ``quantize(q)``, ``quantize(k)``, ``quantize(v)``
+    (following ``needs_input_grad``), both masks as given, and the 1-bit keep mask with dropout. Backward
+    recomputes the probabilities (not saved: an ``S x S`` tensor per head) from the dequantized q, k.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, window_mask: Tensor | None,
+                scaling: float, dropout_p: float, training: bool, softmax_dtype: torch.dtype | None,
+                scale_query: bool, n_rep: int, settings: OpSettings) -> tuple[Tensor, Tensor]:
+        k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        if scale_query:
+            w = (q * scaling) @ k_full.transpose(-2, -1)
+        else:
+            w = torch.matmul(q, k_full.transpose(-2, -1)) * scaling
+        if attn_mask is not None:
+            w = w + attn_mask
+        if window_mask is not None:
+            w = _add_window_mask(w, window_mask)
+        if softmax_dtype is None:
+            w = F.softmax(w, dim=-1)
+        else:
+            w = F.softmax(w, dim=-1, dtype=softmax_dtype).to(q.dtype)
+        w = F.dropout(w, p=dropout_p, training=training)
+        out = torch.matmul(w, v_full)
+        dropped = training and dropout_p > 0.0
+        keep_payload = _pack_keep(w, settings) if dropped else None
+        ctx.keep_shape = w.shape
+        need_q, need_k, need_v, need_m, need_e = ctx.needs_input_grad[:5]
+        any_grad = need_q or need_k or need_v or need_m or need_e
+        pq = _compress(q, settings, "q") if any_grad else None
+        pk = _compress(k, settings, "k") if any_grad else None
+        pv = _compress(v, settings, "v") if need_q or need_k or need_m or need_e else None
+        save_context(ctx, pq, pk, pv, attn_mask if any_grad else None, window_mask if any_grad else None,
+                     keep_payload)
+        ctx.v_shape = v.shape
+        ctx.args = (scaling, dropout_p if dropped else 0.0, n_rep)
+        ctx.mark_non_differentiable(w)
+        return out, w
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor, _grad_weights: Tensor | None):
+        pq, pk, pv, mask, extra, keep_payload = load_context(ctx)
+        scaling, dropout_p, n_rep = ctx.args
+        need = ctx.needs_input_grad
+        q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
+        keep = _unpack_keep(keep_payload, ctx.keep_shape) if keep_payload is not None else None
+        with torch.enable_grad():
+            q = q.requires_grad_(need[0])
+            k = k.requires_grad_(need[1])
+            v = v.requires_grad_(need[2])
+            m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
+            e = extra.detach().requires_grad_(True) if extra is not None and need[4] else extra
+            out = _math_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), (m,), keep, dropout_p, False,
+                                  scaling, safe_softmax=False, window_mask=e)
+            dq, dk, dv, dm, de = _grads(out, [q, k, v, m, e], grad_out)
+        return dq, dk, dv, dm, de, None, None, None, None, None, None, None
+
+
+def act_eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, *, scaling: float,
+                        settings: OpSettings, dropout_p: float = 0.0, training: bool = True,
+                        softmax_dtype: torch.dtype | None = None, scale_query: bool = False,
+                        window_mask: Tensor | None = None, repeat_kv: int = 1) -> tuple[Tensor, Tensor]:
+    """Eager attention as transformers / timm write it, saving ``q``, ``k``, ``v`` quantized.
+
+    Args:
+        q, k, v: ``(B, H, L, D)``, ``(B, Hkv, S, D)``, ``(B, Hkv, S, Dv)``.
+        attn_mask: additive float mask broadcastable to ``(B, H, L, S)`` (may require grad), or ``None``.
+        scaling: the softmax scale.
+        settings: base slot, default bits and group size (roles ``:q``, ``:k``, ``:v``).
+        dropout_p: dropout on the probabilities (applied with ``F.dropout(p, training)``).
+        training: passed to ``F.dropout``.
+        softmax_dtype: ``torch.float32`` for ``softmax(..., dtype=torch.float32).to(q.dtype)`` (Llama);
+            ``None`` for ``softmax(...)`` in the input dtype (BERT, GPT-2, timm).
+        scale_query: ``(q * scaling) @ k^T`` (timm) instead of ``matmul(q, k^T) * scaling`` (transformers).
+        window_mask: Swin's shifted-window mask ``(num_windows, L, S)``, added after ``attn_mask`` with the
+            scores viewed ``(-1, num_windows, H, L, S)`` exactly as Swin does (batch index = image * num_windows
+            + window), or ``None``.
+        repeat_kv: transformers' ``repeat_kv`` factor applied to k and v in forward (saved un-repeated).
+
+    Returns:
+        ``(attn_output, attn_weights)``: output ``(B, H, L, Dv)`` (not transposed) and the probabilities after
+        dropout, which are not differentiable (use the model's own eager path for losses on attention maps).
+
+    Raises:
+        ValueError: bad ``dropout_p`` or ``repeat_kv``, non-floating inputs.
+    """
+    _check_dropout(dropout_p)
+    _check_qkv(q, k, v, repeat_kv)
+    tensors = [t for t in (q, k, v, attn_mask, window_mask) if t is not None]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        with torch.no_grad():
+            return ActEagerAttentionFunction.forward(_NoCtx(), q, k, v, attn_mask, window_mask, float(scaling),
+                                                     float(dropout_p), bool(training), softmax_dtype,
+                                                     bool(scale_query), repeat_kv, settings)
+    return ActEagerAttentionFunction.apply(q, k, v, attn_mask, window_mask, float(scaling), float(dropout_p),
+                                           bool(training), softmax_dtype, bool(scale_query), repeat_kv, settings)
+
+
+class _NoCtx:
+    """Stand-in ``ctx`` to run a forward without autograd: nothing needs a gradient, nothing is saved."""
+
+    needs_input_grad = (False,) * 12
+
+    def save_for_backward(self, *tensors: Tensor) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: Tensor) -> None:
+        pass

@@ -1,0 +1,124 @@
+"""Mixins for timm attention modules: the same forward, with the attention op saving q, k, v quantized.
+
+Attach with ``act_hf.nn._base.convert(module, ActTimmAttentionMixin, slot=..., bits=...)`` (ViT-style
+``timm.layers.Attention``) or ``convert(module, ActWindowAttentionMixin, ...)`` (Swin's ``WindowAttention``);
+:func:`mixin_for` picks the mixin for a module. Each ``forward`` reproduces timm's (1.0.x) line by line and
+replaces only the attention itself: ``F.scaled_dot_product_attention`` by :func:`act_sdpa` when
+``self.fused_attn`` (ViT's default), the unfused block by :func:`act_eager_attention` otherwise (Swin's default:
+timm marks its fused path experimental). Out of training, without grad or under inference mode the original
+``forward`` runs. Slots: ``<act_slot>:q``, ``:k``, ``:v``.
+
+Swin's relative position bias is passed as the attention mask (it requires grad and gets its gradient); the
+shift mask is passed as the per-window mask, so the eager scores are built with exactly timm's two additions
+and the ``(num_windows, N, N)`` buffer is saved, not a per-image copy. On the fused Swin path timm itself adds
+bias and shift mask into one ``(B*num_windows, heads, N, N)`` tensor, which is saved as given.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor, nn
+
+from act_hf.nn._base import ActModule
+from act_hf.ops._saving import OpSettings
+from act_hf.ops.attention import act_eager_attention, act_sdpa
+
+try:
+    import timm
+    from timm.layers.attention import Attention, resolve_self_attn_mask
+    from timm.models.swin_transformer import WindowAttention
+except ImportError as exc:  # pragma: no cover - exercised only without timm
+    raise ImportError(f"act_hf.patches._timm_attention needs timm >= 1.0: {exc}") from exc
+
+if int(timm.__version__.split(".")[0]) < 1:
+    raise ImportError(f"act_hf needs timm >= 1.0 for its attention mixins, found {timm.__version__}")
+
+__all__ = ["ActTimmAttentionMixin", "ActWindowAttentionMixin", "mixin_for"]
+
+logger = logging.getLogger(__name__)
+
+
+def _base_settings(module: ActModule) -> OpSettings:
+    return OpSettings(slot=module.act_slot or type(module).__name__, bits=module.act_bits,
+                      group_size=module.act_group_size)
+
+
+def _compressing(module: nn.Module) -> bool:
+    return module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+class ActTimmAttentionMixin(ActModule):
+    """For ``timm.layers.Attention`` (ViT, DeiT, ...): q, k, v saved quantized."""
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        if not _compressing(self):
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        B, N, C = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+
+        settings = _base_settings(self)
+        if self.fused_attn:
+            x = act_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.,
+                         is_causal=is_causal, settings=settings)
+        else:
+            # timm builds the bias from the scores tensor; q has the same dtype and device
+            attn_bias = resolve_self_attn_mask(N, q, attn_mask, is_causal)
+            x, _ = act_eager_attention(q, k, v, attn_bias, scaling=self.scale, scale_query=True,
+                                       dropout_p=self.attn_drop.p, training=self.attn_drop.training,
+                                       settings=settings)
+
+        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+class ActWindowAttentionMixin(ActModule):
+    """For Swin's ``WindowAttention``: q, k, v saved quantized; relative position bias still learns."""
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        if not _compressing(self):
+            return super().forward(x, mask)
+        B_, N, C = x.shape
+        qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+
+        settings = _base_settings(self)
+        if self.fused_attn:
+            attn_mask = self._get_rel_pos_bias()
+            if mask is not None:
+                num_win = mask.shape[0]
+                mask = mask.view(1, num_win, 1, N, N).expand(B_ // num_win, -1, self.num_heads, -1, -1)
+                attn_mask = attn_mask + mask.reshape(-1, self.num_heads, N, N)
+            x = act_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.,
+                         settings=settings)
+        else:
+            x, _ = act_eager_attention(q, k, v, self._get_rel_pos_bias(), scaling=self.scale, scale_query=True,
+                                       window_mask=mask, dropout_p=self.attn_drop.p,
+                                       training=self.attn_drop.training, settings=settings)
+
+        x = x.transpose(1, 2).reshape(B_, N, -1)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+def mixin_for(module: nn.Module) -> type | None:
+    """The act_hf mixin for a timm attention module, or ``None`` if it is not one this file handles.
+
+    Exact classes only: subclasses may override ``forward`` (timm's ``AttentionRope`` etc. are different).
+    """
+    cls = getattr(type(module), "act_original_class", None) or type(module)
+    if cls is Attention:
+        return ActTimmAttentionMixin
+    if cls is WindowAttention:
+        return ActWindowAttentionMixin
+    return None

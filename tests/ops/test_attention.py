@@ -1,0 +1,429 @@
+"""Attention ops (SDPA and eager), the transformers attention functions and the timm mixins.
+
+Forward must equal the original op bit for bit (fp32 on CPU, dropout included under the same seed); only
+gradients may differ, by an SQNR that depends on the bits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from act_hf.compress import quantize
+from act_hf.context import track_saved
+from act_hf.errors import ActHFValueError
+from act_hf.ops._saving import OpSettings
+from act_hf.ops.attention import act_eager_attention, act_sdpa, repeat_kv
+from tests.utils import sqnr_db
+
+# Minimum gradient SQNR (dB) of dq, dk, dv per bit width for Gaussian q, k, v (B, H, S, D = 2, 4, 64, 32).
+# Measured means (module docstring, larger shape): -7 / 3 / 10 / 35 dB at 2 / 3 / 4 / 8 bits.
+SQNR_MIN = {2: -8.0, 3: 1.0, 4: 7.0, 8: 30.0}
+B, H, S, D = 2, 4, 64, 32
+
+
+def _settings(bits: int = 8) -> OpSettings:
+    return OpSettings(slot="layer.attn", bits=bits)
+
+
+def _qkv(b=B, h=H, hkv=None, s=S, d=D, dtype=torch.float32, L=None):
+    q = torch.randn(b, h, L or s, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hkv or h, s, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hkv or h, s, d, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def _run(fn, inputs, grad_out, seed=5):
+    torch.manual_seed(seed)
+    out = fn()
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    return out, grads, torch.rand(1)
+
+
+def _check_grads(ref_grads, grads, minimum, names=("dq", "dk", "dv", "dmask")):
+    values = [sqnr_db(r, g) for r, g in zip(ref_grads, grads)]
+    print(" ".join(f"{n}={v:.1f}dB" for n, v in zip(names, values)))
+    for n, v in zip(names, values):
+        assert v >= minimum, f"{n} SQNR {v:.1f} dB < {minimum} dB"
+
+
+def _padding_mask(shape):
+    mask = torch.ones(shape, dtype=torch.bool)
+    mask[0, ..., -7:] = False
+    return mask
+
+
+CASES = {
+    "plain": lambda: {},
+    "causal": lambda: {"is_causal": True},
+    "scale": lambda: {"scale": 0.37},
+    "bool_padding": lambda: {"attn_mask": _padding_mask((B, 1, 1, S))},
+    "bool_square": lambda: {"attn_mask": torch.rand(B, 1, S, S) > 0.3},
+    "additive_padding": lambda: {"attn_mask": torch.zeros(B, 1, 1, S).masked_fill(~_padding_mask((B, 1, 1, S)),
+                                                                                 torch.finfo(torch.float32).min)},
+    "additive_square": lambda: {"attn_mask": torch.randn(B, 1, S, S)},
+    "additive_heads": lambda: {"attn_mask": torch.randn(1, H, S, S)},
+}
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_sdpa_forward_equal_and_8bit_grads(case, dropout_p):
+    kwargs = CASES[case]()
+    q, k, v = _qkv()
+    grad_out = torch.randn(B, H, S, D)
+    ref, ref_g, ref_rng = _run(lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs),
+                               (q, k, v), grad_out)
+    out, g, rng = _run(lambda: act_sdpa(q, k, v, dropout_p=dropout_p, **kwargs, settings=_settings(8)),
+                       (q, k, v), grad_out)
+    assert torch.equal(ref, out)
+    assert torch.equal(ref_rng, rng), "the global RNG must be consumed exactly as SDPA does"
+    print(case, dropout_p, end=": ")
+    _check_grads(ref_g, g, SQNR_MIN[8])
+
+
+def test_sdpa_bf16_forward_equal():
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    mask = _padding_mask((B, 1, 1, S))
+    grad_out = torch.randn(B, H, S, D, dtype=torch.bfloat16)
+    for dropout_p in (0.0, 0.2):
+        ref, ref_g, _ = _run(lambda: F.scaled_dot_product_attention(q, k, v, mask, dropout_p), (q, k, v), grad_out)
+        out, g, _ = _run(lambda: act_sdpa(q, k, v, mask, dropout_p, settings=_settings(8)), (q, k, v), grad_out)
+        assert torch.equal(ref, out) and out.dtype == torch.bfloat16
+        assert all(x.dtype == torch.bfloat16 for x in g)
+        _check_grads(ref_g, g, 20.0)  # the bf16 reference gradient itself carries bf16 rounding
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_sdpa_low_bits_sqnr_and_unbiased(bits):
+    q, k, v = _qkv()
+    grad_out = torch.randn(B, H, S, D)
+    ref, ref_g, _ = _run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad_out)
+    draws = []
+    for _ in range(8):
+        out, g, _ = _run(lambda: act_sdpa(q, k, v, is_causal=True, settings=_settings(bits)), (q, k, v), grad_out)
+        assert torch.equal(ref, out)
+        draws.append(g)
+    print(f"bits={bits}", end=": ")
+    _check_grads(ref_g, draws[0], SQNR_MIN[bits])
+    for i, name in enumerate(("dq", "dk", "dv")):
+        single = sum(sqnr_db(ref_g[i], d[i]) for d in draws) / len(draws)
+        mean = sqnr_db(ref_g[i], torch.stack([d[i] for d in draws]).mean(0))
+        print(f"  {name}: single draw {single:.1f} dB, mean of 8 draws {mean:.1f} dB")
+        assert mean > single + 1.0, f"{name}: averaging draws should approach the exact gradient"
+
+
+def test_sdpa_gqa_enable_gqa_and_repeat_kv():
+    q, k, v = _qkv(h=8, hkv=2)
+    grad_out = torch.randn(B, 8, S, D)
+    ref, ref_g, _ = _run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                         (q, k, v), grad_out)
+    out, g, _ = _run(lambda: act_sdpa(q, k, v, is_causal=True, enable_gqa=True, settings=_settings(8)),
+                     (q, k, v), grad_out)
+    assert torch.equal(ref, out)
+    _check_grads(ref_g, g, SQNR_MIN[8])
+
+    mask = _padding_mask((B, 1, 1, S))
+    for dropout_p in (0.0, 0.25):
+        ref, ref_g, _ = _run(lambda: F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), mask,
+                                                                    dropout_p), (q, k, v), grad_out)
+        with track_saved() as saved:
+            out, g, _ = _run(lambda: act_sdpa(q, k, v, mask, dropout_p, settings=_settings(8), repeat_kv=4),
+                             (q, k, v), grad_out)
+        assert torch.equal(ref, out)
+        _check_grads(ref_g, g, SQNR_MIN[8])
+        kv_bytes = saved.by_slot["layer.attn:k"] + saved.by_slot["layer.attn:v"]
+        assert kv_bytes == 2 * quantize(k.detach(), 8).nbytes, "k and v are saved before repetition"
+
+
+def test_sdpa_learned_mask_gets_gradient():
+    q, k, v = _qkv()
+    bias = torch.randn(1, H, S, S, requires_grad=True)
+    grad_out = torch.randn(B, H, S, D)
+    for dropout_p in (0.0, 0.2):
+        ref, ref_g, _ = _run(lambda: F.scaled_dot_product_attention(q, k, v, bias, dropout_p), (q, k, v, bias),
+                             grad_out)
+        out, g, _ = _run(lambda: act_sdpa(q, k, v, bias, dropout_p, settings=_settings(8)), (q, k, v, bias),
+                         grad_out)
+        assert torch.equal(ref, out)
+        _check_grads(ref_g, g, SQNR_MIN[8])
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_sdpa_fully_masked_rows_match_pytorch(dropout_p):
+    q, k, v = _qkv()
+    mask = torch.ones(B, 1, S, S, dtype=torch.bool)
+    mask[0, 0, 3] = False
+    mask[1, 0, 10] = False
+    grad_out = torch.randn(B, H, S, D)
+    ref, ref_g, _ = _run(lambda: F.scaled_dot_product_attention(q, k, v, mask, dropout_p), (q, k, v), grad_out)
+    out, g, _ = _run(lambda: act_sdpa(q, k, v, mask, dropout_p, settings=_settings(8)), (q, k, v), grad_out)
+    assert torch.equal(ref, out)  # PyTorch's choice (NaN or 0) is kept, whatever it is
+    for r, x in zip(ref_g, g):
+        assert torch.equal(r.isnan(), x.isnan())
+        assert torch.equal(r[0, :, 3] == 0, x[0, :, 3] == 0)
+    _check_grads(ref_g, g, SQNR_MIN[8])
+
+
+def _packed_bytes(t: torch.Tensor, bits: int, group_size: int = 256) -> int:
+    n = t.numel()
+    return math.ceil(n * bits / 8) + 4 * math.ceil(n / group_size)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_sdpa_saved_bytes_formula(bits):
+    q, k, v = _qkv(s=48)
+    mask = _padding_mask((B, 1, 1, 48))
+    with track_saved() as saved:
+        out = act_sdpa(q, k, v, mask, 0.1, settings=_settings(bits))
+    expected = 3 * _packed_bytes(q, bits) + math.ceil(B * H * 48 * 48 / 8) + mask.numel()
+    print(f"bits={bits}: saved {saved.bytes} B (expected {expected}); by slot {saved.by_slot}")
+    assert saved.bytes == expected
+    assert saved.by_slot["layer.attn:q"] == _packed_bytes(q, bits)
+    with track_saved() as plain:
+        F.scaled_dot_product_attention(q, k, v, mask, 0.1)
+    print(f"  unpatched SDPA saves {plain.bytes} B")
+    assert saved.bytes < plain.bytes
+    out.sum().backward()
+
+
+def test_sdpa_needs_input_grad():
+    q, k, v = _qkv()
+    settings = _settings(4)
+    q_only_v = q.detach()
+    k_only_v = k.detach()
+    with track_saved() as saved:
+        out = act_sdpa(q_only_v, k_only_v, v, is_causal=True, settings=settings)
+    assert set(k for k in saved.by_slot if k.startswith("layer")) == {"layer.attn:q", "layer.attn:k"}
+    (dv,) = torch.autograd.grad(out, v, torch.ones_like(out))
+    ref = F.scaled_dot_product_attention(q_only_v, k_only_v, v, is_causal=True)
+    (ref_dv,) = torch.autograd.grad(ref, v, torch.ones_like(ref))
+    assert sqnr_db(ref_dv, dv) > SQNR_MIN[4]
+    with track_saved() as saved:
+        out = act_sdpa(q, k.detach(), v.detach(), settings=settings)
+    assert {"layer.attn:q", "layer.attn:k", "layer.attn:v"} <= set(saved.by_slot)
+    (dq,) = torch.autograd.grad(out, q, torch.ones_like(out))
+    assert dq.shape == q.shape
+    with torch.no_grad(), track_saved() as saved:
+        act_sdpa(q, k, v, settings=settings)
+    assert saved.bytes == 0
+
+
+def test_sdpa_rejects_bad_arguments():
+    q, k, v = _qkv()
+    with pytest.raises(ActHFValueError, match="dropout_p"):
+        act_sdpa(q, k, v, dropout_p=1.0, settings=_settings())
+    with pytest.raises(ActHFValueError, match="repeat_kv"):
+        act_sdpa(q, k, v, settings=_settings(), repeat_kv=0)
+
+
+@pytest.mark.parametrize("softmax_dtype", [None, torch.float32])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_eager_forward_equal_and_grads(softmax_dtype, dropout_p):
+    q, k, v = _qkv(h=4, hkv=2)
+    mask = torch.zeros(B, 1, S, S).masked_fill(torch.rand(B, 1, S, S) > 0.7, torch.finfo(torch.float32).min)
+    grad_out = torch.randn(B, 4, S, D)
+
+    def hf_eager():  # transformers' eager_attention_forward (llama flavour when softmax_dtype is fp32)
+        w = torch.matmul(q, repeat_kv(k, 2).transpose(2, 3)) * 0.2
+        w = w + mask
+        w = F.softmax(w, dim=-1) if softmax_dtype is None else F.softmax(w, dim=-1, dtype=softmax_dtype).to(q.dtype)
+        w = F.dropout(w, p=dropout_p, training=True)
+        return torch.matmul(w, repeat_kv(v, 2))
+
+    ref, ref_g, ref_rng = _run(hf_eager, (q, k, v), grad_out)
+    out, g, rng = _run(lambda: act_eager_attention(q, k, v, mask, scaling=0.2, settings=_settings(8),
+                                                   dropout_p=dropout_p, softmax_dtype=softmax_dtype,
+                                                   repeat_kv=2)[0], (q, k, v), grad_out)
+    assert torch.equal(ref, out) and torch.equal(ref_rng, rng)
+    _check_grads(ref_g, g, SQNR_MIN[8])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# transformers
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_model(kind: str, impl: str, dropout: float):
+    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM)
+
+    torch.manual_seed(0)
+    if kind == "bert":
+        config = BertConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=96, max_position_embeddings=32, hidden_dropout_prob=dropout,
+                            attention_probs_dropout_prob=dropout, attn_implementation=impl)
+        return BertForSequenceClassification(config)
+    if kind == "llama":
+        config = LlamaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=96, max_position_embeddings=32,
+                             attention_dropout=dropout, attn_implementation=impl)
+        return LlamaForCausalLM(config)
+    config = GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=32, attn_pdrop=dropout,
+                        resid_pdrop=dropout, embd_pdrop=dropout, bos_token_id=0, eos_token_id=0,
+                        attn_implementation=impl)
+    return GPT2LMHeadModel(config)
+
+
+def _hf_step(model, ids, mask):
+    torch.manual_seed(11)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    logits.float().pow(2).mean().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["bert", "llama", "gpt2"])
+def test_hf_attention_function(kind, impl, dropout):
+    from act_hf.patches import _hf_attention as hf_attn
+
+    ids = torch.randint(0, 97, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, -5:] = 0
+    ref = _hf_model(kind, impl, dropout).train()
+    model = _hf_model(kind, impl, dropout).train()
+    assert hf_attn.enable(model) and model.config._attn_implementation == f"act_hf_{impl}"
+    marked = hf_attn.find_attention_modules(model)
+    assert len(marked) == 2
+    for name, module in marked:
+        hf_attn.mark(module, slot=name, bits=8)
+
+    ref_logits, ref_grads = _hf_step(ref, ids, mask)
+    with track_saved(model) as saved:
+        logits, grads = _hf_step(model, ids, mask)
+    assert torch.equal(ref_logits, logits)
+    assert any(slot.endswith(":q") for slot in saved.by_slot), "the act_hf attention function did not run"
+    worst = 1.0
+    for name, g in ref_grads.items():
+        # the key bias gets a zero gradient (softmax is shift invariant): only rounding noise, no direction
+        if g.norm() == 0 or name.endswith(("key.bias", "k_proj.bias")):
+            continue
+        worst = min(worst, F.cosine_similarity(g.flatten(), grads[name].flatten(), dim=0).item())
+    print(f"{kind}/{impl}/dropout={dropout}: worst gradient cosine {worst:.5f}")
+    assert worst >= 0.99
+
+    # eval and no-grad run the original function; disable() restores the implementation
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(expected, model(input_ids=ids, attention_mask=mask).logits)
+    hf_attn.disable(model)
+    assert model.config._attn_implementation == impl and not hf_attn.is_enabled(model)
+    for _, module in marked:
+        hf_attn.unmark(module)
+        assert not hasattr(module, "act_bits")
+
+
+def test_hf_enable_is_per_instance_and_not_saved(tmp_path):
+    from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
+
+    from act_hf.patches import _hf_attention as hf_attn
+
+    config = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64)
+    model = BertForSequenceClassification(config)
+    hf_attn.enable(model)
+    other = BertForSequenceClassification(config)  # built from the same config object, before or after
+    assert model.config._attn_implementation == "act_hf_sdpa"
+    assert other.config._attn_implementation == "sdpa" and config._attn_implementation == "sdpa"
+    assert all(m.config is model.config for m in model.modules() if hasattr(m, "config"))
+    model.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    assert "act_hf" not in text and "attn_implementation" not in json.loads(text)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert loaded.config._attn_implementation == "sdpa"
+    hf_attn.disable(model)
+    hf_attn.disable(model)  # a second call is a no-op
+    assert model.config._attn_implementation == "sdpa"
+    assert os.path.exists(tmp_path / "config.json")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# timm
+
+
+timm = pytest.importorskip("timm")
+
+TIMM_CASES = {
+    "vit": (dict(model_name="vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, attn_drop_rate=0.1), 32),
+    "swin": (dict(model_name="swin_tiny_patch4_window7_224", img_size=56, window_size=7, embed_dim=24,
+                  depths=(2, 2), num_heads=(1, 2), attn_drop_rate=0.1), 56),
+}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("name", list(TIMM_CASES))
+def test_timm_attention_mixins(name, fused):
+    from act_hf.nn._base import convert, revert
+    from act_hf.patches._timm_attention import mixin_for
+
+    kwargs, size = TIMM_CASES[name]
+    torch.manual_seed(0)
+    ref = timm.create_model(pretrained=False, **kwargs).train()
+    model = copy.deepcopy(ref)
+    converted = []
+    for module_name, module in model.named_modules():
+        mixin = mixin_for(module)
+        if mixin is not None:
+            converted.append(convert(module, mixin, slot=module_name, bits=8))
+    assert len(converted) == (2 if name == "vit" else 4)
+    for module in list(ref.modules()) + list(model.modules()):
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = fused
+
+    x = torch.randn(2, 3, size, size)
+    torch.manual_seed(3)
+    ref_out = ref(x)
+    ref_out.pow(2).mean().backward()
+    with track_saved(model) as saved:
+        torch.manual_seed(3)
+        out = model(x)
+    out.pow(2).mean().backward()
+    assert torch.equal(ref_out, out)
+    assert any(slot.endswith(":k") for slot in saved.by_slot)
+    worst = min(sqnr_db(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters()) if p.grad.norm() > 0)
+    print(f"{name} fused={fused}: worst parameter-gradient SQNR {worst:.1f} dB")
+    assert worst >= SQNR_MIN[8]
+
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(ref(x), model(x))
+    for module in converted:
+        revert(module)
+    assert mixin_for(converted[0]) is not None and not hasattr(type(converted[0]), "act_original_class")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU)
+
+
+@pytest.mark.cuda
+def test_sdpa_cuda_forward_equal_and_dropout_warning():
+    from act_hf.errors import ActHFWarning
+
+    q, k, v = (t.detach().cuda().half().requires_grad_() for t in _qkv())
+    mask = _padding_mask((B, 1, 1, S)).cuda()
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = act_sdpa(q, k, v, is_causal=True, settings=_settings(8))
+    assert torch.equal(ref, out)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.float().sum(), (q, k, v))
+    _check_grads(ref_grads, grads, 25.0)
+    out = act_sdpa(q, k, v, mask, settings=_settings(8))
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, mask), out)
+    import act_hf.ops.attention as attention
+
+    attention._warned_fused_dropout = False
+    with pytest.warns(ActHFWarning, match="dropout"):
+        act_sdpa(q, k, v, dropout_p=0.1, settings=_settings(8))
