@@ -18,6 +18,7 @@ from .compress import PackedTensor, dequantize, manual_seed, quantize
 from .config import ActConfig, ActPreset
 from .context import SavedTracker, track_saved
 from .errors import ActHFError, ActHFWarning, NoMatchingModuleError
+from .report import report
 
 __version__ = "0.1.0"
 
@@ -39,7 +40,7 @@ __all__ = [
     "unpatch",
 ]
 
-_LAZY = {"patch": "patcher", "unpatch": "patcher", "report": "report"}
+_LAZY = {"patch": "patcher", "unpatch": "patcher"}
 
 
 def __getattr__(name: str) -> Any:

@@ -53,8 +53,8 @@ class ActConfig:
             average budget over all slots, weighted by their sizes, that the adaptive allocator distributes.
         group_size: elements per quantization group (a positive multiple of 8).
         kinds: which kinds of module to compress, a subset of ``ACT_KINDS``.
-        activation_bits: bits of the few-bit activation-derivative codes (1..4); ``None`` takes
-            ``min(4, round(bits))``.
+        activation_bits: bits of the activation contexts: 1..4 are few-bit derivative codes, 5..8 the quantized
+            input; ``None`` takes ``round(bits)``.
         norm_context: what LayerNorm/RMSNorm keep: ``"output"`` (shared with the next Linear, In-Place ABN
             style) or ``"input"`` (ActNN style).
         target_modules: only patch these modules: a string is a full-match regex on the module path, a list
@@ -71,7 +71,7 @@ class ActConfig:
     bits: int | float = field(default=3, metadata={"help": "int 1..8, or a float average budget for adaptive bits"})
     group_size: int = field(default=256, metadata={"help": "quantization group size (multiple of 8)"})
     kinds: tuple[str, ...] = field(default=ACT_KINDS, metadata={"help": f"kinds to compress, among {ACT_KINDS}"})
-    activation_bits: int | None = field(default=None, metadata={"help": "few-bit activation code width 1..4"})
+    activation_bits: int | None = field(default=None, metadata={"help": "activation context bits 1..8"})
     norm_context: str = field(default="output", metadata={"help": "'output' or 'input'"})
     target_modules: str | list[str] | None = field(default=None, metadata={"help": "regex or list of paths"})
     exclude_modules: str | list[str] | None = field(default=None, metadata={"help": "regex or list of paths"})
@@ -96,9 +96,9 @@ class ActConfig:
         if unknown:
             raise ActHFValueError(f"kinds: unknown kind(s) {unknown}; allowed: {list(ACT_KINDS)}")
         if self.activation_bits is not None and (
-            isinstance(self.activation_bits, bool) or self.activation_bits not in (1, 2, 3, 4)
+            isinstance(self.activation_bits, bool) or self.activation_bits not in range(1, 9)
         ):
-            raise ActHFValueError(f"activation_bits must be 1, 2, 3 or 4 (or None), got {self.activation_bits!r}")
+            raise ActHFValueError(f"activation_bits must be an integer from 1 to 8 (or None), got {self.activation_bits!r}")
         if self.norm_context not in ("output", "input"):
             raise ActHFValueError(f"norm_context must be 'output' or 'input', got {self.norm_context!r}")
         for name in ("target_modules", "exclude_modules"):
@@ -129,10 +129,10 @@ class ActConfig:
 
     @property
     def derivative_bits(self) -> int:
-        """Bits of the few-bit activation codes."""
+        """Bits of the activation contexts (few-bit codes at 1..4, quantized input at 5..8)."""
         if self.activation_bits is not None:
             return self.activation_bits
-        return max(1, min(4, round(self.bits)))
+        return max(1, min(8, round(self.bits)))
 
     def with_overrides(self, **overrides: Any) -> ActConfig:
         """A copy with some fields replaced; unknown names raise ``ValueError`` listing the valid ones."""

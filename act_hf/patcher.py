@@ -163,10 +163,11 @@ def patch_modules(model: nn.Module, config: ActConfig, *, rules: list[Rule] = ()
             continue
         for rule in all_rules:
             if rule.kind in config.kinds and rule.match(module):
+                attrs = rule.attrs(module, config)  # read the original module, before its class changes
                 convert(module, rule.mixin(module), slot=path, bits=rule.bits(config),
                         group_size=config.group_size)
                 module.act_kind = rule.kind
-                for name, value in rule.attrs(module, config).items():
+                for name, value in attrs.items():
                     setattr(module, name, value)
                 patched.append(path)
                 break

@@ -27,6 +27,7 @@ if version.parse(transformers.__version__) < version.parse(MIN_TRANSFORMERS_VERS
 
 #: transformers activation classes -> the few-bit derivative table of the function each computes.
 HF_ACTIVATIONS: dict[type, str] = {
+    hf_act.GELUActivation: "gelu",  # also with use_gelu_python: the module's own forward runs, same function
     hf_act.NewGELUActivation: "gelu_tanh",
     hf_act.FastGELUActivation: "gelu_tanh",
     hf_act.GELUTanh: "gelu_tanh",
@@ -36,18 +37,11 @@ HF_ACTIVATIONS: dict[type, str] = {
 }
 
 
-def _gelu_fn_name(m: nn.Module) -> str:
-    # GELUActivation(use_gelu_python=True) computes the same erf GELU in Python
-    return "gelu"
-
-
 def _activation_rules() -> list[Rule]:
     from act_hf.nn import activation
 
     return [
-        Rule("activation", lambda m: type(m) is hf_act.GELUActivation, lambda m: activation.ActModuleActivationMixin,
-             attrs=lambda m, c: {"act_fn_name": _gelu_fn_name(m)}, bits=lambda c: c.derivative_bits),
-        Rule("activation", lambda m: type(m) in HF_ACTIVATIONS, lambda m: activation.ActModuleActivationMixin,
+        Rule("activation", lambda m: type(m) in HF_ACTIVATIONS, lambda m: activation.ActActivationMixin,
              attrs=lambda m, c: {"act_fn_name": HF_ACTIVATIONS[type(m)]}, bits=lambda c: c.derivative_bits),
     ]
 

@@ -47,7 +47,7 @@ def timm_rules() -> list[Rule]:
              lambda m: norm.ActLayerNormMixin, attrs=ln_attrs),
         Rule("norm", lambda m: _is_timm(m, "BatchNormAct2d"), lambda m: norm.ActBatchNormAct2dMixin),
         Rule("activation", lambda m: type(m).__module__.startswith("timm.") and type(m).__name__ in _TIMM_ACTIVATIONS,
-             lambda m: activation.ActModuleActivationMixin,
+             lambda m: activation.ActActivationMixin,
              attrs=lambda m, c: {"act_fn_name": _TIMM_ACTIVATIONS[type(m).__name__]}, bits=lambda c: c.derivative_bits),
     ]
 

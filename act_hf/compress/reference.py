@@ -188,7 +188,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     words = (c.view(n_octets, 8) << shifts).sum(dim=1)
     byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
     stream = ((words[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).view(-1)
-    return stream[: math.ceil(n * bits / 8)]
+    nbytes = math.ceil(n * bits / 8)
+    return stream if stream.numel() == nbytes else stream[:nbytes].clone()  # a storage of exactly nbytes
 
 
 def unpack_bits(payload: torch.Tensor, bits: int, numel: int) -> torch.Tensor:

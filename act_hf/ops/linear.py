@@ -53,6 +53,9 @@ def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSetti
     return ActLinearFunction.apply(x, weight, bias, settings)
 
 
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
 class ActConvFunction(torch.autograd.Function):
     """N-d convolution (any groups, stride, dilation, zero padding); saves ``quantize(x)`` and ``weight``.
 
@@ -62,7 +65,7 @@ class ActConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, ...],
                 padding: tuple[int, ...], dilation: tuple[int, ...], groups: int, settings: OpSettings) -> Tensor:
-        out = torch.convolution(x, weight, bias, stride, padding, dilation, False, [0] * len(stride), groups)
+        out = _CONV[len(stride)](x, weight, bias, stride, padding, dilation, groups)  # autocast applies as usual
         need_w = ctx.needs_input_grad[1]
         packed = store.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size) if need_w else None
         save_context(ctx, packed, weight)  # the parameter itself: its shape is needed even for grad_x only

@@ -1,0 +1,293 @@
+"""Drop-in activation modules that save a few-bit derivative code instead of their input.
+
+Each mixin goes in front of the original class; the forward is the original module's own ``forward`` (so the
+output and in-place behaviour are unchanged) wrapped in :class:`act_hf.ops.activation.ActActivationFunction`,
+which decides what is saved. Slot: ``<path>:input``.
+
+* Torch modules: :data:`TORCH_ACTIVATIONS` maps each supported ``torch.nn`` class to its mixin and derivative
+  name; the concrete classes (``ActGELU``, ``ActReLU``, ...) are registered with
+  :func:`act_hf.nn._base.register_act_class`.
+* transformers / timm activation classes: :class:`ActActivationMixin`, parametrised by ``act_fn_name`` (one of
+  :data:`act_hf.ops.activation.ACTIVATION_NAMES`), which the patcher sets, e.g.
+  ``convert(module, ActActivationMixin, ...)`` then ``module.act_configure(act_fn_name="gelu_tanh")`` for
+  ``NewGELUActivation``. This module imports neither transformers nor timm.
+
+Configurations without a matching derivative table run the original op unchanged (and save what it saves):
+``nn.ELU``/``CELU`` with ``alpha != 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from ..errors import ActHFValueError
+from ..ops.activation import ACTIVATION_NAMES, ActivationSpec, act_activation, check_activation_name
+from ._base import ActModule, register_act_class
+
+__all__ = [
+    "TORCH_ACTIVATIONS",
+    "ActActivationMixin",
+    "ActELU",
+    "ActELUMixin",
+    "ActGELU",
+    "ActGELUMixin",
+    "ActHardsigmoid",
+    "ActHardsigmoidMixin",
+    "ActHardswish",
+    "ActHardswishMixin",
+    "ActHardtanh",
+    "ActHardtanhMixin",
+    "ActLeakyReLU",
+    "ActLeakyReLUMixin",
+    "ActMish",
+    "ActMishMixin",
+    "ActReLU",
+    "ActReLU6",
+    "ActReLU6Mixin",
+    "ActReLUMixin",
+    "ActSELU",
+    "ActSELUMixin",
+    "ActSiLU",
+    "ActSiLUMixin",
+    "ActSigmoid",
+    "ActSigmoidMixin",
+    "ActSoftplus",
+    "ActSoftplusMixin",
+    "ActTanh",
+    "ActTanhMixin",
+]
+
+logger = logging.getLogger(__name__)
+_logged_fallbacks: set[tuple[str, str]] = set()
+
+
+def _spec_from_module(name: str, module: nn.Module) -> ActivationSpec | None:
+    """The derivative of activation ``name`` with the parameters ``module`` holds; ``None`` if no table fits."""
+    if name == "leaky_relu":
+        return ActivationSpec(name, negative_slope=float(getattr(module, "negative_slope", 0.01)))
+    if name == "hardtanh":
+        return ActivationSpec(name, min_val=float(getattr(module, "min_val", -1.0)),
+                              max_val=float(getattr(module, "max_val", 1.0)))
+    if name == "softplus":
+        return ActivationSpec(name, beta=float(getattr(module, "beta", 1.0)),
+                              threshold=float(getattr(module, "threshold", 20.0)))
+    if name == "elu" and float(getattr(module, "alpha", 1.0)) != 1.0:
+        key = (type(module).__name__, "alpha")
+        if key not in _logged_fallbacks:
+            _logged_fallbacks.add(key)
+            logger.info("%s with alpha != 1 has no few-bit table; it runs the original op", key[0])
+        return None
+    return ActivationSpec(name)
+
+
+class ActActivationMixin(ActModule):
+    """Generic few-bit activation for any elementwise activation module whose derivative is ``act_fn_name``.
+
+    The module's own ``forward`` computes the output; only the backward context changes.
+
+    Attributes:
+        act_fn_name: the derivative to use, one of :data:`act_hf.ops.activation.ACTIVATION_NAMES`
+            (e.g. ``"gelu_tanh"`` for transformers' ``NewGELUActivation``/``FastGELUActivation``/``GELUTanh``,
+            ``"quick_gelu"`` for ``QuickGELUActivation``). Parameters (``negative_slope``, ``min_val``/``max_val``,
+            ``beta``/``threshold``, ``alpha``) are read from the module's attributes of those names when present.
+    """
+
+    act_fn_name: str | None = None
+
+    def act_configure(self, *, act_fn_name: str | None = None, **kwargs):
+        """Set ``act_fn_name`` (validated) and the :class:`ActModule` settings given."""
+        if act_fn_name is not None:
+            self.act_fn_name = check_activation_name(act_fn_name)
+        return super().act_configure(**kwargs)
+
+    def act_activation_spec(self) -> ActivationSpec | None:
+        """The derivative this module's backward uses, or ``None`` to run the original op."""
+        name = self.act_fn_name
+        if name is None:
+            raise ActHFValueError(
+                f"{type(self).__name__}.act_fn_name is not set; set it to one of: {', '.join(ACTIVATION_NAMES)}"
+            )
+        return _spec_from_module(check_activation_name(name), self)  # type: ignore[arg-type]
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        if args or kwargs or not isinstance(x, Tensor) or not self.act_enabled(x):
+            return super().forward(x, *args, **kwargs)
+        spec = self.act_activation_spec()
+        if spec is None:
+            return super().forward(x)
+        return act_activation(x, spec, self.act_settings("input"), fn=super().forward,
+                              inplace=bool(getattr(self, "inplace", False)))
+
+
+class ActGELUMixin(ActActivationMixin):
+    """``nn.GELU``: ``gelu`` or, with ``approximate="tanh"``, ``gelu_tanh``."""
+
+    def act_activation_spec(self) -> ActivationSpec | None:
+        return ActivationSpec("gelu_tanh" if self.approximate == "tanh" else "gelu")
+
+
+class ActSiLUMixin(ActActivationMixin):
+    """``nn.SiLU``."""
+
+    act_fn_name = "silu"
+
+
+class ActTanhMixin(ActActivationMixin):
+    """``nn.Tanh``."""
+
+    act_fn_name = "tanh"
+
+
+class ActSigmoidMixin(ActActivationMixin):
+    """``nn.Sigmoid``."""
+
+    act_fn_name = "sigmoid"
+
+
+class ActMishMixin(ActActivationMixin):
+    """``nn.Mish``."""
+
+    act_fn_name = "mish"
+
+
+class ActHardswishMixin(ActActivationMixin):
+    """``nn.Hardswish``."""
+
+    act_fn_name = "hardswish"
+
+
+class ActHardsigmoidMixin(ActActivationMixin):
+    """``nn.Hardsigmoid``."""
+
+    act_fn_name = "hardsigmoid"
+
+
+class ActELUMixin(ActActivationMixin):
+    """``nn.ELU`` (``alpha == 1`` only; other values run the original op)."""
+
+    act_fn_name = "elu"
+
+
+class ActSELUMixin(ActActivationMixin):
+    """``nn.SELU``."""
+
+    act_fn_name = "selu"
+
+
+class ActSoftplusMixin(ActActivationMixin):
+    """``nn.Softplus`` (any ``beta``: the table is evaluated at ``beta * x``)."""
+
+    act_fn_name = "softplus"
+
+
+class ActReLUMixin(ActActivationMixin):
+    """``nn.ReLU``: exact 1-bit derivative."""
+
+    act_fn_name = "relu"
+
+
+class ActLeakyReLUMixin(ActActivationMixin):
+    """``nn.LeakyReLU``: exact 1-bit derivative."""
+
+    act_fn_name = "leaky_relu"
+
+
+class ActReLU6Mixin(ActActivationMixin):
+    """``nn.ReLU6``: exact 1-bit derivative."""
+
+    act_fn_name = "relu6"
+
+
+class ActHardtanhMixin(ActActivationMixin):
+    """``nn.Hardtanh`` (any ``min_val < max_val``): exact 1-bit derivative."""
+
+    act_fn_name = "hardtanh"
+
+
+class ActGELU(ActGELUMixin, nn.GELU):
+    """``nn.GELU`` saving a few-bit derivative code."""
+
+
+class ActSiLU(ActSiLUMixin, nn.SiLU):
+    """``nn.SiLU`` saving a few-bit derivative code."""
+
+
+class ActTanh(ActTanhMixin, nn.Tanh):
+    """``nn.Tanh`` saving a few-bit derivative code."""
+
+
+class ActSigmoid(ActSigmoidMixin, nn.Sigmoid):
+    """``nn.Sigmoid`` saving a few-bit derivative code."""
+
+
+class ActMish(ActMishMixin, nn.Mish):
+    """``nn.Mish`` saving a few-bit derivative code."""
+
+
+class ActHardswish(ActHardswishMixin, nn.Hardswish):
+    """``nn.Hardswish`` saving a few-bit derivative code."""
+
+
+class ActHardsigmoid(ActHardsigmoidMixin, nn.Hardsigmoid):
+    """``nn.Hardsigmoid`` saving a few-bit derivative code."""
+
+
+class ActELU(ActELUMixin, nn.ELU):
+    """``nn.ELU`` saving a few-bit derivative code (``alpha == 1``)."""
+
+
+class ActSELU(ActSELUMixin, nn.SELU):
+    """``nn.SELU`` saving a few-bit derivative code."""
+
+
+class ActSoftplus(ActSoftplusMixin, nn.Softplus):
+    """``nn.Softplus`` saving a few-bit derivative code."""
+
+
+class ActReLU(ActReLUMixin, nn.ReLU):
+    """``nn.ReLU`` saving a 1-bit mask (exact gradient)."""
+
+
+class ActLeakyReLU(ActLeakyReLUMixin, nn.LeakyReLU):
+    """``nn.LeakyReLU`` saving a 1-bit mask (exact gradient)."""
+
+
+class ActReLU6(ActReLU6Mixin, nn.ReLU6):
+    """``nn.ReLU6`` saving a 1-bit mask (exact gradient)."""
+
+
+class ActHardtanh(ActHardtanhMixin, nn.Hardtanh):
+    """``nn.Hardtanh`` saving a 1-bit mask (exact gradient)."""
+
+
+def _gelu_name(module: nn.Module) -> str:
+    return "gelu_tanh" if getattr(module, "approximate", "none") == "tanh" else "gelu"
+
+
+#: ``torch.nn`` activation class -> ``(mixin, derivative)``; the derivative is a name from
+#: :data:`act_hf.ops.activation.ACTIVATION_NAMES` or a callable ``module -> name`` (``nn.GELU``). Look up the
+#: exact ``type(module)``; convert with ``act_hf.nn._base.convert(module, mixin, ...)``.
+TORCH_ACTIVATIONS: dict[type, tuple[type, str | Callable[[nn.Module], str]]] = {}
+
+for _original, _mixin, _cls, _name in (
+    (nn.GELU, ActGELUMixin, ActGELU, _gelu_name),
+    (nn.SiLU, ActSiLUMixin, ActSiLU, "silu"),
+    (nn.Tanh, ActTanhMixin, ActTanh, "tanh"),
+    (nn.Sigmoid, ActSigmoidMixin, ActSigmoid, "sigmoid"),
+    (nn.Mish, ActMishMixin, ActMish, "mish"),
+    (nn.Hardswish, ActHardswishMixin, ActHardswish, "hardswish"),
+    (nn.Hardsigmoid, ActHardsigmoidMixin, ActHardsigmoid, "hardsigmoid"),
+    (nn.ELU, ActELUMixin, ActELU, "elu"),
+    (nn.SELU, ActSELUMixin, ActSELU, "selu"),
+    (nn.Softplus, ActSoftplusMixin, ActSoftplus, "softplus"),
+    (nn.ReLU, ActReLUMixin, ActReLU, "relu"),
+    (nn.LeakyReLU, ActLeakyReLUMixin, ActLeakyReLU, "leaky_relu"),
+    (nn.ReLU6, ActReLU6Mixin, ActReLU6, "relu6"),
+    (nn.Hardtanh, ActHardtanhMixin, ActHardtanh, "hardtanh"),
+):
+    register_act_class(_original, _mixin, _cls)
+    TORCH_ACTIVATIONS[_original] = (_mixin, _name)
+del _original, _mixin, _cls, _name

@@ -1,0 +1,305 @@
+"""Elementwise activations whose backward context is a few-bit derivative code.
+
+Forward is the original op, called as is (the same torch function, or the original module's own ``forward``),
+so the output is bit-identical and in-place activations stay in place. The context is not ``x`` but the
+``b``-bit index of ``x``'s interval in an optimal piecewise-constant approximation of ``f'``
+(:mod:`act_hf.fewbit`, Novikov et al., 2022), packed into a dense stream of ``b`` bits an element with
+:func:`act_hf.compress.pack_bits` (no metadata). Backward is ``grad * table.values[code]`` in ``grad``'s dtype.
+
+Bits. At 1..4 bits the context is the few-bit code of the optimal derivative table of that width, and 5 bits
+use the 4-bit table. At 6..8 bits the context is the input quantized at that width through the context store
+(ActNN style), and backward evaluates the exact derivative at the dequantized input, so ``bits=8`` is close to
+exact. The switch point is measured: relative error of ``grad * f'(x)`` for GELU, x ~ N(0, s^2), group 256:
+
+    bits            4      5      6      7      8
+    table (s=1)   0.036  0.036  0.036  0.036  0.036     quantized input (s=1)  0.120  0.059  0.029  0.014  0.007
+    table (s=2)   0.054  0.054  0.054  0.054  0.054     quantized input (s=2)  0.165  0.081  0.040  0.020  0.010 The ReLU family is piecewise
+linear, so 1 bit is exact for it whatever ``settings.bits`` says:
+
+=============  ==========================================  ====================================
+name           code (1 bit)                                backward (identical to PyTorch's)
+=============  ==========================================  ====================================
+``relu``       ``not (x <= 0)``                            ``where(code, grad, 0)``
+``leaky_relu`` ``x > 0``                                   ``where(code, grad, grad * slope)``
+``relu6``      ``not (x <= 0 or x >= 6)``                  ``where(code, grad, 0)``
+``hardtanh``   ``not (x <= min_val or x >= max_val)``      ``where(code, grad, 0)``
+=============  ==========================================  ====================================
+
+In place. The code is computed from ``x`` *before* the forward function runs, so a function that modifies
+its input (``nn.ReLU(inplace=True)``, timm's in-place swish, ...) works: the input is marked dirty and
+returned, exactly as the original in-place op returns it.
+
+"Store once". An activation's output is usually the next Linear's input, which that Linear quantizes itself
+through the context store; the activation saves only its own codes (never shared, never the output), so the
+pair costs ``b`` bits plus the Linear's quantized input per element.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .. import fewbit
+from ..compress import dequantize, pack_bits, unpack_bits
+from ..context import store
+from ..errors import ActHFRuntimeError, ActHFValueError
+from ._saving import OpSettings, load_context, save_context
+
+__all__ = [
+    "ACTIVATION_NAMES",
+    "EXACT_ACTIVATIONS",
+    "MAX_TABLE_BITS",
+    "ActActivationFunction",
+    "ActivationSpec",
+    "act_activation",
+    "check_activation_name",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Piecewise-linear activations whose derivative is exact at 1 bit.
+EXACT_ACTIVATIONS: tuple[str, ...] = ("relu", "leaky_relu", "relu6", "hardtanh")
+
+#: Every name :class:`ActivationSpec` accepts: the few-bit tables of :mod:`act_hf.fewbit` and the exact ones.
+ACTIVATION_NAMES: tuple[str, ...] = tuple(fewbit.SUPPORTED_ACTIVATIONS) + EXACT_ACTIVATIONS
+
+#: Widest derivative table; 5 bits use it too.
+MAX_TABLE_BITS = max(fewbit.SUPPORTED_BITS)
+#: From this width on, the quantized input beats the widest table (see the module docstring).
+QUANTIZED_INPUT_MIN_BITS = 6
+
+_QUICK_GELU_COEF = 1.702
+
+
+def check_activation_name(name: object, argument: str = "act_fn_name") -> str:
+    """Validate an activation name.
+
+    Args:
+        name: the name to check.
+        argument: the argument's name, used in the error message.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        ActHFValueError: ``name`` is not in :data:`ACTIVATION_NAMES` (the message lists them).
+    """
+    if not isinstance(name, str) or name not in ACTIVATION_NAMES:
+        raise ActHFValueError(
+            f"{argument}={name!r} is not a supported activation; supported names: {', '.join(ACTIVATION_NAMES)}"
+        )
+    return name
+
+
+def _pack_codes(codes: Tensor, bits: int, slot: str, original_nbytes: int) -> Tensor:
+    """``pack_bits(codes, bits)`` in a storage of exactly ``ceil(numel * bits / 8)`` bytes, labelled for
+    :func:`act_hf.track_saved` with its slot and the bytes PyTorch would have saved instead."""
+    payload = pack_bits(codes, bits)
+    if payload.untyped_storage().nbytes() != payload.numel():  # a view into a padded buffer: keep only the stream
+        payload = payload.clone()
+    store.register((payload,), slot=slot, original_nbytes=original_nbytes)
+    return payload
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """Which derivative an activation's backward needs, and how its reference forward is called.
+
+    Attributes:
+        name: one of :data:`ACTIVATION_NAMES` (``"gelu_tanh"`` for every tanh approximation of GELU).
+        negative_slope: ``leaky_relu`` only.
+        min_val: ``hardtanh`` only.
+        max_val: ``hardtanh`` only.
+        beta: ``softplus`` only: ``f'(x) = sigmoid(beta * x)``, so ``beta * x`` is encoded with the table.
+        threshold: ``softplus`` forward only (above it torch's derivative is exactly 1, the table's top piece
+            about 1).
+    """
+
+    name: str
+    negative_slope: float = 0.01
+    min_val: float = -1.0
+    max_val: float = 1.0
+    beta: float = 1.0
+    threshold: float = 20.0
+
+    def __post_init__(self) -> None:
+        check_activation_name(self.name, "name")
+        if self.name == "hardtanh" and not self.min_val < self.max_val:
+            raise ActHFValueError(f"hardtanh needs min_val < max_val, got {self.min_val} and {self.max_val}")
+
+    @property
+    def exact(self) -> bool:
+        """Whether the 1-bit code gives the exact derivative (the ReLU family)."""
+        return self.name in EXACT_ACTIVATIONS
+
+    def code_bits(self, bits: int) -> int:
+        """Bits per element of the saved code: 1 for the ReLU family, else ``bits`` clipped to 1..4."""
+        return 1 if self.exact else min(max(int(bits), 1), MAX_TABLE_BITS)
+
+    def uses_quantized_input(self, bits: int) -> bool:
+        """Whether the context at ``bits`` is the quantized input (6..8 bits) instead of a table code."""
+        return not self.exact and bits >= QUANTIZED_INPUT_MIN_BITS
+
+    def derivative(self, x: Tensor) -> Tensor:
+        """The exact ``f'(x)`` in ``x``'s dtype (for the quantized-input context)."""
+        if self.name == "softplus" and self.beta != 1.0:
+            return fewbit.derivative(self.name, x * self.beta)
+        return fewbit.derivative(self.name, x)
+
+    def table(self, bits: int) -> fewbit.DerivativeTable:
+        """The derivative table used at ``bits`` (few-bit activations only)."""
+        return fewbit.get_table(self.name, self.code_bits(bits))
+
+    def forward(self, x: Tensor, inplace: bool = False) -> Tensor:
+        """The original op: the same torch call as the corresponding ``nn`` module / transformers formula."""
+        n = self.name
+        if n == "gelu":
+            return F.gelu(x)
+        if n == "gelu_tanh":
+            return F.gelu(x, approximate="tanh")
+        if n == "quick_gelu":
+            return x * torch.sigmoid(_QUICK_GELU_COEF * x)
+        if n == "silu":
+            return F.silu(x, inplace=inplace)
+        if n == "tanh":
+            return x.tanh_() if inplace else torch.tanh(x)
+        if n == "sigmoid":
+            return x.sigmoid_() if inplace else torch.sigmoid(x)
+        if n == "softplus":
+            return F.softplus(x, self.beta, self.threshold)
+        if n == "mish":
+            return F.mish(x, inplace=inplace)
+        if n == "elu":
+            return F.elu(x, 1.0, inplace=inplace)
+        if n == "hardswish":
+            return F.hardswish(x, inplace=inplace)
+        if n == "hardsigmoid":
+            return F.hardsigmoid(x, inplace=inplace)
+        if n == "selu":
+            return F.selu(x, inplace=inplace)
+        if n == "relu":
+            return F.relu(x, inplace=inplace)
+        if n == "leaky_relu":
+            return F.leaky_relu(x, self.negative_slope, inplace=inplace)
+        if n == "relu6":
+            return F.relu6(x, inplace=inplace)
+        return F.hardtanh(x, self.min_val, self.max_val, inplace=inplace)
+
+    def encode(self, x: Tensor, bits: int) -> Tensor:
+        """The code of every element of ``x`` (``bool`` for the ReLU family, ``uint8`` table indices else)."""
+        n = self.name
+        if n == "relu":
+            return ~(x <= 0)
+        if n == "leaky_relu":
+            return x > 0
+        if n in ("relu6", "hardtanh"):
+            lo, hi = (0.0, 6.0) if n == "relu6" else (self.min_val, self.max_val)
+            return ~((x <= lo) | (x >= hi))
+        if n == "softplus" and self.beta != 1.0:
+            x = x * self.beta
+        return fewbit.encode(x, self.table(bits))
+
+    def grad_input(self, grad: Tensor, codes: Tensor, bits: int) -> Tensor:
+        """``grad * f'(x)`` from the codes, in ``grad``'s dtype (exact for the ReLU family)."""
+        if self.exact:
+            mask = codes.bool()
+            if self.name == "leaky_relu":
+                return torch.where(mask, grad, grad * self.negative_slope)
+            return torch.where(mask, grad, grad.new_zeros(()))
+        return grad * fewbit.decode(codes, self.table(bits), grad.dtype)
+
+
+class ActActivationFunction(torch.autograd.Function):
+    """``y = fn(x)`` for an elementwise activation; saves only the packed derivative code of ``x``.
+
+    Saves (when ``x`` needs a gradient): at 1..5 bits (always for the ReLU family) one ``uint8`` tensor of
+    ``ceil(numel * b / 8)`` bytes, the codes of :meth:`ActivationSpec.encode` packed at
+    ``b = spec.code_bits(settings.bits)`` bits; at 6..8 bits ``quantize(x)`` at that width, shared through the
+    context store. Nothing else: neither ``x`` nor ``y``.
+
+    ``fn`` must compute the activation ``spec`` describes; it may modify ``x`` in place (it then has to return
+    ``x``, which is marked dirty). Codes are taken before ``fn`` runs.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, spec: ActivationSpec, fn: Callable[[Tensor], Tensor], settings: OpSettings) -> Tensor:
+        need = ctx.needs_input_grad[0]
+        ctx.quantized_input = spec.uses_quantized_input(settings.bits)
+        bits = settings.bits if ctx.quantized_input else spec.code_bits(settings.bits)
+        codes = packed = None
+        if need and ctx.quantized_input:  # before fn: fn may overwrite x
+            packed = store.compress(x, slot=settings.slot, bits=bits, group_size=settings.group_size)
+        elif need:
+            codes = spec.encode(x, bits)
+        version = x._version
+        out = fn(x)
+        if x._version != version:
+            if out is not x:
+                raise ActHFRuntimeError(
+                    f"activation {spec.name!r} modified its input in place but returned another tensor; "
+                    "an in-place activation must return its input"
+                )
+            ctx.mark_dirty(x)
+        if packed is not None:
+            save_context(ctx, packed)
+        elif need:
+            save_context(ctx, _pack_codes(codes, bits, settings.slot, x.numel() * x.element_size()))
+        ctx.spec, ctx.bits, ctx.shape = spec, bits, x.shape
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        (saved,) = load_context(ctx)
+        if ctx.quantized_input:
+            return grad_out * ctx.spec.derivative(dequantize(saved)).to(grad_out.dtype), None, None, None
+        codes = unpack_bits(saved, ctx.bits, grad_out.numel()).view(ctx.shape)
+        return ctx.spec.grad_input(grad_out, codes, ctx.bits), None, None, None
+
+
+def _inplace_would_fail(x: Tensor) -> bool:
+    """Whether autograd refuses an in-place op on ``x`` (a leaf, or a view of a leaf, that requires grad)."""
+    if not x.requires_grad or not torch.is_grad_enabled():
+        return False
+    base = x._base if x._is_view() else None
+    return x.is_leaf or (base is not None and base.is_leaf and base.requires_grad)
+
+
+def act_activation(
+    x: Tensor,
+    spec: ActivationSpec | str,
+    settings: OpSettings,
+    *,
+    fn: Callable[[Tensor], Tensor] | None = None,
+    inplace: bool = False,
+) -> Tensor:
+    """Apply an activation, saving its few-bit derivative code for backward.
+
+    Args:
+        x: input tensor (any floating dtype and shape).
+        spec: an :class:`ActivationSpec`, or a name from :data:`ACTIVATION_NAMES` with default parameters.
+        settings: slot name and bits (``settings.bits`` clipped to 1..4; ignored for the ReLU family).
+        fn: the original forward (e.g. a module's own ``forward``); defaults to :meth:`ActivationSpec.forward`.
+        inplace: whether ``fn`` (or the default forward) modifies ``x`` in place.
+
+    Returns:
+        The original op's output (``x`` itself when in place).
+
+    Raises:
+        ActHFValueError: unknown activation name (the message lists the supported ones).
+    """
+    if isinstance(spec, str):
+        spec = ActivationSpec(spec)
+    elif not isinstance(spec, ActivationSpec):
+        raise ActHFValueError(f"spec must be an ActivationSpec or a name, got {type(spec).__name__}")
+    if fn is None:
+        fn = spec.forward if not inplace else (lambda t: spec.forward(t, inplace=True))
+    if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and _inplace_would_fail(x)):
+        return fn(x)  # nothing to save, or the original op raises autograd's in-place error itself
+    return ActActivationFunction.apply(x, spec, fn, settings)

@@ -1,0 +1,223 @@
+"""Max pooling whose backward context is the argmax position inside each window, packed at a few bits.
+
+PyTorch's max pooling saves the input *and* an ``int64`` index per output element. The gradient needs only
+where each maximum was, and that is one of ``K = prod(kernel_size)`` positions of its window: act_hf saves
+that position, packed at ``b = max(1, ceil(log2(K)))`` bits (2 bits for 2x2 windows, 4 for 3x3, 5 for
+3x3x3), and nothing else: ``ceil(n_out * b / 8)`` bytes.
+
+Forward runs ``aten.max_pool{2,3}d_with_indices``, the op ``F.max_pool{1,2,3}d`` itself runs when its input
+requires grad (1-d pooling goes through the 2-d op on ``x.unsqueeze(-2)``, as in ATen), so the output is
+identical. Backward rebuilds PyTorch's flat indices from the window positions (window start
+``o * stride - padding``, tap ``k * dilation``) and calls ``aten.max_pool{2,3}d_with_indices_backward`` with
+a stride-0 placeholder of the input's shape: the gradient is bit-identical to the original's, overlapping
+windows included (the same kernel accumulates in the same order). Its memory format is the kernel's default
+(contiguous) even for a channels-last input.
+
+Any padding, stride, dilation and ``ceil_mode`` are supported. The original op runs unchanged for
+``return_indices=True`` (the caller holds the ``int64`` indices anyway) and for windows of more than 256
+positions (codes wider than 8 bits).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ..compress import unpack_bits
+from ..errors import ActHFValueError
+from ._saving import OpSettings
+from .activation import _pack_codes
+
+__all__ = ["MAX_WINDOW", "ActMaxPoolFunction", "act_max_pool", "act_max_pool1d", "act_max_pool2d", "act_max_pool3d",
+           "window_bits"]
+
+logger = logging.getLogger(__name__)
+
+#: Largest window (``prod(kernel_size)``) whose positions fit the 8-bit codes.
+MAX_WINDOW = 256
+
+_ORIGINAL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+def window_bits(kernel_size: Sequence[int]) -> int:
+    """Bits of a window-position code: ``max(1, ceil(log2(prod(kernel_size))))``."""
+    return max(1, math.ceil(math.log2(math.prod(kernel_size))))
+
+
+def _tuple(value, nd: int, name: str) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * nd
+    try:
+        out = tuple(int(v) for v in value)
+    except TypeError:
+        raise ActHFValueError(f"{name} must be an int or a sequence of {nd} ints, got {value!r}") from None
+    if len(out) == 1:
+        out = out * nd
+    if len(out) != nd:
+        raise ActHFValueError(f"{name} must be an int or a sequence of {nd} ints, got {value!r}")
+    return out
+
+
+def _window_starts(out_sizes, stride, padding, device) -> list[Tensor]:
+    """Per spatial dim, ``o * stride - padding`` shaped to broadcast against the output's spatial dims."""
+    nd = len(out_sizes)
+    starts = []
+    for d in range(nd):
+        view = [1] * nd
+        view[d] = out_sizes[d]
+        starts.append((torch.arange(out_sizes[d], device=device) * stride[d] - padding[d]).view(view))
+    return starts
+
+
+def _indices_to_codes(indices: Tensor, in_sizes, kernel, stride, padding, dilation) -> Tensor:
+    """PyTorch's flat per-plane argmax indices -> the position of the argmax inside its window (``uint8``)."""
+    starts = _window_starts(indices.shape[-len(in_sizes):], stride, padding, indices.device)
+    rest = indices
+    code = torch.zeros_like(indices)
+    weight = 1
+    for d in reversed(range(len(in_sizes))):
+        coord = rest % in_sizes[d]
+        rest = rest // in_sizes[d]
+        code += (coord - starts[d]) // dilation[d] * weight
+        weight *= kernel[d]
+    return code.to(torch.uint8)
+
+
+def _codes_to_indices(code: Tensor, in_sizes, kernel, stride, padding, dilation) -> Tensor:
+    """Inverse of :func:`_indices_to_codes`: flat ``int64`` indices into each input plane."""
+    starts = _window_starts(code.shape[-len(in_sizes):], stride, padding, code.device)
+    rest = code.to(torch.int64)
+    index = torch.zeros_like(rest)
+    plane = 1
+    for d in reversed(range(len(in_sizes))):
+        tap = rest % kernel[d]
+        rest = rest // kernel[d]
+        index += (starts[d] + tap * dilation[d]) * plane
+        plane *= in_sizes[d]
+    return index
+
+
+class ActMaxPoolFunction(torch.autograd.Function):
+    """N-d max pooling (N = 1, 2, 3; without returned indices); saves only the packed window positions.
+
+    Saves (when ``x`` needs a gradient): one ``uint8`` tensor of ``ceil(n_out * b / 8)`` bytes, the argmax
+    position within each window packed at ``b = window_bits(kernel_size)`` bits. Shapes and pooling arguments
+    are kept as Python attributes.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
+                dilation: tuple[int, ...], ceil_mode: bool, slot: str) -> Tensor:
+        nd = len(kernel)
+        if nd == 1:  # as ATen: 1-d pooling is the 2-d op on a height-1 input
+            out, indices = torch.ops.aten.max_pool2d_with_indices(
+                x.unsqueeze(-2), [1, kernel[0]], [1, stride[0]], [0, padding[0]], [1, dilation[0]], ceil_mode)
+            out, indices = out.squeeze(-2), indices.squeeze(-2)
+        elif nd == 2:
+            out, indices = torch.ops.aten.max_pool2d_with_indices(
+                x, list(kernel), list(stride), list(padding), list(dilation), ceil_mode)
+        else:
+            out, indices = torch.ops.aten.max_pool3d_with_indices(
+                x, list(kernel), list(stride), list(padding), list(dilation), ceil_mode)
+        ctx.args = (kernel, stride, padding, dilation, ceil_mode)
+        ctx.input_shape = x.shape
+        ctx.bits = window_bits(kernel)
+        if ctx.needs_input_grad[0]:
+            codes = _indices_to_codes(indices, x.shape[-nd:], kernel, stride, padding, dilation)
+            del indices
+            # PyTorch keeps the input and an int64 index per output element
+            payload = _pack_codes(codes, ctx.bits, slot or "max_pool:indices",
+                                  x.numel() * x.element_size() + out.numel() * 8)
+            ctx.save_for_backward(payload)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        (payload,) = ctx.saved_tensors
+        kernel, stride, padding, dilation, ceil_mode = ctx.args
+        nd = len(kernel)
+        codes = unpack_bits(payload, ctx.bits, grad_out.numel()).view(grad_out.shape)
+        indices = _codes_to_indices(codes, ctx.input_shape[-nd:], kernel, stride, padding, dilation)
+        placeholder = grad_out.new_zeros(()).expand(ctx.input_shape)
+        if nd == 1:
+            grad = torch.ops.aten.max_pool2d_with_indices_backward(
+                grad_out.unsqueeze(-2), placeholder.unsqueeze(-2), [1, kernel[0]], [1, stride[0]], [0, padding[0]],
+                [1, dilation[0]], ceil_mode, indices.unsqueeze(-2)).squeeze(-2)
+        elif nd == 2:
+            grad = torch.ops.aten.max_pool2d_with_indices_backward(
+                grad_out, placeholder, list(kernel), list(stride), list(padding), list(dilation), ceil_mode, indices)
+        else:
+            grad = torch.ops.aten.max_pool3d_with_indices_backward(
+                grad_out, placeholder, list(kernel), list(stride), list(padding), list(dilation), ceil_mode, indices)
+        return grad, None, None, None, None, None, None
+
+
+def act_max_pool(
+    x: Tensor,
+    nd: int,
+    kernel_size,
+    stride=None,
+    padding=0,
+    dilation=1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+    *,
+    settings: OpSettings | None = None,
+):
+    """``F.max_pool{nd}d`` with the same arguments and output, saving packed window positions for backward.
+
+    Args:
+        x: input of ``nd + 1`` (unbatched) or ``nd + 2`` dims.
+        nd: number of spatial dims, 1, 2 or 3.
+        kernel_size, stride, padding, dilation: an int or ``nd`` ints each (``stride`` ``None`` or empty:
+            ``kernel_size``).
+        ceil_mode: ceil instead of floor for the output size.
+        return_indices: ``True`` runs the original op (and returns its indices).
+        settings: only its ``slot`` is used (to name the saved codes in :func:`act_hf.track_saved`).
+
+    Returns:
+        The pooled tensor (with indices when ``return_indices``).
+
+    Raises:
+        ActHFValueError: ``nd`` not 1..3 or malformed pooling arguments; PyTorch's own errors for invalid
+        combinations (e.g. padding larger than half the kernel).
+    """
+    if nd not in _ORIGINAL:
+        raise ActHFValueError(f"nd must be 1, 2 or 3, got {nd!r}")
+    if return_indices or not (torch.is_grad_enabled() and x.requires_grad):
+        return _ORIGINAL[nd](x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
+                             return_indices=return_indices)
+    kernel = _tuple(kernel_size, nd, "kernel_size")
+    stride_t = kernel if stride is None or (not isinstance(stride, int) and len(stride) == 0) else _tuple(
+        stride, nd, "stride")
+    padding_t = _tuple(padding, nd, "padding")
+    dilation_t = _tuple(dilation, nd, "dilation")
+    if math.prod(kernel) > MAX_WINDOW or min(kernel) <= 0:
+        return _ORIGINAL[nd](x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode)
+    return ActMaxPoolFunction.apply(x, kernel, stride_t, padding_t, dilation_t, bool(ceil_mode),
+                                    settings.slot if settings is not None else "")
+
+
+def act_max_pool1d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+                   return_indices: bool = False, *, settings: OpSettings | None = None):
+    """:func:`act_max_pool` for 1 spatial dim (``F.max_pool1d``)."""
+    return act_max_pool(x, 1, kernel_size, stride, padding, dilation, ceil_mode, return_indices, settings=settings)
+
+
+def act_max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+                   return_indices: bool = False, *, settings: OpSettings | None = None):
+    """:func:`act_max_pool` for 2 spatial dims (``F.max_pool2d``)."""
+    return act_max_pool(x, 2, kernel_size, stride, padding, dilation, ceil_mode, return_indices, settings=settings)
+
+
+def act_max_pool3d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+                   return_indices: bool = False, *, settings: OpSettings | None = None):
+    """:func:`act_max_pool` for 3 spatial dims (``F.max_pool3d``)."""
+    return act_max_pool(x, 3, kernel_size, stride, padding, dilation, ceil_mode, return_indices, settings=settings)
