@@ -26,6 +26,9 @@ test-cuda: install
 build-ext: install
 	TORCH_CUDA_ARCH_LIST="$(ARCH)" $(BIN)/act-hf build-ext
 
+demo: install
+	$(BIN)/python examples/demo.py $(DEMO_ARGS)
+
 bench-quantize: install
 	$(BIN)/python benchmarks/benchmark_quantize.py
 

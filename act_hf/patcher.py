@@ -27,6 +27,7 @@ __all__ = [
     "Rule",
     "family_of",
     "generic_rules",
+    "is_selected",
     "patch",
     "patch_modules",
     "register_patch",
@@ -132,7 +133,8 @@ def _matches(path: str, patterns: str | list[str] | None) -> bool:
     return any(path == p or path.endswith("." + p) for p in patterns)
 
 
-def _selected(module: nn.Module, path: str, config: ActConfig, head_paths: Iterable[str]) -> bool:
+def is_selected(module: nn.Module, path: str, config: ActConfig, head_paths: Iterable[str]) -> bool:
+    """Whether ``config``'s targeting (target/exclude patterns, head exclusion, filter function) keeps ``path``."""
     if config.target_modules is not None and not _matches(path, config.target_modules):
         return False
     if _matches(path, config.exclude_modules):
@@ -159,7 +161,7 @@ def patch_modules(model: nn.Module, config: ActConfig, *, rules: list[Rule] = ()
     head_paths = tuple(head_paths)
     patched = []
     for path, module in model.named_modules():
-        if isinstance(module, ActModule) or not _selected(module, path, config, head_paths):
+        if isinstance(module, ActModule) or not is_selected(module, path, config, head_paths):
             continue
         for rule in all_rules:
             if rule.kind in config.kinds and rule.match(module):

@@ -12,7 +12,7 @@ from transformers import activations as hf_act
 from transformers.pytorch_utils import Conv1D
 
 from act_hf.config import ActConfig
-from act_hf.patcher import Rule, add_cleanup, hf_head_paths, patch_modules
+from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules
 
 __all__ = ["HF_ACTIVATIONS", "hf_rules", "patch_hf", "rms_norm_rule"]
 
@@ -67,11 +67,11 @@ def hf_rules() -> list[Rule]:
 
 
 def _enable_attention(model: nn.Module, config: ActConfig, head_paths: list[str]) -> list[str]:
-    """Mark the attention modules (outside the head) and switch the model to act_hf's attention functions."""
+    """Mark the selected attention modules and switch the model to act_hf's attention functions."""
     from . import _hf_attention
 
     modules = [(path, m) for path, m in _hf_attention.find_attention_modules(model)
-               if not any(path == h or path.startswith(h + ".") for h in head_paths)]
+               if is_selected(m, path, config, head_paths)]
     if not modules or not _hf_attention.enable(model):
         return []
     for path, module in modules:
@@ -103,5 +103,5 @@ def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), att
     heads = hf_head_paths(model) if head_paths is None else head_paths
     patched = patch_modules(model, config, rules=list(rules) + hf_rules() + [rms_norm_rule()], head_paths=heads)
     if attention and "attention" in config.kinds:
-        patched += _enable_attention(model, config, heads if config.exclude_head else [])
+        patched += _enable_attention(model, config, heads)
     return patched

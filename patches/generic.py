@@ -45,14 +45,14 @@ def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
         if not isinstance(m, ActModule) and not list(m.children()) and not isinstance(m, _CONTEXT_FREE)
     })
     hooks = config.fallback_hooks
-    if left:
-        warnings.warn(
-            f"act_hf has no family for {type(model).__name__}; patched {len(patched)} known modules. Module types "
-            f"it could not compress: {left}"
-            + (". Their saved tensors are compressed through saved-tensor hooks instead." if hooks else "."),
-            ActHFWarning,
-            stacklevel=3,
-        )
+    warnings.warn(
+        f"act_hf has no family for {type(model).__name__}; patched {len(patched)} known modules. Module types it "
+        f"could not compress: {left or 'none'}. "
+        + ("The other tensors its forward saves are compressed through saved-tensor hooks." if hooks
+           else "The other tensors its forward saves stay uncompressed (fallback_hooks=False)."),
+        ActHFWarning,
+        stacklevel=3,
+    )
     if hooks:
         handles = install_fallback_hooks(model, bits=config.default_bits, group_size=config.group_size)
         add_cleanup(model, lambda: [h.remove() for h in handles])

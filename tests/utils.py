@@ -32,3 +32,30 @@ def assert_verbose_allclose(actual: torch.Tensor, expected: torch.Tensor, *, ato
         f"Inf actual/expected {int(a.isinf().sum())}/{int(e.isinf().sum())}"
     )
     raise AssertionError(msg)
+
+
+def assert_grads_match(ref: torch.nn.Module, model: torch.nn.Module, *, cos: float = 0.999, tol: float = 1e-3,
+                       name: str = "") -> float:
+    """Per-parameter gradient agreement of a patched model with its unpatched twin.
+
+    Each parameter's gradient must have cosine >= ``cos`` with the reference, or differ from it by at most
+    ``tol`` times the norm of the whole reference gradient. The second clause covers gradients that are
+    (structurally) almost zero, where the direction is rounding noise: a bias in front of a training-mode
+    BatchNorm, whose mean subtraction cancels it; an attention output projection of a random-init model,
+    whose gradient is a sum of nearly cancelling terms. Returns the worst cosine among the parameters that
+    carry at least 1% of the total gradient norm.
+    """
+    pairs = [(n, pr.grad, pa.grad) for (n, pr), pa in zip(ref.named_parameters(), model.parameters())
+             if pr.grad is not None or pa.grad is not None]
+    total = math.sqrt(sum(gr.double().norm().item() ** 2 for _, gr, _ in pairs if gr is not None)) or 1.0
+    worst = 1.0
+    for n, gr, ga in pairs:
+        assert gr is not None and ga is not None, f"{name} {n}: gradient present on one side only"
+        assert ga.dtype == gr.dtype, f"{name} {n}: gradient dtype {ga.dtype} != {gr.dtype}"
+        c = torch.nn.functional.cosine_similarity(gr.flatten().double(), ga.flatten().double(), 0).item()
+        err = (gr.double() - ga.double()).norm().item()
+        if gr.double().norm().item() >= 0.01 * total:
+            worst = min(worst, c)
+        assert c >= cos or err <= tol * total, (
+            f"{name} {n}: cosine {c:.5f}, error {err:.3g} = {err / total:.2g} of the total gradient norm")
+    return worst

@@ -536,7 +536,7 @@ def test_batch_norm_act_zero_gamma_falls_back():
     with torch.no_grad():
         bn.weight.zero_()
     act = _act(bn, ActBatchNormActMixin, act_activation="leaky_relu", act_activation_param=0.1)
-    x = torch.randn(2, 4, 3, 3)
+    x = torch.randn(2, 4, 5, 5)  # 50 values per channel: above MIN_VALUES_PER_CHANNEL
     with track_saved(act) as saved:
         y, gx, gp = _run(act, x, torch.randn_like(x))
     assert torch.equal(y, F.leaky_relu(bn(x), 0.1))

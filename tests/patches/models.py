@@ -1,0 +1,192 @@
+"""Tiny real HF and timm models built from configs (random weights), for the family tests.
+
+Each factory takes ``dropout`` (probability for every dropout in the model) and returns ``(model, inputs)``
+where ``inputs`` is a dict for ``model(**inputs)`` with labels, so ``.loss`` exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def _text_inputs(vocab: int, batch=2, seq=12, labels=None, pad_last=True):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if pad_last:
+        mask[-1, seq - 3 :] = 0  # a padded row: padding masks reach attention
+    out = {"input_ids": ids, "attention_mask": mask}
+    if labels == "cls":
+        out["labels"] = torch.tensor([0, 1][:batch])
+    elif labels == "lm":
+        out["labels"] = ids.clone()
+    elif labels == "tok":
+        out["labels"] = torch.randint(0, 2, (batch, seq), generator=g)
+    return out
+
+
+def _image_inputs(size=32, batch=2, channels=3):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch, channels, size, size, generator=g)
+
+
+def bert(dropout=0.0, head="SequenceClassification", model_type="bert"):
+    import transformers as tf
+
+    cfg_cls = {"bert": tf.BertConfig, "roberta": tf.RobertaConfig, "xlm-roberta": tf.XLMRobertaConfig}[model_type]
+    cfg = cfg_cls(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, max_position_embeddings=64,
+                  num_labels=2, pad_token_id=1)
+    prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[model_type]
+    model = getattr(tf, f"{prefix}For{head}")(cfg)
+    labels = {"SequenceClassification": "cls", "MaskedLM": "lm", "TokenClassification": "tok",
+              "QuestionAnswering": None}[head]
+    inputs = _text_inputs(99, labels=labels)
+    if head == "QuestionAnswering":
+        inputs |= {"start_positions": torch.tensor([1, 2]), "end_positions": torch.tensor([3, 4])}
+    return model, inputs
+
+
+def distilbert(dropout=0.0):
+    import transformers as tf
+
+    cfg = tf.DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=64, dropout=dropout,
+                              attention_dropout=dropout, max_position_embeddings=64, seq_classif_dropout=dropout)
+    return tf.DistilBertForSequenceClassification(cfg), _text_inputs(99, labels="cls")
+
+
+def albert(dropout=0.0):
+    import transformers as tf
+
+    cfg = tf.AlbertConfig(vocab_size=99, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=dropout,
+                          attention_probs_dropout_prob=dropout, classifier_dropout_prob=dropout,
+                          max_position_embeddings=64)
+    return tf.AlbertForSequenceClassification(cfg), _text_inputs(99, labels="cls")
+
+
+def gpt2(dropout=0.0):
+    import transformers as tf
+
+    cfg = tf.GPT2Config(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout)
+    return tf.GPT2LMHeadModel(cfg), _text_inputs(99, labels="lm", pad_last=False)
+
+
+def llama(dropout=0.0, model_type="llama"):
+    import transformers as tf
+
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[model_type]
+    cfg = getattr(tf, f"{prefix}Config")(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         attention_dropout=dropout, pad_token_id=0)
+    return getattr(tf, f"{prefix}ForCausalLM")(cfg), _text_inputs(99, labels="lm", pad_last=False)
+
+
+def t5(dropout=0.0):
+    import transformers as tf
+
+    cfg = tf.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=dropout,
+                      decoder_start_token_id=0, pad_token_id=0)
+    inputs = _text_inputs(99, labels="lm")
+    return tf.T5ForConditionalGeneration(cfg), inputs
+
+
+def vit_hf(dropout=0.0):
+    import transformers as tf
+
+    cfg = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                       num_labels=3)
+    return tf.ViTForImageClassification(cfg), {"pixel_values": _image_inputs(), "labels": torch.tensor([0, 2])}
+
+
+def swin_hf(dropout=0.0):
+    import transformers as tf
+
+    cfg = tf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4,
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, drop_path_rate=0.0,
+                        num_labels=3)
+    return tf.SwinForImageClassification(cfg), {"pixel_values": _image_inputs(), "labels": torch.tensor([0, 2])}
+
+
+def convnext_hf(dropout=0.0):
+    import transformers as tf
+
+    cfg = tf.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, patch_size=4, num_labels=3,
+                            drop_path_rate=0.0, image_size=32)
+    return tf.ConvNextForImageClassification(cfg), {"pixel_values": _image_inputs(), "labels": torch.tensor([0, 2])}
+
+
+def timm_model(name: str, batch: int = 2, size: int = 32, **kwargs):
+    """A timm model and an image batch. Deep BatchNorm nets need ``size``/``batch`` large enough that the last
+    BatchNorms see more than a couple of values per channel (random-init EfficientNet at 32x32, batch 2, has a
+    gradient norm of 1e7)."""
+    import timm
+
+    def factory(dropout=0.0):
+        model = timm.create_model(name, pretrained=False, num_classes=3, drop_rate=dropout, **kwargs)
+        return model, {"x": _image_inputs(kwargs.get("img_size", size), batch=batch)}
+
+    return factory
+
+
+@dataclass
+class Case:
+    name: str
+    factory: Callable
+    family: str
+    timm: bool = False
+    max_ratio_floor: float = 1.0  # minimum saved-activation ratio at bits=3, bf16 autocast (the tests' floor)
+
+
+HF_CASES = [
+    Case("bert-seqcls", bert, "bert"),
+    Case("bert-mlm", lambda dropout=0.0: bert(dropout, "MaskedLM"), "bert"),
+    Case("bert-tokcls", lambda dropout=0.0: bert(dropout, "TokenClassification"), "bert"),
+    Case("bert-qa", lambda dropout=0.0: bert(dropout, "QuestionAnswering"), "bert"),
+    Case("roberta", lambda dropout=0.0: bert(dropout, model_type="roberta"), "roberta"),
+    Case("xlm-roberta", lambda dropout=0.0: bert(dropout, model_type="xlm-roberta"), "xlm-roberta"),
+    Case("distilbert", distilbert, "distilbert"),
+    Case("albert", albert, "albert"),
+    Case("gpt2", gpt2, "gpt2"),
+    Case("llama", llama, "llama"),
+    Case("mistral", lambda dropout=0.0: llama(dropout, "mistral"), "mistral"),
+    Case("qwen2", lambda dropout=0.0: llama(dropout, "qwen2"), "qwen2"),
+    Case("t5", t5, "t5"),
+    Case("vit-hf", vit_hf, "vit"),
+    Case("swin-hf", swin_hf, "swin"),
+    Case("convnext-hf", convnext_hf, "convnext"),
+]
+
+TIMM_CASES = [
+    Case("timm-resnet", timm_model("resnet18"), "timm:ResNet", timm=True),
+    Case("timm-vit", timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), "timm:VisionTransformer",
+         timm=True),
+    Case("timm-deit", timm_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2),
+         "timm:VisionTransformer", timm=True),
+    Case("timm-swin", timm_model("swin_tiny_patch4_window7_224", img_size=56, window_size=7, embed_dim=24,
+                                 depths=(1, 1), num_heads=(1, 2)), "timm:SwinTransformer", timm=True),
+    Case("timm-convnext", timm_model("convnext_atto"), "timm:ConvNeXt", timm=True),
+    Case("timm-efficientnet", timm_model("efficientnet_b0", batch=4, size=64), "timm:EfficientNet", timm=True),
+]
+
+ALL_CASES = HF_CASES + TIMM_CASES
+
+
+def loss_of(case: Case, model, inputs) -> torch.Tensor:
+    """A scalar training loss for either kind of model."""
+    if case.timm:
+        logits = model(inputs["x"])
+        return torch.nn.functional.cross_entropy(logits.float(), torch.arange(logits.shape[0]) % logits.shape[-1])
+    return model(**inputs).loss
+
+
+def output_of(case: Case, model, inputs) -> torch.Tensor:
+    if case.timm:
+        return model(inputs["x"])
+    out = model(**inputs)
+    return out.logits if hasattr(out, "logits") else out.start_logits

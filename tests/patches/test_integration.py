@@ -1,0 +1,179 @@
+"""act_hf together with what users combine it with: gradient checkpointing, PEFT LoRA, autocast, DDP,
+torch.compile; training progress at 3 bits; the saved-activation ratio of a small BERT."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import act_hf
+from tests.patches.models import ALL_CASES, bert, loss_of
+from tests.utils import assert_grads_match
+
+CASES = {c.name: c for c in ALL_CASES}
+
+
+def _pair(name: str, dropout=0.0, **kw):
+    case = CASES[name]
+    torch.manual_seed(0)
+    model, inputs = case.factory(dropout=dropout)
+    ref = copy.deepcopy(model)
+    act_hf.patch(model, **kw)
+    return case, ref, model, inputs
+
+
+@pytest.mark.parametrize("name", ["bert-seqcls", "llama", "gpt2"])
+def test_gradient_checkpointing(name):
+    case, ref, model, inputs = _pair(name, bits=8)
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    lr, la = loss_of(case, ref, inputs), loss_of(case, model, inputs)
+    assert torch.equal(la, lr)
+    lr.backward()
+    la.backward()
+    assert_grads_match(ref, model, name=name)
+
+
+@pytest.mark.parametrize("name", ["bert-seqcls", "llama"])
+def test_peft_lora_frozen_base_saves_no_input_for_weight_grads(name):
+    peft = pytest.importorskip("peft")
+    case = CASES[name]
+    torch.manual_seed(0)
+    base, inputs = case.factory()
+    targets = ["query", "value"] if name.startswith("bert") else ["q_proj", "v_proj"]
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                          modules_to_save=["classifier"] if name.startswith("bert") else None)
+    ref = peft.get_peft_model(copy.deepcopy(base), cfg)
+    model = peft.get_peft_model(copy.deepcopy(base), cfg)
+    act_hf.patch(model, bits=8)
+    # the frozen base Linear of a LoRA layer was converted, and so was LoRA's own A/B
+    names = model.act_hf_patched_modules
+    assert any(n.endswith(f"{targets[0]}.base_layer") for n in names), names[:10]
+    ref.train()
+    model.train()
+    lr, la = ref(**inputs).loss, model(**inputs).loss
+    assert torch.equal(la, lr)
+    lr.backward()
+    la.backward()
+    assert_grads_match(ref, model, name=name)
+    # frozen base weights: their Linear saves nothing for a weight gradient
+    base_layer = next(m for n, m in model.named_modules() if n.endswith(f"{targets[0]}.base_layer"))
+    x = torch.randn(2, 5, base_layer.in_features)
+    with act_hf.track_saved(model) as saved:
+        base_layer(x)
+    assert saved.bytes == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["bert-seqcls", "llama", "timm-vit", "timm-resnet"])
+def test_autocast(name, dtype):
+    case, ref, model, inputs = _pair(name, bits=8)
+    ref.train()
+    model.train()
+    with torch.autocast("cpu", dtype=dtype):
+        lr, la = loss_of(case, ref, inputs), loss_of(case, model, inputs)
+    assert la.dtype == lr.dtype and torch.equal(la, lr)
+    lr.backward()
+    la.backward()
+    assert_grads_match(ref, model, cos=0.99, tol=1e-2, name=f"{name} {dtype}")  # grads stay fp32 (checked)
+
+
+@pytest.mark.parametrize("name", ["bert-seqcls", "llama", "timm-vit", "timm-resnet"])
+def test_three_bit_training_lowers_the_loss_like_unpatched(name):
+    case, ref, model, inputs = _pair(name, bits=3)
+    finals = []
+    for m in (ref, model):
+        torch.manual_seed(1)
+        m.train()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        first = None
+        for _ in range(30):
+            loss = loss_of(case, m, inputs)
+            first = loss.item() if first is None else first
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        finals.append((first, loss.item()))
+    (r0, r1), (a0, a1) = finals
+    print(f"{name}: unpatched {r0:.4f}->{r1:.4f}, act_hf bits=3 {a0:.4f}->{a1:.4f}")
+    assert a0 == r0
+    drop_ref, drop_act = r0 - r1, a0 - a1
+    assert drop_act > 0.8 * drop_ref, (drop_ref, drop_act)
+
+
+def test_small_bert_bf16_saved_activations_at_least_5x_smaller():
+    """Issue goal: bert (built from a config), bf16 autocast, bits=3: >= 5x fewer saved bytes."""
+    import transformers as tf
+
+    cfg = tf.BertConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=1024, max_position_embeddings=256, num_labels=2)
+    torch.manual_seed(0)
+    ref = tf.BertForSequenceClassification(cfg)
+    model = act_hf.patch(copy.deepcopy(ref), bits=3)
+    inputs = {"input_ids": torch.randint(0, 1000, (8, 128)), "labels": torch.tensor([0, 1] * 4)}
+    sizes = []
+    for m in (ref, model):
+        m.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16), act_hf.track_saved(m) as saved:
+            loss = m(**inputs).loss
+        loss.backward()
+        sizes.append(saved.bytes)
+    ratio = sizes[0] / sizes[1]
+    print(f"small BERT bf16: unpatched {sizes[0] / 2**20:.2f} MiB, act_hf bits=3 {sizes[1] / 2**20:.2f} MiB, "
+          f"ratio {ratio:.2f}x")
+    act_hf.report(model, saved)
+    assert ratio >= 5.0
+
+
+def _ddp_worker(rank: int, world: int, port: int, results):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model, inputs = bert()
+    act_hf.patch(model, bits=4)
+    ddp = DDP(model)
+    # each rank sees a different half of the batch
+    shard = {k: v[rank : rank + 1] for k, v in inputs.items()}
+    ddp(**shard).loss.backward()
+    results[rank] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    dist.destroy_process_group()
+
+
+def test_distributed_data_parallel_gloo_two_processes():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_ddp_worker, args=(2, port, results), nprocs=2, join=True)
+    assert torch.equal(results[0], results[1])  # allreduced gradients are identical across ranks
+
+
+def test_torch_compile_trains():
+    torch._dynamo.reset()
+    case, ref, model, inputs = _pair("bert-seqcls", bits=4)
+    model.train()
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = compiled(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    print(f"torch.compile: {counter.frame_count} frames (graph breaks allowed), losses {losses}")
+    assert counter.frame_count >= 1 and all(torch.isfinite(torch.tensor(losses)))
