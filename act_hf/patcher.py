@@ -187,6 +187,14 @@ def hf_head_paths(model: nn.Module) -> list[str]:
     return heads
 
 
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model to patch: PEFT's ``PeftModel`` wraps the transformers model (whose LoRA layers hold the
+    frozen ``base_layer`` and the ``lora_A``/``lora_B`` Linears, all converted like any Linear)."""
+    if hasattr(model, "get_base_model") and isinstance(getattr(model, "peft_config", None), dict):
+        return model.get_base_model()
+    return model
+
+
 def patch(model: nn.Module, bits: int | float = 3, config: ActConfig | None = None, *, strict: bool | None = None,
           **overrides: Any) -> nn.Module:
     """Make ``model`` store its backward context compressed. In place; returns the model.
@@ -209,9 +217,10 @@ def patch(model: nn.Module, bits: int | float = 3, config: ActConfig | None = No
     """
     if not isinstance(model, nn.Module):
         raise ActHFTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    wrapper, model = model, _unwrap(model)
     if getattr(model, "act_hf_config", None) is not None:
         logger.info("model is already patched by act_hf; patch() is a no-op")
-        return model
+        return wrapper
     if config is None:
         config = ActConfig(bits=bits)
     elif not isinstance(config, ActConfig):
@@ -239,24 +248,27 @@ def patch(model: nn.Module, bits: int | float = 3, config: ActConfig | None = No
             f"act_hf found nothing to patch in {type(model).__name__} (kinds={list(config.kinds)}, "
             f"target_modules={config.target_modules!r}, exclude_modules={config.exclude_modules!r})"
         )
-    model.act_hf_config = config
-    model.act_hf_family = family or "generic"
-    model.act_hf_patched_modules = patched
-    return model
+    for target in {id(model): model, id(wrapper): wrapper}.values():
+        target.act_hf_config = config
+        target.act_hf_family = family or "generic"
+        target.act_hf_patched_modules = patched
+    return wrapper
 
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the original module classes and attention implementation. In place; returns the model."""
     if not isinstance(model, nn.Module):
         raise ActHFTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for cleanup in getattr(model, "act_hf_cleanups", []):
+    wrapper, model = model, _unwrap(model)
+    for cleanup in model.__dict__.get("act_hf_cleanups", []):
         cleanup()
     for module in model.modules():
         if isinstance(module, ActModule):
             revert(module)
-    for attr in ("act_hf_config", "act_hf_family", "act_hf_patched_modules", "act_hf_cleanups"):
-        model.__dict__.pop(attr, None)
-    return model
+    for target in (model, wrapper):
+        for attr in ("act_hf_config", "act_hf_family", "act_hf_patched_modules", "act_hf_cleanups"):
+            target.__dict__.pop(attr, None)
+    return wrapper
 
 
 def add_cleanup(model: nn.Module, fn: Callable[[], None]) -> None:

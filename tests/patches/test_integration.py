@@ -48,9 +48,8 @@ def test_peft_lora_frozen_base_saves_no_input_for_weight_grads(name):
     targets = ["query", "value"] if name.startswith("bert") else ["q_proj", "v_proj"]
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
                           modules_to_save=["classifier"] if name.startswith("bert") else None)
-    ref = peft.get_peft_model(copy.deepcopy(base), cfg)
-    model = peft.get_peft_model(copy.deepcopy(base), cfg)
-    act_hf.patch(model, bits=8)
+    ref = peft.get_peft_model(base, cfg)  # LoRA A is drawn at random here: build once, then copy
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
     # the frozen base Linear of a LoRA layer was converted, and so was LoRA's own A/B
     names = model.act_hf_patched_modules
     assert any(n.endswith(f"{targets[0]}.base_layer") for n in names), names[:10]
