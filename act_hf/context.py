@@ -120,14 +120,23 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _is_parameter_like(t: torch.Tensor) -> bool:
-    """A parameter, or autocast's dtype cast of one (a copy of a weight, not an activation)."""
+def _is_parameter_like(t: torch.Tensor, param_shapes: frozenset | None = None) -> bool:
+    """A parameter, autocast's dtype cast of one, or a view (``w.t()``) of either: weights, not activations.
+
+    A cast of a *frozen* weight has no autograd history; it is recognised only when the model's parameter
+    shapes are known (``param_shapes``): a leaf without gradient whose shape, or transposed shape, is a
+    parameter's.
+    """
+    while t._is_view() and t._base is not None:
+        t = t._base
     if isinstance(t, nn.Parameter):
         return True
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ == "ToCopyBackward0":
         nxt = fn.next_functions
         return len(nxt) == 1 and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
+    if fn is None and not t.requires_grad and param_shapes and t.dim() >= 1 and t.is_floating_point():
+        return tuple(t.shape) in param_shapes
     return False
 
 
@@ -153,6 +162,7 @@ class SavedTracker:
     _seen: set = field(default_factory=set, repr=False)
     _labels: dict = field(default_factory=dict, repr=False)
     _exclude: set = field(default_factory=set, repr=False)
+    _param_shapes: frozenset = field(default_factory=frozenset, repr=False)
     _keep: list = field(default_factory=list, repr=False)  # holds counted storages: no address reuse while tracking
 
     def _label(self, tensors, slot: str, original_nbytes: int) -> None:
@@ -160,7 +170,7 @@ class SavedTracker:
             self._labels[t.untyped_storage().data_ptr()] = (slot, original_nbytes if i == 0 else 0)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if _is_parameter_like(t):
+        if _is_parameter_like(t, self._param_shapes):
             return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
@@ -191,8 +201,9 @@ def track_saved(model: nn.Module | None = None) -> Iterator[SavedTracker]:
     """Measure the activation memory saved for backward inside the block.
 
     Counts the unique storages that autograd saves (through ``saved_tensors_hooks``), at their real size:
-    act_hf's packed payloads are counted packed. Parameters and their autocast casts are excluded, and so are
-    all parameters and buffers of ``model`` when it is given. Works on CPU and GPU alike.
+    act_hf's packed payloads are counted packed. Parameters, their autocast casts and views of either (the
+    ``w.t()`` a linear saves) are excluded; with ``model`` given, so are all its parameters and buffers and the
+    autocast casts of its frozen weights (recognised by shape). Works on CPU and GPU alike.
 
     Example:
         >>> with act_hf.track_saved(model) as saved:
@@ -201,8 +212,12 @@ def track_saved(model: nn.Module | None = None) -> Iterator[SavedTracker]:
     """
     tracker = SavedTracker()
     if model is not None:
+        shapes = set()
         for t in list(model.parameters()) + list(model.buffers()):
             tracker._exclude.add(t.untyped_storage().data_ptr())
+            if t.dim() >= 1 and t.numel() > 1:
+                shapes.update({tuple(t.shape), tuple(reversed(t.shape))})
+        tracker._param_shapes = frozenset(shapes)
     store._trackers.append(tracker)
     try:
         with torch.autograd.graph.saved_tensors_hooks(tracker._pack, lambda t: t):
