@@ -23,6 +23,7 @@ from .report import report
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActCompressCallback",
     "ActConfig",
     "ActHFError",
     "ActHFWarning",
@@ -40,7 +41,7 @@ __all__ = [
     "unpatch",
 ]
 
-_LAZY = {"patch": "patcher", "unpatch": "patcher"}
+_LAZY = {"patch": "patcher", "unpatch": "patcher", "ActCompressCallback": "trainer"}
 
 
 def __getattr__(name: str) -> Any:

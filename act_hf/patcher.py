@@ -229,6 +229,11 @@ def patch(model: nn.Module, bits: int | float = 3, config: ActConfig | None = No
         overrides["strict"] = strict
     if overrides:
         config = config.with_overrides(**overrides)
+    if config.adaptive:
+        raise ActHFValueError(
+            f"bits={config.bits}: a fractional budget needs the adaptive bit allocator, which this version of "
+            "act_hf does not have yet; pass an integer bits from 1 to 8"
+        )
 
     family = family_of(model)
     if family is None:

@@ -1,0 +1,137 @@
+"""``ActCompressCallback``: act_hf inside a ``transformers.Trainer``.
+
+    trainer = Trainer(model, args, ..., callbacks=[act_hf.ActCompressCallback(bits=3)])
+
+The callback patches the model at the start of training if it is not patched yet, measures the saved
+activation memory of one training step every ``log_interval`` logging events (a forward pre-hook on the
+model opens :func:`act_hf.track_saved` for that step), and adds ``act_hf/avg_bits``, ``act_hf/saved_mb`` and
+``act_hf/ratio`` to the Trainer's logs. Its state (the per-slot bits) is saved into each Trainer checkpoint
+(``act_hf_state.json``) and restored on resume, so a resumed run continues with the same allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback
+
+from .config import ActConfig
+from .context import SavedTracker, store, track_saved
+
+__all__ = ["ActCompressCallback"]
+
+logger = logging.getLogger(__name__)
+
+STATE_NAME = "act_hf_state.json"
+
+
+class ActCompressCallback(TrainerCallback):
+    """Patch, measure and log act_hf compression inside ``transformers.Trainer``.
+
+    Args:
+        bits: bits for :func:`act_hf.patch` when the model is not patched yet (ignored if ``config`` is given).
+        config: a full :class:`act_hf.ActConfig`.
+        measure_every: measure saved activations on one training step every this many optimizer steps
+            (the first step is always measured); 0 turns measuring off.
+    """
+
+    def __init__(self, bits: int | float = 3, config: ActConfig | None = None, *, measure_every: int = 50) -> None:
+        self.config = config if config is not None else ActConfig(bits=bits)
+        self.measure_every = measure_every
+        self._model: nn.Module | None = None
+        self._hook = None
+        self._tracker_cm = None
+        self._last: SavedTracker | None = None
+        self._measure_next = True
+
+    # -- patching ------------------------------------------------------------------------------------------
+    def _ensure_patched(self, model: nn.Module) -> None:
+        from .patcher import patch
+
+        if getattr(model, "act_hf_config", None) is None:
+            patch(model, config=self.config)
+        self.config = model.act_hf_config
+        self._model = model
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            self._ensure_patched(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            self._ensure_patched(model)
+            if self._hook is None:
+                self._hook = model.register_forward_pre_hook(self._maybe_start_tracking)
+                self._post = model.register_forward_hook(self._stop_tracking, always_call=True)
+        resume = getattr(args, "resume_from_checkpoint", None)
+        if isinstance(resume, str) and resume:
+            self.load_state(resume)
+        elif state.global_step > 0:  # Trainer restored its state from output_dir/checkpoint-<step>
+            self.load_state(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for handle in (self._hook, getattr(self, "_post", None)):
+            if handle is not None:
+                handle.remove()
+        self._hook = None
+
+    # -- measuring -----------------------------------------------------------------------------------------
+    def _maybe_start_tracking(self, module, args):
+        if self._measure_next and module.training and self._tracker_cm is None:
+            self._tracker_cm = track_saved(module)
+            self._last = self._tracker_cm.__enter__()
+
+    def _stop_tracking(self, module, args, output):
+        if self._tracker_cm is not None:
+            self._tracker_cm.__exit__(None, None, None)
+            self._tracker_cm = None
+            self._measure_next = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.measure_every and state.global_step % self.measure_every == 0:
+            self._measure_next = True
+
+    def average_bits(self) -> float:
+        """Mean default bits of the patched modules (per-slot overrides from ``store.bits`` included)."""
+        if self._model is None:
+            return float("nan")
+        bits = [getattr(m, "act_bits") for m in self._model.modules() if hasattr(m, "act_bits")]
+        overrides = list(store.bits.values())
+        values = bits + overrides
+        return sum(values) / len(values) if values else float("nan")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self._model is None:
+            return
+        ours = {"act_hf/avg_bits": round(self.average_bits(), 3)}
+        if self._last is not None and self._last.bytes:
+            ours["act_hf/saved_mb"] = round(self._last.bytes / 2**20, 3)
+            ours["act_hf/ratio"] = round(self._last.ratio, 3)
+        logs.update(ours)  # seen by the reporting callbacks that run after this one
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(ours)  # Trainer appended its copy before calling the callbacks
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The allocation state saved into checkpoints."""
+        return {"config": self.config.to_dict(), "slot_bits": dict(store.bits)}
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / STATE_NAME).write_text(json.dumps(self.state_dict(), sort_keys=True, indent=2))
+
+    def load_state(self, checkpoint: str | Path) -> bool:
+        """Restore the per-slot bits saved in ``checkpoint``; returns whether a state was found."""
+        path = Path(checkpoint) / STATE_NAME
+        if not path.exists():
+            logger.warning("no %s in %s: act_hf keeps its current allocation", STATE_NAME, checkpoint)
+            return False
+        data = json.loads(path.read_text())
+        store.bits.clear()
+        store.bits.update({k: int(v) for k, v in data.get("slot_bits", {}).items()})
+        return True
