@@ -6,7 +6,7 @@ Every error subclasses :class:`ActHFError` *and* the natural builtin (``ValueErr
 
 from __future__ import annotations
 
-__all__ = ["ActHFError", "ActHFWarning", "ActHFValueError", "ActHFRuntimeError", "ActHFTypeError", "NoMatchingModuleError"]
+__all__ = ["ActHFError", "ActHFRuntimeError", "ActHFTypeError", "ActHFValueError", "ActHFWarning", "NoMatchingModuleError"]
 
 
 class ActHFError(Exception):

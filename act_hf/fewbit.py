@@ -805,7 +805,7 @@ def get_table(name: str, bits: int) -> DerivativeTable:
     return _get_table_cached(_check_name(name), _check_bits(bits))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _get_table_cached(name: str, bits: int) -> DerivativeTable:
     entry = _load_tables()[name][str(bits)]
     return DerivativeTable(

@@ -195,7 +195,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def patch(model: nn.Module, bits: int | float = 3, config: ActConfig | None = None, *, strict: bool | None = None,
+def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *, strict: bool | None = None,
           **overrides: Any) -> nn.Module:
     """Make ``model`` store its backward context compressed. In place; returns the model.
 

@@ -39,7 +39,7 @@ class ActCompressCallback(TrainerCallback):
             (the first step is always measured); 0 turns measuring off.
     """
 
-    def __init__(self, bits: int | float = 3, config: ActConfig | None = None, *, measure_every: int = 50) -> None:
+    def __init__(self, bits: float = 3, config: ActConfig | None = None, *, measure_every: int = 50) -> None:
         self.config = config if config is not None else ActConfig(bits=bits)
         self.measure_every = measure_every
         self._model: nn.Module | None = None
@@ -99,7 +99,7 @@ class ActCompressCallback(TrainerCallback):
         """Mean default bits of the patched modules (per-slot overrides from ``store.bits`` included)."""
         if self._model is None:
             return float("nan")
-        bits = [getattr(m, "act_bits") for m in self._model.modules() if hasattr(m, "act_bits")]
+        bits = [m.act_bits for m in self._model.modules() if hasattr(m, "act_bits")]
         overrides = list(store.bits.values())
         values = bits + overrides
         return sum(values) / len(values) if values else float("nan")

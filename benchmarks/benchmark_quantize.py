@@ -52,7 +52,7 @@ def _time_ms(fn, repeat: int) -> list[float]:
 
 
 def _quantiles(times: list[float]) -> dict:
-    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]
     return {"p20": pick(0.2), "p50": pick(0.5), "p80": pick(0.8)}
 
 

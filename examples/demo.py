@@ -59,7 +59,7 @@ def split(texts, labels, test_fraction: float, seed: int):
     random.Random(seed).shuffle(order)
     n_test = int(len(order) * test_fraction)
     test, train = order[:n_test], order[n_test:]
-    pick = lambda idx: ([texts[i] for i in idx], [labels[i] for i in idx])  # noqa: E731
+    pick = lambda idx: ([texts[i] for i in idx], [labels[i] for i in idx])
     return pick(train), pick(test)
 
 
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     train, test = split(texts, labels, 0.2, args.seed)
     test = (test[0][: args.max_test], test[1][: args.max_test])
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    encode = lambda t: dict(tokenizer(t, truncation=True, max_length=args.max_length, padding="max_length",  # noqa: E731
+    encode = lambda t: dict(tokenizer(t, truncation=True, max_length=args.max_length, padding="max_length",
                                       return_tensors="pt"))
     train_enc, test_enc = (encode(train[0]), train[1]), (encode(test[0]), test[1])
     print(f"model {model_path}\ndata {data_name}: {len(train[1])} train / {len(test[1])} held-out, {len(names)} "

@@ -154,7 +154,7 @@ def act_sdpa_attention_forward(
     return attn_output, None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _eager_style(module_cls: type) -> tuple[Callable | None, bool, bool, bool]:
     """The family's ``eager_attention_forward`` and how it computes: (fn, supported, repeats kv, fp32 softmax)."""
     modeling = sys.modules.get(module_cls.__module__)
@@ -306,7 +306,7 @@ def is_enabled(model: nn.Module) -> bool:
     return bool(model.__dict__.get(_ORIGINAL_ATTR))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _uses_attention_interface(cls: type) -> bool:
     try:
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)

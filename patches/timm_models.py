@@ -39,7 +39,7 @@ def timm_rules() -> list[Rule]:
 
     from . import _timm_attention
 
-    ln_attrs = lambda m, c: {"act_norm_context": c.norm_context}  # noqa: E731
+    ln_attrs = lambda m, c: {"act_norm_context": c.norm_context}
     return [
         Rule("attention", lambda m: _timm_attention.mixin_for(m) is not None, _timm_attention.mixin_for),
         Rule("norm", lambda m: _is_timm(m, "LayerNorm2d"), lambda m: norm.ActLayerNorm2dMixin, attrs=ln_attrs),

@@ -11,7 +11,6 @@ import torch
 import act_hf.ops._library  # noqa: F401
 from act_hf.compress import dequantize, quantize
 
-
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 

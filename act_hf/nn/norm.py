@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.norm import (
@@ -36,6 +35,7 @@ from ..ops.norm import (
     act_batch_norm_act,
     act_layer_norm,
     act_rms_norm,
+    apply_activation,
     check_activation,
     check_norm_context,
     check_rms_style,
@@ -186,23 +186,15 @@ class ActBatchNormActMixin(_ActNormMixin):
     def forward(self, x: Tensor) -> Tensor:
         activation = check_activation(self.act_activation, self.act_activation_param, "act_activation")
         if not self.act_enabled(x) or not _bn_supported(self, x):
-            return _apply_activation(super().forward(x), activation, self.act_activation_param)
+            return apply_activation(super().forward(x), activation, self.act_activation_param)
         running_mean, running_var, eaf = _bn_args(self)
         if self._act_context() == "input":
             y = act_batch_norm(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
                                self.act_settings("input"))
-            return _apply_activation(y, activation, self.act_activation_param)
+            return apply_activation(y, activation, self.act_activation_param)
         return act_batch_norm_act(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
                                   self.act_settings("output"), activation=activation,
                                   param=self.act_activation_param, gamma_eps=self.act_gamma_eps, cache_guard=True)
-
-
-def _apply_activation(y: Tensor, activation: str, param: float) -> Tensor:
-    if activation == "leaky_relu":
-        return F.leaky_relu(y, param)
-    if activation == "elu":
-        return F.elu(y, param)
-    return y
 
 
 def _fusable_activation(module: nn.Module) -> tuple[str, float] | None:

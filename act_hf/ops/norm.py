@@ -507,7 +507,8 @@ def act_batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor |
     return ActBatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, settings)
 
 
-def _activation(y: Tensor, activation: str, param: float) -> Tensor:
+def apply_activation(y: Tensor, activation: str, param: float) -> Tensor:
+    """The fused op's activation (``identity``, ``leaky_relu`` or ``elu``) applied to a BatchNorm output."""
     if activation == "leaky_relu":
         return F.leaky_relu(y, param)
     if activation == "elu":
@@ -537,7 +538,7 @@ class ActBatchNormActFunction(torch.autograd.Function):
                 running_var: Tensor | None, momentum: float, eps: float, activation: str, param: float,
                 settings: OpSettings) -> Tensor:
         y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
-        z = _activation(y, activation, param)
+        z = apply_activation(y, activation, param)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.meta = (x.shape, x.dtype, activation, param)
         # the sign of z, exactly: rounding can flip small z across 0, where the derivative jumps
@@ -617,6 +618,6 @@ def act_batch_norm_act(x: Tensor, running_mean: Tensor | None, running_var: Tens
     check_activation(activation, param)
     if not output_context_safe(weight, gamma_eps=gamma_eps, cache=cache_guard):
         y = act_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, settings)
-        return _activation(y, activation, param)
+        return apply_activation(y, activation, param)
     return ActBatchNormActFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, activation,
                                          float(param), settings)

@@ -60,7 +60,7 @@ def _padding_mask(shape):
 
 
 CASES = {
-    "plain": lambda: {},
+    "plain": dict,
     "causal": lambda: {"is_causal": True},
     "scale": lambda: {"scale": 0.37},
     "bool_padding": lambda: {"attn_mask": _padding_mask((B, 1, 1, S))},
@@ -253,8 +253,14 @@ transformers = pytest.importorskip("transformers")
 
 
 def _hf_model(kind: str, impl: str, dropout: float):
-    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                              LlamaForCausalLM)
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     torch.manual_seed(0)
     if kind == "bert":
@@ -422,7 +428,7 @@ def test_sdpa_cuda_forward_equal_and_dropout_warning():
     _check_grads(ref_grads, grads, 25.0)
     out = act_sdpa(q, k, v, mask, settings=_settings(8))
     assert torch.equal(F.scaled_dot_product_attention(q, k, v, mask), out)
-    import act_hf.ops.attention as attention
+    from act_hf.ops import attention
 
     attention._warned_fused_dropout = False
     with pytest.warns(ActHFWarning, match="dropout"):

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-import act_hf.compress
 from act_hf.context import track_saved
 from act_hf.nn._base import convert, revert
 from act_hf.nn.linear import ActConvMixin, ActLinear, ActLinearMixin, ActTransposedLinearMixin

@@ -6,8 +6,8 @@ where ``inputs`` is a dict for ``model(**inputs)`` with labels, so ``.loss`` exi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
