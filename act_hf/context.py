@@ -120,12 +120,12 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _is_parameter_like(t: torch.Tensor, param_shapes: frozenset | None = None) -> bool:
+def _is_parameter_like(t: torch.Tensor, param_shapes: dict | None = None) -> bool:
     """A parameter, autocast's dtype cast of one, or a view (``w.t()``) of either: weights, not activations.
 
-    A cast of a *frozen* weight has no autograd history; it is recognised only when the model's parameter
-    shapes are known (``param_shapes``): a leaf without gradient whose shape, or transposed shape, is a
-    parameter's.
+    A cast of a *frozen* weight has no autograd history; it is recognised only when the model's parameters
+    are known (``param_shapes``: shape -> dtypes): a leaf without gradient whose shape, or transposed shape,
+    is a parameter's while its dtype is not (per-channel statistics share a weight's shape *and* dtype).
     """
     while t._is_view() and t._base is not None:
         t = t._base
@@ -136,7 +136,8 @@ def _is_parameter_like(t: torch.Tensor, param_shapes: frozenset | None = None) -
         nxt = fn.next_functions
         return len(nxt) == 1 and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
     if fn is None and not t.requires_grad and param_shapes and t.dim() >= 1 and t.is_floating_point():
-        return tuple(t.shape) in param_shapes
+        dtypes = param_shapes.get(tuple(t.shape))
+        return dtypes is not None and t.dtype not in dtypes
     return False
 
 
@@ -162,7 +163,7 @@ class SavedTracker:
     _seen: set = field(default_factory=set, repr=False)
     _labels: dict = field(default_factory=dict, repr=False)
     _exclude: set = field(default_factory=set, repr=False)
-    _param_shapes: frozenset = field(default_factory=frozenset, repr=False)
+    _param_shapes: dict = field(default_factory=dict, repr=False)
     _keep: list = field(default_factory=list, repr=False)  # holds counted storages: no address reuse while tracking
 
     def _label(self, tensors, slot: str, original_nbytes: int) -> None:
@@ -212,12 +213,11 @@ def track_saved(model: nn.Module | None = None) -> Iterator[SavedTracker]:
     """
     tracker = SavedTracker()
     if model is not None:
-        shapes = set()
         for t in list(model.parameters()) + list(model.buffers()):
             tracker._exclude.add(t.untyped_storage().data_ptr())
             if t.dim() >= 1 and t.numel() > 1:
-                shapes.update({tuple(t.shape), tuple(reversed(t.shape))})
-        tracker._param_shapes = frozenset(shapes)
+                for shape in (tuple(t.shape), tuple(reversed(t.shape))):
+                    tracker._param_shapes.setdefault(shape, set()).add(t.dtype)
     store._trackers.append(tracker)
     try:
         with torch.autograd.graph.saved_tensors_hooks(tracker._pack, lambda t: t):
