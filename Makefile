@@ -6,7 +6,7 @@ STAMP = $(VENV)/.installed-stamp
 ARCH ?= 8.0;9.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-cuda build-ext demo bench-quantize style
+.PHONY: install data test test-cuda build-ext demo bench-quantize style
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: install
+# Debian's Fashion-MNIST files for vision_scripts/ and its tests (they skip, saying why, if this fails).
+data:
+	@dpkg -s dataset-fashion-mnist >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) \
+		|| echo "warning: could not install dataset-fashion-mnist; the Fashion-MNIST tests will skip"
+
+test: install data
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=1200 tests $(PYTEST_ARGS)
 
 test-cuda: install
