@@ -20,6 +20,33 @@ def _build_ext(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    from .errors import ActHFError
+    from .estimate import estimate
+
+    try:
+        est = estimate(args.model, batch=args.batch, seq=args.seq, bits=args.bits, gpu_mem=args.gpu_mem,
+                       dtype=args.dtype, device=args.device, optimizer=args.optimizer, task=args.task,
+                       img_size=args.img_size, margin=args.margin, local_files_only=args.offline)
+    except ActHFError as e:
+        print(f"act-hf estimate: error: {e}", file=sys.stderr)
+        return 2
+    print(est.to_json() if args.json else est.table())
+    return 0
+
+
+def _size_arg(name: str):
+    def parse(text: str) -> int:
+        from .estimate import parse_size
+
+        try:
+            return parse_size(text, name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{name}: ")) from None
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="act-hf", description="act_hf: compressed activations for training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -28,6 +55,35 @@ def main(argv: list[str] | None = None) -> int:
                    'else "8.0;9.0+PTX")')
     p.add_argument("--verbose", action="store_true", help="show the compiler commands")
     p.set_defaults(func=_build_ext)
+
+    from .estimate import TASKS
+
+    p = sub.add_parser(
+        "estimate", help="project training memory and the largest batch under a memory cap, with and without act_hf",
+        description="Build MODEL with random weights (a folder with config.json, a timm model name, or a hub id), "
+        "measure saved activations unpatched and patched at --bits, and project peak training memory (params + "
+        "grads + optimizer states + saved activations + workspace margin). The projection is a model of memory "
+        "calibrated against measured saved bytes, not a measured peak.")
+    p.add_argument("model", help="HF model folder (with config.json), timm model name, or HF hub id (config only)")
+    p.add_argument("--batch", type=int, required=True, help="batch size to project for")
+    p.add_argument("--seq", type=int, default=128, help="sequence length for text models (default 128)")
+    p.add_argument("--bits", type=int, default=3, choices=range(1, 9), metavar="{1..8}", help="act_hf bits (default 3)")
+    p.add_argument("--gpu-mem", type=_size_arg("--gpu-mem"), default=None,
+                   help="memory PyTorch may allocate, e.g. 16GiB, 80GB, 24000MiB: also project the largest batch")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="bf16 autocast over fp32 weights (default) or fp32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where to measure saved activations (default: cuda if available, else cpu)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                   help="adamw: 2 fp32 states per parameter (default); sgd: momentum, 1 state")
+    p.add_argument("--task", choices=sorted(TASKS), default=None, help="override the detected task (HF models)")
+    p.add_argument("--img-size", type=int, default=None,
+                   help="image side for vision models (default: the model's own, 224 for most)")
+    p.add_argument("--margin", type=float, default=0.05,
+                   help="workspace margin as a fraction of the unpatched saved activations (default 0.05)")
+    p.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=_estimate)
     args = parser.parse_args(argv)
     return args.func(args)
 

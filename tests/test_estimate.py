@@ -1,0 +1,156 @@
+"""``act_hf.estimate`` and ``act-hf estimate``: fits against direct measurements, the table, JSON, and errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import act_hf
+from act_hf.cli import main
+from act_hf.estimate import Estimate, estimate, parse_size
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+
+BERT = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 128, "max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-bert")
+    transformers.BertConfig(**BERT).save_pretrained(path)  # attention dropout 0.1: estimate() turns it off
+    return path
+
+
+@pytest.fixture(scope="module")
+def bert_est(bert_dir) -> Estimate:
+    return estimate(bert_dir, batch=8, seq=32, bits=3, gpu_mem="1GiB", device="cpu")
+
+
+def _saved(model, forward, batch) -> int:
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16), act_hf.track_saved(model) as saved:
+        loss = forward(model, batch)
+    del loss
+    return saved.bytes
+
+
+def _check_fields(est: Estimate) -> None:
+    assert est.act_hf.per_sample < est.baseline.per_sample
+    assert est.saved_act_hf < est.saved_baseline
+    assert est.peak_act_hf < est.peak_baseline
+    assert est.max_batch_act_hf >= est.max_batch_baseline >= 1
+    assert est.peak(est.max_batch_act_hf, act_hf=True) <= est.gpu_mem < est.peak(est.max_batch_act_hf + 1, act_hf=True)
+    assert est.peak(est.max_batch_baseline, act_hf=False) <= est.gpu_mem
+    for fit in (est.baseline, est.act_hf):  # the two-point fit is the direct difference of its two measurements
+        a, b = fit.fit_batches
+        assert fit.per_sample == (fit.measured[b] - fit.measured[a]) / (b - a)
+        assert fit.bytes_at(a) == fit.measured[a] and fit.bytes_at(b) == fit.measured[b]
+    assert est.optimizer_bytes == 8 * est.trainable_params
+    assert est.grad_bytes == est.param_bytes == 4 * est.num_params
+    assert est.ratio == pytest.approx(est.baseline.per_sample / est.act_hf.per_sample)
+
+
+def test_api_hf_folder_matches_direct_measurement(bert_est):
+    est = bert_est
+    assert est.model_class == "BertForSequenceClassification" and est.task == "sequence-classification"
+    assert est.seq == 32 and est.img_size is None
+    _check_fields(est)
+    assert any("dropout set to 0" in n for n in est.notes) and any("not a measured peak" in n for n in est.notes)
+
+    batch = 12  # not a calibration point
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(**BERT, attention_probs_dropout_prob=0.0))
+    ids = torch.randint(1, BERT["vocab_size"], (batch, 32))
+
+    def forward(m, b):
+        return m(input_ids=ids, labels=torch.zeros(b, dtype=torch.long)).loss
+
+    direct = _saved(model, forward, batch)
+    direct_act = _saved(act_hf.patch(copy.deepcopy(model), bits=3), forward, batch)
+    assert est.baseline.bytes_at(batch) == pytest.approx(direct, rel=0.05)
+    assert est.act_hf.bytes_at(batch) == pytest.approx(direct_act, rel=0.05)
+
+
+def test_api_timm_name_matches_direct_measurement():
+    est = estimate("test_resnet", batch=12, bits=3, img_size=64, gpu_mem="256MiB", device="cpu", max_calib_batch=16)
+    assert est.task == "timm" and est.img_size == 64 and est.seq is None and est.weight_copy_bytes > 0
+    _check_fields(est)
+
+    model = timm.create_model("test_resnet", pretrained=False)
+    x = torch.randn(12, 3, 64, 64)
+
+    def forward(m, b):
+        return torch.nn.functional.cross_entropy(m(x).float(), torch.zeros(b, dtype=torch.long))
+
+    assert est.saved_baseline == pytest.approx(_saved(model, forward, 12), rel=0.05)
+    assert est.saved_act_hf == pytest.approx(_saved(act_hf.patch(copy.deepcopy(model), bits=3), forward, 12), rel=0.05)
+
+
+def test_max_batch_none_without_cap_and_sgd_states(bert_dir):
+    est = estimate(bert_dir, batch=2, seq=16, bits=2, dtype="fp32", optimizer="sgd", device="cpu")
+    assert est.max_batch_baseline is None and est.max_batch_act_hf is None
+    assert est.optimizer_bytes == 4 * est.trainable_params and est.weight_copy_bytes == 0
+    assert "largest batch" not in est.table()
+
+
+def test_cli_table_and_json(bert_dir, capsys):
+    argv = [str(bert_dir), "--batch", "8", "--seq", "32", "--bits", "3", "--gpu-mem", "1GiB", "--device", "cpu"]
+    assert main(["estimate", *argv]) == 0
+    out = capsys.readouterr().out
+    for text in ("unpatched", "act_hf 3-bit", "ratio", "largest batch in 1.00 GiB", "projected peak @ batch 8",
+                 "not a measured peak", "dropout set to 0"):
+        assert text in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.rstrip().endswith("ratio"))
+    assert len({len(line) for line in lines[header:header + 3]}) == 1  # aligned columns
+
+    assert main(["estimate", *argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["batch"] == 8 and data["bits"] == 3 and data["gpu_mem"] == 2**30
+    assert data["max_batch_act_hf"] >= data["max_batch_baseline"] >= 1
+    assert data["saved_act_hf"] < data["saved_baseline"]
+    assert set(data["baseline"]["measured"]) >= {"1", "2", "4"}
+
+
+def test_cli_bad_gpu_mem(bert_dir, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", str(bert_dir), "--batch", "8", "--gpu-mem", "16 potatoes"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gpu-mem" in err and "16 potatoes" in err
+
+
+def test_cli_unknown_model(capsys):
+    code = main(["estimate", "no-such-org/no-such-model-xyz", "--batch", "8", "--offline", "--device", "cpu"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-org/no-such-model-xyz'" in err and "timm" in err and "config.json" in err
+
+
+def test_api_errors(tmp_path, bert_dir):
+    with pytest.raises(ValueError, match="config.json"):
+        estimate(tmp_path, batch=2)
+    with pytest.raises(ValueError, match="bits"):
+        estimate(bert_dir, batch=2, bits=9)
+    with pytest.raises(ValueError, match="seq: 128 is longer"):
+        estimate(bert_dir, batch=2, seq=128, device="cpu")
+    with pytest.raises(ValueError, match="task"):
+        estimate(bert_dir, batch=2, task="translation")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("16GiB", 16 * 2**30), ("80GB", 80 * 10**9), ("24000MiB", 24000 * 2**20), ("1.5 TiB", int(1.5 * 2**40)),
+    ("16g", 16 * 2**30), ("512kb", 512_000), (1234, 1234),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["16", "16 potatoes", "GiB", "-1GiB", "0GB", ""])
+def test_parse_size_errors(text):
+    with pytest.raises(ValueError, match="--gpu-mem"):
+        parse_size(text)
