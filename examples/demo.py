@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16", action="store_true", help="train under torch.autocast bf16")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.bits.is_integer():
+    if float(args.bits).is_integer():
         args.bits = int(args.bits)
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
