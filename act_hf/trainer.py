@@ -43,7 +43,7 @@ class ActCompressCallback(TrainerCallback):
         self.config = config if config is not None else ActConfig(bits=bits)
         self.measure_every = measure_every
         self._model: nn.Module | None = None
-        self._hook = None
+        self._hook = self._post = None
         self._tracker_cm = None
         self._last: SavedTracker | None = None
         self._measure_next = True
@@ -74,10 +74,10 @@ class ActCompressCallback(TrainerCallback):
             self.load_state(Path(args.output_dir) / f"checkpoint-{state.global_step}")
 
     def on_train_end(self, args, state, control, **kwargs):
-        for handle in (self._hook, getattr(self, "_post", None)):
+        for handle in (self._hook, self._post):
             if handle is not None:
                 handle.remove()
-        self._hook = None
+        self._hook = self._post = None
 
     # -- measuring -----------------------------------------------------------------------------------------
     def _maybe_start_tracking(self, module, args):

@@ -59,9 +59,11 @@ _MIX1 = _signed64(0xBF58476D1CE4E5B9)
 _MIX2 = _signed64(0x94D049BB133111EB)
 
 
-def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
+def _xor_lsr_(z: torch.Tensor, k: int, tmp: torch.Tensor) -> torch.Tensor:
+    """``z ^= z >>> k`` in place (a logical shift: torch's ``>>`` on int64 is arithmetic)."""
+    torch.bitwise_right_shift(z, k, out=tmp)
+    tmp.bitwise_and_((1 << (64 - k)) - 1)
+    return z.bitwise_xor_(tmp)
 
 
 def uniform_from_hash(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -69,13 +71,16 @@ def uniform_from_hash(seed: int, numel: int, device: torch.device | str = "cpu")
 
     Counter based: element ``i`` of a tensor always gets the same draw for the same seed, on any device, in
     any kernel launch configuration. 24 bits are kept, so every value is exactly representable in fp32.
+    In-place int64 arithmetic (two buffers) keeps the CPU cost of this reference low.
     """
-    idx = torch.arange(numel, dtype=torch.int64, device=device)
-    z = idx * _GOLDEN + _signed64(seed & ((1 << 64) - 1))
-    z = (z ^ _lsr(z, 30)) * _MIX1
-    z = (z ^ _lsr(z, 27)) * _MIX2
-    z = z ^ _lsr(z, 31)
-    return _lsr(z, 40).to(torch.float32) * (2.0**-24)
+    z = torch.arange(numel, dtype=torch.int64, device=device)
+    tmp = torch.empty_like(z)
+    z.mul_(_GOLDEN).add_(_signed64(seed & ((1 << 64) - 1)))
+    _xor_lsr_(z, 30, tmp).mul_(_MIX1)
+    _xor_lsr_(z, 27, tmp).mul_(_MIX2)
+    _xor_lsr_(z, 31, tmp)
+    torch.bitwise_right_shift(z, 40, out=tmp)
+    return tmp.bitwise_and_((1 << 24) - 1).to(torch.float32).mul_(2.0**-24)
 
 
 def lo_dtype_for(dtype: torch.dtype) -> torch.dtype:

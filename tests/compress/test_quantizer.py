@@ -247,3 +247,19 @@ def test_metadata_rounded_outward():
     groups = x.view(-1, 256)
     assert bool((lo <= groups.amin(1)).all())
     assert bool((lo + 7 * scale >= groups.amax(1)).all())
+
+
+def test_rounding_uniforms_are_splitmix64():
+    """The hash the CUDA kernel reproduces: splitmix64(seed + i * golden) >> 40, scaled by 2^-24."""
+
+    def splitmix(seed: int, i: int) -> float:
+        m = (1 << 64) - 1
+        z = (seed + i * 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        z ^= z >> 31
+        return (z >> 40) / 2**24
+
+    for seed in (0, 12345, (1 << 63) - 1):
+        got = R.uniform_from_hash(seed, 50).tolist()
+        assert got == [splitmix(seed, i) for i in range(50)]
