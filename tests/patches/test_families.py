@@ -92,8 +92,7 @@ def test_state_dict_unchanged_and_unpatch_restores(case):
         assert model.config._attn_implementation == ref.config._attn_implementation
 
 
-@pytest.mark.parametrize("case", [c for c in HF_CASES if c.name in ("bert-seqcls", "gpt2", "llama", "vit-hf")],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", HF_CASES, ids=lambda c: c.name)
 def test_save_pretrained_round_trip(case, tmp_path):
     ref, model, inputs = _build(case)
     model.save_pretrained(tmp_path / "patched")

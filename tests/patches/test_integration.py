@@ -82,7 +82,7 @@ def test_autocast(name, dtype):
     assert_grads_match(ref, model, cos=0.99, tol=1e-2, name=f"{name} {dtype}")  # grads stay fp32 (checked)
 
 
-@pytest.mark.parametrize("name", ["bert-seqcls", "llama", "timm-vit", "timm-resnet"])
+@pytest.mark.parametrize("name", list(CASES))
 def test_three_bit_training_lowers_the_loss_like_unpatched(name):
     case, ref, model, inputs = _pair(name, bits=3)
     finals = []
