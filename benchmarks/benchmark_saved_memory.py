@@ -20,6 +20,7 @@ import gc
 import json
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -85,6 +86,25 @@ def saved_bytes(model, kind: str, inputs, dtype: torch.dtype | None) -> int:
     return saved.bytes
 
 
+def measure_model(name: str, bits_list: list[int], batch: int, seq: int, device: torch.device) -> dict:
+    """Per-sample saved MiB of one model: unpatched fp32 and bf16, and act_hf at each bit width."""
+    torch.manual_seed(0)
+    base, kind = MODELS[name]()
+    base.to(device)
+    inputs = _inputs(kind, base, batch, seq, device)
+    row = {"model": name, "per_sample_mib": {}}
+    for label, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        row["per_sample_mib"][label] = saved_bytes(base, kind, inputs, dtype) / batch / 2**20
+    for bits in bits_list:
+        model = act_hf.patch(copy.deepcopy(base), bits=bits)
+        row["per_sample_mib"][f"act_hf {bits}-bit"] = saved_bytes(model, kind, inputs, torch.bfloat16) / batch / 2**20
+        del model
+        gc.collect()
+    bf16 = row["per_sample_mib"]["bf16"]
+    row["ratio_vs_bf16"] = {k: bf16 / v for k, v in row["per_sample_mib"].items() if k.startswith("act_hf")}
+    return row
+
+
 def _meta(device) -> dict:
     import timm
     import transformers
@@ -108,30 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one model, print its row as JSON
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.one:
+        print(json.dumps(measure_model(args.one, args.bits, args.batch, args.seq, device)))
+        return 0
 
     rows = []
-    for name in args.models:
-        torch.manual_seed(0)
-        base, kind = MODELS[name]()
-        base.to(device)
-        inputs = _inputs(kind, base, args.batch, args.seq, device)
-        row = {"model": name, "per_sample_mib": {}}
-        for label, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-            row["per_sample_mib"][label] = saved_bytes(base, kind, inputs, dtype) / args.batch / 2**20
-        for bits in args.bits:
-            model = act_hf.patch(copy.deepcopy(base), bits=bits)
-            row["per_sample_mib"][f"act_hf {bits}-bit"] = saved_bytes(model, kind, inputs, torch.bfloat16) / args.batch / 2**20
-            del model
-            gc.collect()
-        bf16 = row["per_sample_mib"]["bf16"]
-        row["ratio_vs_bf16"] = {k: bf16 / v for k, v in row["per_sample_mib"].items() if k.startswith("act_hf")}
+    for name in args.models:  # one subprocess per model: memory is returned, and a failure stays contained
+        cmd = [sys.executable, __file__, "--one", name, "--batch", str(args.batch), "--seq", str(args.seq),
+               "--device", args.device, "--bits", *map(str, args.bits)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{name}: failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}", flush=True)
+            continue
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(name, {k: round(v, 2) for k, v in row["per_sample_mib"].items()},
               {k: round(v, 2) for k, v in row["ratio_vs_bf16"].items()}, flush=True)
-        del base
-        gc.collect()
 
     args.out.mkdir(parents=True, exist_ok=True)
     meta = _meta(device) | {"batch": args.batch, "seq": args.seq, "image": 224}

@@ -22,13 +22,13 @@ class ActLinearMixin(ActModule):
 
 
 class ActTransposedLinearMixin(ActModule):
-    """For linear layers whose weight is stored ``(in, out)`` and compute ``x @ weight + bias`` (GPT-2's
-    ``Conv1D`` in transformers): the same op on ``weight.t()``, a view, so gradients reach the parameter."""
+    """For linear layers whose weight is stored ``(in, out)`` and compute ``addmm(bias, x, weight)`` (GPT-2's
+    ``Conv1D`` in transformers): the same arithmetic, so the output is bit-identical."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x):
             return super().forward(x)
-        return act_linear(x, self.weight.t(), self.bias, self.act_settings("input"))
+        return act_linear(x, self.weight, self.bias, self.act_settings("input"), transposed=True)
 
 
 class ActConvMixin(ActModule):

@@ -20,15 +20,27 @@ from ._saving import OpSettings, load_context, save_context
 __all__ = ["ActConvFunction", "ActLinearFunction", "act_conv", "act_linear"]
 
 
+def _transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight + bias`` for a weight stored ``(in, out)``, computed exactly as GPT-2's ``Conv1D`` does."""
+    x2d = x.reshape(-1, x.shape[-1])
+    out = torch.mm(x2d, weight) if bias is None else torch.addmm(bias, x2d, weight)
+    return out.view(*x.shape[:-1], weight.shape[1])
+
+
 class ActLinearFunction(torch.autograd.Function):
-    """``y = x @ weight.T + bias``; saves ``quantize(x)`` (if weight needs grad) and ``weight`` (if x does)."""
+    """``y = x @ weight.T + bias`` (or ``x @ weight + bias`` with ``transposed``, a weight stored ``(in, out)``).
+
+    Saves ``quantize(x)`` (if the weight needs a gradient) and ``weight`` (if ``x`` does).
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSettings) -> Tensor:
-        out = F.linear(x, weight, bias)
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSettings,
+                transposed: bool = False) -> Tensor:
+        out = _transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         packed = store.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size) if need_w else None
         save_context(ctx, packed, weight if need_x else None)
+        ctx.transposed = transposed
         return out
 
     @staticmethod
@@ -37,20 +49,23 @@ class ActLinearFunction(torch.autograd.Function):
         dtype = grad_out.dtype
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out.matmul(weight.to(dtype))
+            w = weight.to(dtype)
+            grad_x = grad_out.matmul(w.t() if ctx.transposed else w)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             g2d = grad_out.reshape(-1, grad_out.shape[-1])
             if ctx.needs_input_grad[1]:
-                x_hat = dequantize(packed).to(dtype)
-                grad_w = g2d.t().matmul(x_hat.reshape(-1, x_hat.shape[-1]))
+                x2d = dequantize(packed).to(dtype)
+                x2d = x2d.reshape(-1, x2d.shape[-1])
+                grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
             if ctx.needs_input_grad[2]:
                 grad_b = g2d.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
-def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSettings) -> Tensor:
+def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSettings, *,
+               transposed: bool = False) -> Tensor:
     """Functional form of :class:`ActLinearFunction`."""
-    return ActLinearFunction.apply(x, weight, bias, settings)
+    return ActLinearFunction.apply(x, weight, bias, settings, transposed)
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
