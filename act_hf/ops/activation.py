@@ -98,11 +98,9 @@ def check_activation_name(name: object, argument: str = "act_fn_name") -> str:
 
 
 def _pack_codes(codes: Tensor, bits: int, slot: str, original_nbytes: int) -> Tensor:
-    """``pack_bits(codes, bits)`` in a storage of exactly ``ceil(numel * bits / 8)`` bytes, labelled for
+    """``pack_bits(codes, bits)`` (a storage of exactly ``ceil(numel * bits / 8)`` bytes), labelled for
     :func:`act_hf.track_saved` with its slot and the bytes PyTorch would have saved instead."""
     payload = pack_bits(codes, bits)
-    if payload.untyped_storage().nbytes() != payload.numel():  # a view into a padded buffer: keep only the stream
-        payload = payload.clone()
     store.register((payload,), slot=slot, original_nbytes=original_nbytes)
     return payload
 
