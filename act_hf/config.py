@@ -49,8 +49,9 @@ class ActConfig:
     """Every option of :func:`act_hf.patch`, validated on construction.
 
     Args:
-        bits: an ``int`` 1..8 quantizes every compressed slot at that width; a ``float`` (e.g. 2.5) is an
-            average budget over all slots, weighted by their sizes, that the adaptive allocator distributes.
+        bits: an ``int`` 1..8 quantizes every compressed slot at that width; a ``float`` in [1, 8] (e.g. 2.5,
+            or 2.0) is an average budget over all quantized slots, weighted by their sizes, that the adaptive
+            allocator (:mod:`act_hf.adapt`) distributes.
         group_size: elements per quantization group (a positive multiple of 8).
         kinds: which kinds of module to compress, a subset of ``ACT_KINDS``.
         activation_bits: bits of the activation contexts: 1..4 are few-bit derivative codes, 5..8 the quantized
@@ -65,7 +66,11 @@ class ActConfig:
         strict: raise when the model family is unknown or nothing could be patched, instead of falling back.
         fallback_hooks: for unknown families, also compress the remaining saved tensors through saved-tensor
             hooks.
-        adapt_interval: steps between re-allocations of adaptive bits (used when ``bits`` is a float).
+        adapt_interval: training steps between re-allocations of adaptive bits (used when ``bits`` is a
+            fractional budget); the first training step always allocates.
+        adapt_samples: samples of the captured batch that the sensitivity probe runs on (fewer is cheaper).
+        variance_alarm: warn when the gradient variance that compression adds exceeds this multiple of the
+            minibatch gradient variance (GACT's failure predictor); ``0`` turns the check off.
     """
 
     bits: int | float = field(default=3, metadata={"help": "int 1..8, or a float average budget for adaptive bits"})
@@ -80,6 +85,9 @@ class ActConfig:
     strict: bool = field(default=False, metadata={"help": "error instead of fallback for unknown models"})
     fallback_hooks: bool = field(default=True, metadata={"help": "saved-tensor hooks for unknown families"})
     adapt_interval: int = field(default=500, metadata={"help": "steps between adaptive re-allocations"})
+    adapt_samples: int = field(default=8, metadata={"help": "samples the sensitivity probe runs on"})
+    variance_alarm: float = field(default=10.0, metadata={"help": "warn when compression variance / minibatch "
+                                                                "gradient variance exceeds this (0: off)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
@@ -116,16 +124,22 @@ class ActConfig:
             raise ActHFTypeError("module_filter_fn must be callable: fn(module, path) -> bool")
         if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
             raise ActHFValueError(f"adapt_interval must be a positive int, got {self.adapt_interval!r}")
+        if isinstance(self.adapt_samples, bool) or not isinstance(self.adapt_samples, int) or self.adapt_samples < 1:
+            raise ActHFValueError(f"adapt_samples must be a positive int, got {self.adapt_samples!r}")
+        if isinstance(self.variance_alarm, bool) or not isinstance(self.variance_alarm, (int, float)) \
+                or not self.variance_alarm >= 0:
+            raise ActHFValueError(f"variance_alarm must be a number >= 0 (0 turns it off), got {self.variance_alarm!r}")
 
     @property
     def adaptive(self) -> bool:
-        """True when ``bits`` is a float budget (e.g. 2.5) rather than a fixed width."""
-        return isinstance(self.bits, float) and not self.bits.is_integer()
+        """True when ``bits`` is a float budget (e.g. 2.5 or 2.0) rather than an int width."""
+        return isinstance(self.bits, float)
 
     @property
     def default_bits(self) -> int:
-        """The fixed width, or the budget rounded up as the starting width of adaptive allocation."""
-        return int(self.bits) if not self.adaptive else min(8, int(self.bits) + 1)
+        """The fixed width; for a fractional budget, the budget rounded down: every slot's width until the
+        first allocation (so memory never exceeds the budget)."""
+        return int(self.bits)
 
     @property
     def derivative_bits(self) -> int:

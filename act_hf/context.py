@@ -13,6 +13,12 @@ exactly as long as some autograd graph keeps the packed tensors, and no step bou
 Slots name what is stored by module path and role (``bert.encoder.layer.3.attention.self.query:input``),
 never by save order. Each slot carries its own bits (``ContextStore.bits``), which the adaptive allocator
 sets.
+
+During a sensitivity probe (:meth:`ContextStore.probing`, used by :mod:`act_hf.adapt`) every quantized tensor
+also gets a second, independently drawn "twin", and the slots that quantize the same tensor are joined into
+one group; :meth:`ContextStore.resolve` hands an op's backward the twin instead of the original for the group
+being redrawn, so the gradient can be recomputed with one group's random draws changed and everything else
+(forward, dropout masks, the other groups' draws) the same.
 """
 
 from __future__ import annotations
@@ -22,13 +28,14 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from .compress import PackedSpec, PackedTensor, quantize
 
-__all__ = ["ContextStore", "SavedTracker", "store", "track_saved"]
+__all__ = ["ContextStore", "Probe", "SavedTracker", "store", "track_saved"]
 
 _PURGE_EVERY = 512
 
@@ -52,16 +59,93 @@ class _Entry:
         return self.source() is not None and all(r() is not None for r in self.tensors)
 
 
+class Probe:
+    """What a sensitivity probe records: slot groups, their sizes, and a twin draw of every quantized tensor.
+
+    Attributes:
+        redraw: the group whose twins :meth:`ContextStore.resolve` returns (``None``: the originals).
+    """
+
+    def __init__(self) -> None:
+        self.redraw: str | None = None
+        self._parent: dict[str, str] = {}
+        self._tensors: dict[tuple, tuple[weakref.ref, str]] = {}  # identity (no bits) -> live source, first slot
+        self._numel: dict[str, int] = {}  # first slot -> elements of the distinct tensors it quantized first
+        self._twins: dict[int, tuple[str, PackedTensor]] = {}  # payload address -> first slot, twin
+        self._uses: dict[str, int] = {}  # first slot -> compress calls that returned its tensors
+        self._saves: dict[str, int] = {}  # first slot -> times an act_hf op saved them (save_context)
+        self._consumers: dict[str, list] = {}  # first slot -> backward nodes of the ops that saved them
+
+    def _find(self, slot: str) -> str:
+        parent = self._parent.setdefault(slot, slot)
+        if parent != slot:
+            parent = self._parent[slot] = self._find(parent)
+        return parent
+
+    def _union(self, a: str, b: str) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra != rb:
+            self._parent[max(ra, rb)] = min(ra, rb)  # the smaller name represents the group: deterministic
+
+    def _record(self, x: torch.Tensor, key: tuple, slot: str) -> None:
+        self._find(slot)
+        known = self._tensors.get(key)
+        if known is not None and known[0]() is not None:  # the same storage, layout and dtype: the same values
+            self._union(slot, known[1])
+        else:
+            self._tensors[key] = (weakref.ref(x), slot)
+            self._numel[slot] = self._numel.get(slot, 0) + x.numel()
+
+    def _used(self, packed: PackedTensor) -> None:
+        first = self._twins[packed.payload.data_ptr()][0]
+        self._uses[first] = self._uses.get(first, 0) + 1
+
+    def saved_by(self, node: Any, items: tuple) -> None:
+        """Note that the autograd ``node`` (an act_hf op's ``ctx``) saved the packed ``items``."""
+        for item in items:
+            hit = self._twins.get(item.payload.data_ptr()) if isinstance(item, PackedTensor) else None
+            if hit is not None:
+                self._saves[hit[0]] = self._saves.get(hit[0], 0) + 1
+                self._consumers.setdefault(hit[0], []).append(node)
+
+    def groups(self) -> dict[str, dict]:
+        """``{group: {"slots", "numel", "consumers"}}``: a group is a set of slots linked by quantizing the same
+        tensor (a LayerNorm output shared by Q, K and V) or by one slot quantizing several tensors (a module
+        called more than once); ``numel`` counts the elements it quantized; ``consumers`` lists the backward
+        nodes of the act_hf ops that saved its tensors, or is ``None`` when some use is not one of them (a
+        saved-tensor hook of the generic fallback): then only a whole backward pass sees all of its effect."""
+        out: dict[str, dict] = {}
+        for slot in self._parent:
+            out.setdefault(self._find(slot), {"slots": [], "numel": 0, "consumers": []})["slots"].append(slot)
+        for slot, numel in self._numel.items():
+            out[self._find(slot)]["numel"] += numel
+        for first, uses in self._uses.items():
+            group = out[self._find(first)]
+            if group["consumers"] is not None and self._saves.get(first, 0) == uses:
+                group["consumers"].extend(n for n in self._consumers.get(first, []) if n not in group["consumers"])
+            else:
+                group["consumers"] = None
+        for group in out.values():
+            group["slots"].sort()
+        return out
+
+
 class ContextStore:
     """Compresses each distinct tensor once per (bits, group size) and remembers per-slot bits.
 
     Thread-local entries (each thread runs its own forward); the per-slot bits are shared.
+
+    Attributes:
+        bits: per-slot bits set by the adaptive allocator (slots not listed use their module's bits).
+        force_bits: when set, every slot is quantized at this width (the allocator's near-exact reference).
     """
 
     def __init__(self) -> None:
         self._local = threading.local()
         self.bits: dict[str, int] = {}
+        self.force_bits: int | None = None
         self._trackers: list[SavedTracker] = []
+        self._probe: Probe | None = None
 
     @property
     def _entries(self) -> dict[tuple, _Entry]:
@@ -73,6 +157,8 @@ class ContextStore:
 
     def bits_for(self, slot: str, default: int) -> int:
         """Bits allocated to ``slot`` (by the adaptive allocator), else ``default``."""
+        if self.force_bits is not None:
+            return self.force_bits
         return self.bits.get(slot, default)
 
     def compress(self, x: torch.Tensor, *, slot: str, bits: int, group_size: int) -> PackedTensor:
@@ -90,6 +176,42 @@ class ContextStore:
             if self._local.inserts % _PURGE_EVERY == 0:
                 self._purge()
             self.register(packed.tensors, slot=slot, original_nbytes=packed.spec.numel * _itemsize(x.dtype))
+            if self._probe is not None:
+                self._probe._twins[packed.payload.data_ptr()] = (slot, quantize(x, bits, group_size))
+        if self._probe is not None:
+            self._probe._record(x, key[:5] + key[7:], slot)
+            self._probe._used(packed)
+        return packed
+
+    def forget(self, paths: list[str]) -> None:
+        """Drop the per-slot bits of the modules at ``paths`` (their slots are ``<path>:<role>``)."""
+        prefixes = tuple(f"{p}:" for p in paths)
+        for slot in [s for s in self.bits if s.startswith(prefixes)]:
+            del self.bits[slot]
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[Probe]:
+        """Record slot groups and twin draws for the forwards run inside the block (see :class:`Probe`).
+
+        The twins stay reachable through :meth:`resolve` until the block exits, so the backward passes of a
+        probe run inside it too.
+        """
+        if self._probe is not None:
+            raise RuntimeError("a sensitivity probe is already running")
+        self._probe = probe = Probe()
+        try:
+            yield probe
+        finally:
+            self._probe = None
+
+    def resolve(self, packed: PackedTensor) -> PackedTensor:
+        """``packed``, or its twin draw when a probe is redrawing the group it belongs to."""
+        probe = self._probe
+        if probe is None or probe.redraw is None:
+            return packed
+        hit = probe._twins.get(packed.payload.data_ptr())
+        if hit is not None and probe._find(hit[0]) == probe.redraw:
+            return hit[1]
         return packed
 
     def register(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], *, slot: str,

@@ -42,7 +42,8 @@ class _Compressing:
         if not t.is_floating_point() or t.numel() < MIN_NUMEL or _is_parameter_like(t):
             _report(t)
             return t
-        packed = store.compress(t, slot=self.slot, bits=self.bits, group_size=self.group_size)
+        packed = store.compress(t, slot=self.slot, bits=store.bits_for(self.slot, self.bits),
+                                group_size=self.group_size)
         for p in packed.tensors:
             _report(p)
         return (packed.tensors, packed.spec)
@@ -50,7 +51,7 @@ class _Compressing:
     @staticmethod
     def unpack(obj):
         if isinstance(obj, tuple):
-            return dequantize(PackedTensor.rebuild(*obj))
+            return dequantize(store.resolve(PackedTensor.rebuild(*obj)))
         return obj
 
 

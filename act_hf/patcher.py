@@ -201,8 +201,10 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
 
     Args:
         model: an HF transformers model, a timm model, or any ``nn.Module`` (generic fallback).
-        bits: an int 1..8, or a float average budget for adaptive bits (e.g. 2.5). Ignored when ``config``
-            is given (use ``bits=`` inside the config or as an override).
+        bits: an int 1..8, or a float average budget for adaptive bits (e.g. 2.5: the model gets a
+            :class:`act_hf.adapt.BitAllocator` as ``model.act_hf_allocator``, which re-allocates the budget over
+            the slots from measured sensitivities). Ignored when ``config`` is given (use ``bits=`` inside the
+            config or as an override).
         config: a full :class:`ActConfig`; ``overrides`` replace single fields of it.
         strict: raise instead of falling back when the family is unknown or nothing could be patched.
         **overrides: any :class:`ActConfig` field (``group_size=128``, ``kinds=("linear",)``, ...).
@@ -229,12 +231,6 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
         overrides["strict"] = strict
     if overrides:
         config = config.with_overrides(**overrides)
-    if config.adaptive:
-        raise ActHFValueError(
-            f"bits={config.bits}: a fractional budget needs the adaptive bit allocator, which this version of "
-            "act_hf does not have yet; pass an integer bits from 1 to 8"
-        )
-
     family = family_of(model)
     if family is None:
         if config.strict:
@@ -253,10 +249,21 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
             f"act_hf found nothing to patch in {type(model).__name__} (kinds={list(config.kinds)}, "
             f"target_modules={config.target_modules!r}, exclude_modules={config.exclude_modules!r})"
         )
+    from .context import store
+
+    store.forget(patched)  # per-slot bits left by an earlier model with the same module paths
+    allocator = None
+    if config.adaptive:
+        from .adapt import BitAllocator
+
+        allocator = BitAllocator(model, config)
+        add_cleanup(model, allocator.remove)
     for target in {id(model): model, id(wrapper): wrapper}.values():
         target.act_hf_config = config
         target.act_hf_family = family or "generic"
         target.act_hf_patched_modules = patched
+        if allocator is not None:
+            target.act_hf_allocator = allocator
     return wrapper
 
 
@@ -271,7 +278,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         if isinstance(module, ActModule):
             revert(module)
     for target in (model, wrapper):
-        for attr in ("act_hf_config", "act_hf_family", "act_hf_patched_modules", "act_hf_cleanups"):
+        for attr in ("act_hf_config", "act_hf_family", "act_hf_patched_modules", "act_hf_cleanups",
+                     "act_hf_allocator"):
             target.__dict__.pop(attr, None)
     return wrapper
 

@@ -46,6 +46,9 @@ def report(model: nn.Module, saved: SavedTracker | None = None, *, top: int = 10
         unpatched = sorted({type(m).__name__ for m in model.modules()
                             if not isinstance(m, ActModule) and not list(m.children())})
         lines.append(f"leaf module types not converted: {', '.join(unpatched) or 'none'}")
+        allocator = getattr(model, "act_hf_allocator", None)
+        if allocator is not None:
+            lines.extend(_adaptive_lines(allocator, top))
     if saved is not None:
         lines.append(
             f"saved for backward: {saved.bytes / 2**20:.2f} MiB in {saved.num_tensors} tensors; uncompressed "
@@ -57,3 +60,30 @@ def report(model: nn.Module, saved: SavedTracker | None = None, *, top: int = 10
     if file is not False:
         print(text, file=file)
     return text
+
+
+def _adaptive_lines(allocator, top: int) -> list[str]:
+    """The allocation, its cost and the variance alarm of an :class:`act_hf.adapt.BitAllocator`."""
+    if not allocator.groups:
+        return [(f"adaptive bits: budget {allocator.budget:g}, not allocated yet (every slot at "
+                 f"{allocator.config.default_bits} bits until the first training step)")]
+    histogram = Counter()
+    for group in allocator.groups.values():
+        histogram[group.bits] += group.numel
+    total = sum(histogram.values())
+    share = ", ".join(f"{b}b {100 * n / total:.0f}%" for b, n in sorted(histogram.items()))
+    lines = [(
+        f"adaptive bits: budget {allocator.budget:g}, allocated {allocator.average_bits():.3f} over "
+        f"{len(allocator.groups)} slot groups ({share} of elements); {allocator.updates} update(s), probe time "
+        f"{100 * allocator.overhead:.2f}% of training time"
+    )]
+    ratio = allocator.variance_ratio
+    if ratio is not None:
+        alarm = allocator.config.variance_alarm
+        verdict = "ALARM: compression dominates, raise the budget" if alarm and ratio > alarm else "ok"
+        lines.append(f"compression / minibatch gradient variance: {ratio:.3g} ({verdict}; alarm above {alarm:g})")
+    lines.append("most sensitive groups (sensitivity c_l, bits):")
+    ranked = sorted(allocator.groups.items(), key=lambda kv: (-kv[1].sensitivity, kv[0]))[:top]
+    for name, group in ranked:
+        lines.append(f"  {group.sensitivity:10.3e}  {group.bits}b  {name}")
+    return lines

@@ -5,7 +5,12 @@
 The callback patches the model at the start of training if it is not patched yet, measures the saved
 activation memory of one training step every ``log_interval`` logging events (a forward pre-hook on the
 model opens :func:`act_hf.track_saved` for that step), and adds ``act_hf/avg_bits``, ``act_hf/saved_mb`` and
-``act_hf/ratio`` to the Trainer's logs. Its state (the per-slot bits) is saved into each Trainer checkpoint
+``act_hf/ratio`` to the Trainer's logs. With a fractional ``bits`` budget (adaptive bits, see
+:mod:`act_hf.adapt`) it also schedules the re-allocations: before the first step and every
+``config.adapt_interval`` optimizer steps, the model's :class:`~act_hf.adapt.BitAllocator` probes the next
+training batch (captured by its forward pre-hook) and re-distributes the budget; ``act_hf/variance_ratio``
+(compression / minibatch gradient variance) and ``act_hf/adapt_overhead`` (probe time / training time) join
+the logs. Its state (the per-slot bits and the allocator's groups) is saved into each Trainer checkpoint
 (``act_hf_state.json``) and restored on resume, so a resumed run continues with the same allocation.
 """
 
@@ -56,6 +61,13 @@ class ActCompressCallback(TrainerCallback):
             patch(model, config=self.config)
         self.config = model.act_hf_config
         self._model = model
+        if self.allocator is not None:
+            self.allocator.automatic = False  # scheduled by optimizer steps in on_step_begin
+
+    @property
+    def allocator(self):
+        """The model's :class:`act_hf.adapt.BitAllocator` (adaptive bits), else ``None``."""
+        return getattr(self._model, "act_hf_allocator", None)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is not None:
@@ -81,24 +93,39 @@ class ActCompressCallback(TrainerCallback):
 
     # -- measuring -----------------------------------------------------------------------------------------
     def _maybe_start_tracking(self, module, args):
+        allocator = self.allocator
+        if allocator is not None and allocator.probing:
+            return
         if self._measure_next and module.training and self._tracker_cm is None:
             self._tracker_cm = track_saved(module)
             self._last = self._tracker_cm.__enter__()
 
     def _stop_tracking(self, module, args, output):
+        allocator = self.allocator
+        if allocator is not None and allocator.probing:
+            return
         if self._tracker_cm is not None:
             self._tracker_cm.__exit__(None, None, None)
             self._tracker_cm = None
             self._measure_next = False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        allocator = self.allocator
+        if allocator is not None and (allocator.updates == 0 and not allocator.groups
+                                      or state.global_step % self.config.adapt_interval == 0):
+            allocator.request_update()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.measure_every and state.global_step % self.measure_every == 0:
             self._measure_next = True
 
     def average_bits(self) -> float:
-        """Mean default bits of the patched modules (per-slot overrides from ``store.bits`` included)."""
+        """With adaptive bits, the allocated bits averaged over stored elements; otherwise the mean default bits
+        of the patched modules (per-slot overrides from ``store.bits`` included)."""
         if self._model is None:
             return float("nan")
+        if self.allocator is not None:
+            return self.allocator.average_bits()
         bits = [m.act_bits for m in self._model.modules() if hasattr(m, "act_bits")]
         overrides = list(store.bits.values())
         values = bits + overrides
@@ -111,6 +138,12 @@ class ActCompressCallback(TrainerCallback):
         if self._last is not None and self._last.bytes:
             ours["act_hf/saved_mb"] = round(self._last.bytes / 2**20, 3)
             ours["act_hf/ratio"] = round(self._last.ratio, 3)
+        allocator = self.allocator
+        if allocator is not None:
+            ours["act_hf/adapt_updates"] = allocator.updates
+            ours["act_hf/adapt_overhead"] = round(allocator.overhead, 5)
+            if allocator.variance_ratio is not None:
+                ours["act_hf/variance_ratio"] = float(f"{allocator.variance_ratio:.4g}")
         logs.update(ours)  # seen by the reporting callbacks that run after this one
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(ours)  # Trainer appended its copy before calling the callbacks
@@ -118,7 +151,10 @@ class ActCompressCallback(TrainerCallback):
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The allocation state saved into checkpoints."""
-        return {"config": self.config.to_dict(), "slot_bits": dict(store.bits)}
+        state = {"config": self.config.to_dict(), "slot_bits": dict(store.bits)}
+        if self.allocator is not None:
+            state["allocator"] = self.allocator.state_dict()
+        return state
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -126,7 +162,8 @@ class ActCompressCallback(TrainerCallback):
         (folder / STATE_NAME).write_text(json.dumps(self.state_dict(), sort_keys=True, indent=2))
 
     def load_state(self, checkpoint: str | Path) -> bool:
-        """Restore the per-slot bits saved in ``checkpoint``; returns whether a state was found."""
+        """Restore the per-slot bits (and the allocator's state) saved in ``checkpoint``; returns whether a state
+        was found."""
         path = Path(checkpoint) / STATE_NAME
         if not path.exists():
             logger.warning("no %s in %s: act_hf keeps its current allocation", STATE_NAME, checkpoint)
@@ -134,4 +171,6 @@ class ActCompressCallback(TrainerCallback):
         data = json.loads(path.read_text())
         store.bits.clear()
         store.bits.update({k: int(v) for k, v in data.get("slot_bits", {}).items()})
+        if self.allocator is not None and "allocator" in data:
+            self.allocator.load_state_dict(data["allocator"])
         return True

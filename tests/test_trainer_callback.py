@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 import act_hf
@@ -59,6 +58,58 @@ def test_resume_restores_the_allocation(tmp_path):
     store.bits.clear()
 
 
-def test_fractional_bits_are_refused_until_the_allocator_exists():
-    with pytest.raises(ValueError, match="adaptive bit allocator"):
-        act_hf.patch(bert()[0], bits=2.5)
+def _adaptive_trainer(tmp_path, max_steps, interval=2, save_steps=2):
+    config = act_hf.ActConfig(bits=2.5, adapt_interval=interval, adapt_samples=2)
+    return _trainer(tmp_path, act_hf.ActCompressCallback(config=config), max_steps=max_steps, save_steps=save_steps)
+
+
+def test_callback_adapts_bits_under_the_budget(tmp_path):
+    trainer = _adaptive_trainer(tmp_path, max_steps=4)
+    allocator = trainer.model.act_hf_allocator
+    assert allocator.automatic is False and not allocator.groups  # the callback schedules the updates
+    seen = []
+    original = allocator.update
+
+    def spy(closure):
+        groups = original(closure)
+        seen.append({n: g.bits for n, g in groups.items()})
+        return groups
+
+    allocator.update = spy
+    trainer.train()
+    assert len(seen) == 2  # before steps 0 and 2 (adapt_interval=2)
+    assert len(set(seen[0].values())) > 1  # not uniform: the budget is distributed by sensitivity
+    assert allocator.average_bits() <= 2.5 and allocator.average_bits() > 2.0
+    for group in allocator.groups.values():
+        assert all(store.bits[slot] == group.bits for slot in group.slots)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all(e["act_hf/avg_bits"] <= 2.5 and e["act_hf/adapt_updates"] >= 1 for e in logs)
+    assert all("act_hf/variance_ratio" in e and e["act_hf/adapt_overhead"] > 0 for e in logs)
+    state = json.loads((tmp_path / "checkpoint-2" / "act_hf_state.json").read_text())
+    assert state["allocator"]["groups"] and state["allocator"]["budget"] == 2.5
+    act_hf.unpatch(trainer.model)
+    assert not any(slot in store.bits for group in allocator.groups.values() for slot in group.slots)
+
+
+def test_resume_keeps_the_adaptive_allocation(tmp_path):
+    trainer = _adaptive_trainer(tmp_path, max_steps=3, interval=100, save_steps=3)
+    trainer.train()
+    saved = {n: (g.bits, g.sensitivity) for n, g in trainer.model.act_hf_allocator.groups.items()}
+    act_hf.unpatch(trainer.model)
+    resumed = _adaptive_trainer(tmp_path, max_steps=5, interval=100, save_steps=10)
+    allocator = resumed.model.act_hf_allocator
+    calls = []
+    allocator.update = lambda closure: calls.append(closure)  # no probe may run: step 3 is not an interval step
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert not calls
+    assert {n: (g.bits, g.sensitivity) for n, g in allocator.groups.items()} == saved
+    for group in allocator.groups.values():
+        assert all(store.bits[slot] == group.bits for slot in group.slots)
+    act_hf.unpatch(resumed.model)
+
+
+def test_fractional_bits_patch_an_allocator():
+    model = act_hf.patch(bert()[0], bits=2.5)
+    assert model.act_hf_config.adaptive and model.act_hf_allocator.budget == 2.5
+    act_hf.unpatch(model)
+    assert not hasattr(model, "act_hf_allocator") and not model._forward_pre_hooks

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..compress import PackedTensor
+from ..context import store
 
 __all__ = ["OpSettings", "load_context", "save_context"]
 
@@ -42,10 +43,13 @@ def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | None) -> None:
             raise TypeError(f"save_context takes tensors, PackedTensor or None, got {type(item).__name__}")
     ctx.save_for_backward(*flat)
     ctx.act_layout = layout
+    if store._probe is not None:
+        store._probe.saved_by(ctx, items)  # ctx is the op's backward node
 
 
 def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | None]:
-    """The items given to :func:`save_context`, in order."""
+    """The items given to :func:`save_context`, in order (a packed item is the probe's twin draw while a
+    sensitivity probe redraws its group, see :meth:`act_hf.context.ContextStore.resolve`)."""
     saved = ctx.saved_tensors
     out: list[torch.Tensor | PackedTensor | None] = []
     for entry in ctx.act_layout:
@@ -53,7 +57,7 @@ def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | None]:
             out.append(None)
         elif entry[0] == "packed":
             i = entry[1]
-            out.append(PackedTensor.rebuild(saved[i : i + 3], entry[2]))
+            out.append(store.resolve(PackedTensor.rebuild(saved[i : i + 3], entry[2])))
         else:
             out.append(saved[entry[1]])
     return out

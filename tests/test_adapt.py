@@ -1,0 +1,244 @@
+"""Adaptive bits: the greedy allocation, the sensitivity estimate against brute force, the alarm, isolation."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import act_hf
+from act_hf.adapt import allocate_bits, variance_factor
+from act_hf.context import store
+from tests.patches.models import bert
+
+# ------------------------------------------------------------------------------------------------ allocation
+
+
+def test_allocation_meets_the_budget_from_below_and_is_deterministic():
+    sens = {"a": 5.0, "b": 1.0, "c": 0.01, "d": 0.0}
+    numel = {"a": 100, "b": 300, "c": 50, "d": 10}
+    for budget in (1.0, 1.5, 2.0, 2.5, 3.7, 8.0):
+        bits = allocate_bits(sens, numel, budget)
+        used = sum(bits[n] * numel[n] for n in numel)
+        assert used <= budget * sum(numel.values()) + 1e-9
+        assert all(1 <= b <= 8 for b in bits.values())
+        # nothing more fits: every group that is not at 8 bits would overshoot with one more bit
+        assert all(bits[n] == 8 or used + numel[n] > budget * sum(numel.values()) for n in numel)
+        assert allocate_bits(dict(reversed(sens.items())), dict(reversed(numel.items())), budget) == bits
+    bits = allocate_bits(sens, numel, 3.0)
+    assert bits["a"] >= bits["b"] >= bits["c"]
+
+
+def test_allocation_is_optimal_for_equal_sizes():
+    """With equal sizes the objective is separable and convex in the bits: greedy equals exhaustive search."""
+    torch.manual_seed(0)
+    for _ in range(5):
+        sens = {f"g{i}": float(torch.rand(()).item() * 10 ** torch.randint(-3, 3, ()).item()) for i in range(4)}
+        numel = dict.fromkeys(sens, 1)
+        for budget in (2.0, 2.5, 3.25):
+            bits = allocate_bits(sens, numel, budget)
+            best = min(
+                (sum(sens[n] * variance_factor(b) for n, b in zip(sens, combo)), combo)
+                for combo in itertools.product(range(1, 9), repeat=4) if sum(combo) <= budget * 4
+            )
+            got = sum(sens[n] * variance_factor(bits[n]) for n in sens)
+            assert got == pytest.approx(best[0], rel=1e-12)
+
+
+def test_allocation_rejects_bad_input():
+    with pytest.raises(ValueError, match="budget"):
+        allocate_bits({"a": 1.0}, {"a": 1}, 9.0)
+    with pytest.raises(ValueError, match="same groups"):
+        allocate_bits({"a": 1.0}, {"b": 1}, 2.0)
+    with pytest.raises(ValueError, match="variance_alarm"):
+        act_hf.ActConfig(bits=2.5, variance_alarm=-1)
+    with pytest.raises(ValueError, match="adapt_samples"):
+        act_hf.ActConfig(bits=2.5, adapt_samples=0)
+
+
+# ------------------------------------------------------------------------------------------------ sensitivity
+
+
+class _Mlp(nn.Module):
+    """Two Linears; the first one's input has a 100x larger range than the second one's."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(32, 64)
+        self.second = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def _mlp_batch(n=16):
+    torch.manual_seed(1)
+    x = torch.randn(n, 32, dtype=torch.float64) * 100
+    target = torch.randn(n, 8, dtype=torch.float64)
+    return x, target
+
+
+def _mse(model, batch):
+    x, target = batch
+    return (model(x) - target).pow(2).mean()
+
+
+def test_sensitivity_is_the_variance_of_the_gradient():
+    """c_l * S(b) is an unbiased estimate of the gradient variance that quantizing slot l adds: compared with the
+    empirical variance of the weight gradient over many independent quantizations of the same input."""
+    model = _Mlp().double()
+    act_hf.patch(model, bits=2.0, kinds=("linear",), adapt_samples=16, variance_alarm=0)
+    allocator = model.act_hf_allocator
+    x, target = _mlp_batch()
+    estimates = []
+    for _ in range(40):
+        allocator.update_batch((x, target), lambda b: _mse(model, b))
+        group = allocator.groups["first:input"]
+        estimates.append(group.sensitivity * variance_factor(2))  # measured at 2 bits before the first allocation
+        store.bits.clear()  # measure at 2 bits every time
+    with torch.no_grad():
+        hidden_out = model.first(x).requires_grad_()
+    out = model.second(torch.tanh(hidden_out))
+    grad_pre = torch.autograd.grad((out - target).pow(2).mean(), hidden_out)[0]  # dL/d(first's output)
+    grads = []
+    for seed in range(400):
+        x_hat = act_hf.dequantize(act_hf.quantize(x, 2, 256, seed=seed))
+        grads.append(grad_pre.t() @ x_hat)  # the first layer's weight gradient with a quantized input
+    grads = torch.stack(grads)
+    empirical = grads.var(dim=0, unbiased=True).sum().item()
+    mean_estimate = sum(estimates) / len(estimates)
+    assert mean_estimate == pytest.approx(empirical, rel=0.2)
+    act_hf.unpatch(model)
+
+
+def test_local_difference_matches_a_whole_backward():
+    """The per-group local difference (one op re-run + a backward from it) equals GACT's whole backward with the
+    group's draws changed, on the same forward and draws, for every kind of slot of a BERT layer."""
+    torch.manual_seed(0)
+    model, inputs = bert()
+    model = model.double()
+    act_hf.patch(model, bits=2.5, adapt_samples=2, variance_alarm=0)
+    allocator = model.act_hf_allocator
+    batch = {k: v for k, v in inputs.items()}
+
+    def probe(whole):
+        allocator.whole_backward = whole
+        act_hf.manual_seed(7)
+        torch.manual_seed(7)
+        store.bits.clear()
+        allocator.update_batch(batch, lambda b: model(**b).loss)
+        return {n: g.sensitivity for n, g in allocator.groups.items()}
+
+    local, whole = probe(False), probe(True)
+    assert local.keys() == whole.keys() and len(local) > 8
+    assert any(":q" in n for n in local) and any("LayerNorm:output" in n for n in local)
+    scale = max(whole.values())
+    for name in local:  # first order vs exact: equal up to second-order terms
+        assert local[name] == pytest.approx(whole[name], rel=0.02, abs=1e-6 * scale), name
+    act_hf.unpatch(model)
+
+
+def test_a_slot_whose_compression_hurts_gets_more_bits():
+    """Quantizing the first Linear's input (100x range) demonstrably hurts the gradient more than the second's;
+    the allocator measures that and gives it more bits."""
+    x, target = _mlp_batch()
+    reference = _Mlp().double()
+    exact = torch.autograd.grad(_mse(reference, (x, target)), list(reference.parameters()))
+
+    def harm(slot_bits):
+        model = copy.deepcopy(reference)
+        act_hf.patch(model, bits=8, kinds=("linear",))
+        store.bits.update(slot_bits)
+        errors = []
+        for seed in range(20):
+            act_hf.manual_seed(seed)
+            grads = torch.autograd.grad(_mse(model, (x, target)), list(model.parameters()))
+            errors.append(sum((g - e).pow(2).sum() for g, e in zip(grads, exact)).item())
+        act_hf.unpatch(model)
+        store.bits.clear()
+        return sum(errors) / len(errors)
+
+    harm_first, harm_second = harm({"first:input": 2}), harm({"second:input": 2})
+    assert harm_first > 10 * harm_second  # demonstrably: the first slot's 2-bit compression hurts far more
+
+    model = copy.deepcopy(reference)
+    act_hf.patch(model, bits=2.5, kinds=("linear",), variance_alarm=0)
+    model.act_hf_allocator.update_batch((x, target), lambda b: _mse(model, b))
+    groups = model.act_hf_allocator.groups
+    assert groups["first:input"].bits > groups["second:input"].bits
+    assert groups["first:input"].sensitivity > groups["second:input"].sensitivity
+    act_hf.unpatch(model)
+
+
+# ------------------------------------------------------------------------------------------------ alarm, report
+
+
+def test_variance_alarm_warns_and_reports():
+    torch.manual_seed(0)
+    model, inputs = bert()
+    act_hf.patch(model, bits=1.5, adapt_samples=2, variance_alarm=1e-12)
+    model.train()
+    with pytest.warns(act_hf.ActHFWarning, match="minibatch gradient variance"):
+        model(**inputs).loss.backward()  # the first training forward probes first
+    allocator = model.act_hf_allocator
+    assert allocator.updates == 1 and allocator.variance_ratio > 0
+    text = act_hf.report(model, file=False)
+    assert "adaptive bits: budget 1.5" in text and "ALARM" in text and "most sensitive groups" in text
+    low = allocator.variance_ratio
+    act_hf.unpatch(model)
+
+    model, inputs = bert()
+    act_hf.patch(model, bits=6.0, adapt_samples=2, variance_alarm=1e-12)
+    model.train()
+    with pytest.warns(act_hf.ActHFWarning):
+        model(**inputs)
+    assert model.act_hf_allocator.variance_ratio < low / 100  # more bits, far less compression variance
+    act_hf.unpatch(model)
+
+
+def test_probe_leaves_training_untouched():
+    """The probe restores the RNG streams and buffers (BatchNorm statistics) and makes no .grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    act_hf.patch(model, bits=2.5, variance_alarm=0)
+    allocator = model.act_hf_allocator
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    bn = model[1]
+    stats = (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone())
+    rng = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        allocator.update_batch((x, y), lambda b: nn.functional.cross_entropy(model(b[0]), b[1]))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(stats, (bn.running_mean, bn.running_var, bn.num_batches_tracked)))
+    assert all(p.grad is None for p in model.parameters())
+    assert allocator.groups and 2.0 < allocator.average_bits() <= 2.5
+    act_hf.unpatch(model)
+
+
+def test_automatic_updates_without_trainer():
+    """Patched with a float budget, the model re-allocates by itself every adapt_interval training forwards."""
+    torch.manual_seed(0)
+    model, inputs = bert()
+    act_hf.patch(model, bits=2.0, adapt_interval=2, adapt_samples=2, variance_alarm=0)
+    model.train()
+    for _ in range(3):
+        model(**inputs).loss.backward()
+    with torch.no_grad():
+        model(**inputs)  # no probe without grad
+    model.eval()
+    model(**inputs)  # nor in eval mode
+    assert model.act_hf_allocator.updates == 2  # forwards 0 and 2
+    state = model.act_hf_allocator.state_dict()
+    act_hf.unpatch(model)
+    fresh, _ = bert()
+    act_hf.patch(fresh, bits=2.0)
+    fresh.act_hf_allocator.load_state_dict(state)
+    assert {n: g.bits for n, g in fresh.act_hf_allocator.groups.items()} == \
+        {n: g["bits"] for n, g in state["groups"].items()}
+    assert fresh.act_hf_allocator.average_bits() <= 2.0
+    act_hf.unpatch(fresh)
