@@ -22,6 +22,9 @@ Data come from one of three sources, checked in this order:
 ``--act_compress`` adds :class:`act_hf.ActCompressCallback` to the Trainer (it patches the model when the
 Trainer is built) with ``ActConfig(bits=--act_bits, group_size=--act_group_size)``; its ``act_hf/*`` log
 entries (saved activation MB, compression ratio, average bits) are also written to ``all_results.json``.
+``--act_adaptive`` (or a fractional ``--act_bits`` such as 2.5) makes ``--act_bits`` an average budget that
+act_hf's allocator distributes over the slots from measured sensitivities every ``--act_adapt_interval``
+steps (``act_hf/variance_ratio`` and ``act_hf/adapt_overhead`` join the logs).
 Without ``--act_compress`` the run is the uncompressed baseline.
 """
 
@@ -146,7 +149,11 @@ class ActArguments:
                           "adaptive bits."},
     )
     act_adaptive: bool = field(
-        default=False, metadata={"help": "Adaptive bit allocation; needs a fractional --act_bits budget (e.g. 2.5)."}
+        default=False, metadata={"help": "Adaptive bit allocation: --act_bits is the average budget (a fractional "
+                                         "--act_bits such as 2.5 implies it)."}
+    )
+    act_adapt_interval: int | None = field(
+        default=None, metadata={"help": "Optimizer steps between adaptive re-allocations (default: act_hf's)."}
     )
     act_group_size: int = field(default=256, metadata={"help": "Quantization group size (a multiple of 8)."})
     act_kinds: str | None = field(
@@ -169,23 +176,21 @@ def build_act_config(act_args: ActArguments) -> act_hf.ActConfig | None:
         The config, or ``None`` for the uncompressed baseline.
 
     Raises:
-        ValueError: ``--act_adaptive`` with an integer ``--act_bits``, or a value ``ActConfig`` rejects.
+        ValueError: a value ``ActConfig`` rejects (the message names it).
     """
     bits_value = float(act_args.act_bits)
     fractional = not bits_value.is_integer()
-    if act_args.act_adaptive and not fractional:
-        raise ValueError(
-            f"--act_adaptive needs a fractional --act_bits average budget (e.g. 2.5), got --act_bits "
-            f"{act_args.act_bits:g}; drop --act_adaptive for fixed {int(bits_value)}-bit compression"
-        )
     if not act_args.act_compress:
         if act_args.act_adaptive or fractional:
             logger.warning("--act_adaptive/--act_bits have no effect without --act_compress: training uncompressed")
         return None
-    bits: int | float = int(bits_value) if not fractional else bits_value
+    adaptive = act_args.act_adaptive or fractional
+    bits: int | float = bits_value if adaptive else int(bits_value)
     if fractional and not act_args.act_adaptive:
         logger.info("--act_bits %g is fractional: act_hf plans it as an adaptive average budget", bits_value)
     overrides: dict[str, Any] = {}
+    if act_args.act_adapt_interval is not None:
+        overrides["adapt_interval"] = act_args.act_adapt_interval
     if act_args.act_kinds:
         kinds = act_args.act_kinds
         overrides["kinds"] = tuple(k.strip() for k in kinds.split(",") if k.strip()) if isinstance(kinds, str) \
@@ -288,7 +293,7 @@ def main(args_list: list[str] | None = None) -> dict[str, Any]:
         All metrics of the run (``train_*``, ``eval_*``, ``act_hf/*``).
 
     Raises:
-        ValueError: inconsistent arguments (e.g. ``--act_adaptive`` with integer ``--act_bits``).
+        ValueError: an invalid act_hf argument (the message names it).
     """
     model_args, data_args, training_args, act_args = parse_args(args_list)
     act_config = build_act_config(act_args)

@@ -408,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--act-bits", type=_bits, default=3, help="bits per activation: an int 1..8 (a fraction such "
                    "as 2.5 asks for adaptive bits) (default: %(default)s)")
     a.add_argument("--act-group-size", type=int, help="quantization group size (default: act_hf's)")
+    a.add_argument("--act-adaptive", action="store_true", help="adaptive bits: --act-bits is the average budget "
+                   "(a fractional --act-bits such as 2.5 implies it)")
+    a.add_argument("--act-adapt-interval", type=int, help="steps between adaptive re-allocations of a fractional "
+                   "--act-bits budget (default: act_hf's)")
     r = p.add_argument_group("run")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
     r.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
@@ -460,7 +464,13 @@ def main(argv: list[str] | None = None) -> dict:
     base_model = copy.deepcopy(model) if args.act_compress else None  # measured once, on the first batch
     if args.act_compress:
         overrides = {} if args.act_group_size is None else {"group_size": args.act_group_size}
-        act_hf.patch(model, bits=args.act_bits, **overrides)
+        if args.act_adapt_interval is not None:
+            overrides["adapt_interval"] = args.act_adapt_interval
+        bits = float(args.act_bits) if args.act_adaptive else args.act_bits  # a float is an adaptive budget
+        act_hf.patch(model, bits=bits, **overrides)
+    allocator = getattr(model, "act_hf_allocator", None)  # adaptive bits: a fractional --act-bits budget
+    if allocator is not None:
+        allocator.automatic = False  # the loop below updates it with the labels the model's output lacks
     in_chans = _in_chans(model, args.model_kwargs)
     train_loader, val_loader, (train_tf, val_tf), img_size = build_data(args, model, in_chans, img_size)
 
@@ -500,6 +510,9 @@ def main(argv: list[str] | None = None) -> dict:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if train_tf is not None:
                 x = train_tf(x)
+            if allocator is not None and step % allocator.config.adapt_interval == 0:
+                with autocast:  # re-allocate the adaptive bits budget from this batch (timed apart from steps)
+                    allocator.update_batch((x, y), lambda b: criterion(model(b[0]), b[1]))
             _sync(device)
             t0 = time.perf_counter()
             if step == 0:
@@ -555,6 +568,9 @@ def main(argv: list[str] | None = None) -> dict:
         "act_compress": args.act_compress,
         "act_bits": args.act_bits if args.act_compress else None,
         "act_group_size": (getattr(model, "act_hf_config", None).group_size if args.act_compress else None),
+        "act_avg_bits": allocator.average_bits() if allocator is not None else None,
+        "act_variance_ratio": allocator.variance_ratio if allocator is not None else None,
+        "act_adapt_overhead": allocator.overhead if allocator is not None else None,
         "amp": amp,
         "batch_size": batch,
         "lr": lr,

@@ -247,11 +247,10 @@ def test_run_glue_minilm_mrpc_act(run_glue, glue_dir, tmp_path):
 
 def test_act_arguments(run_glue):
     act = run_glue.ActArguments
-    with pytest.raises(ValueError, match="--act_adaptive.*--act_bits"):
-        run_glue.build_act_config(act(act_compress=True, act_bits=3.0, act_adaptive=True))
-    with pytest.raises(ValueError, match="--act_adaptive.*--act_bits"):
-        run_glue.main(["--model_name_or_path", "unused", "--task_name", "sst2", "--output_dir", "unused",
-                       "--act_compress", "--act_adaptive", "--act_bits", "3"])
+    budget = run_glue.build_act_config(act(act_compress=True, act_bits=2.0, act_adaptive=True, act_adapt_interval=7))
+    assert budget.bits == 2.0 and budget.adaptive and budget.adapt_interval == 7  # an integer budget, adapted
+    with pytest.raises(ValueError, match="adapt_interval"):
+        run_glue.build_act_config(act(act_compress=True, act_bits=2.5, act_adapt_interval=0))
     assert run_glue.build_act_config(act()) is None  # baseline
     config = run_glue.build_act_config(act(act_compress=True, act_bits=3.0, act_group_size=128))
     assert config.bits == 3 and isinstance(config.bits, int) and config.group_size == 128
@@ -263,19 +262,19 @@ def test_act_arguments(run_glue):
         run_glue.build_act_config(act(act_compress=True, act_group_size=100))
 
 
-def test_run_glue_fractional_bits_pass_through(run_glue, glue_dir, tmp_path):
-    """--act_bits 2.5 reaches act_hf.patch: it either trains adaptively or fails with act_hf's clear error."""
+def test_run_glue_adaptive_bits(run_glue, glue_dir, tmp_path):
+    """--act_adaptive --act_bits 2.5 trains with the allocator: the budget is honoured and re-allocated."""
     model = _tiny_bert(tmp_path / "tiny-bert", glue_dir)
     args = ["--model_name_or_path", str(model), "--task_name", "sst2", "--glue_dir", str(glue_dir),
             "--max_train_samples", "32", "--max_eval_samples", "32", "--max_seq_length", "32",
             "--pad_to_max_length", "False", "--per_device_train_batch_size", "16", "--metric_backend", "local",
-            "--act_compress", "--act_adaptive", "--act_bits", "2.5", *_common(tmp_path / "out")]
-    try:
-        results = run_glue.main(args)
-    except ValueError as exc:
-        assert "bits" in str(exc) and "2.5" in str(exc)
-    else:
-        assert results["act_hf/bits"] == 2.5 and "eval_accuracy" in results
+            "--act_compress", "--act_adaptive", "--act_bits", "2.5", "--act_adapt_interval", "1",
+            *_common(tmp_path / "out")]
+    results = run_glue.main(args)
+    assert results["act_hf/bits"] == 2.5 and "eval_accuracy" in results
+    assert results["act_hf/adapt_updates"] >= 2  # before step 0 and step 1
+    assert 2.0 <= results["act_hf/avg_bits"] <= 2.5  # met from below
+    assert results["act_hf/variance_ratio"] >= 0 and results["act_hf/adapt_overhead"] > 0
 
 
 def test_run_glue_help(run_glue, capsys):

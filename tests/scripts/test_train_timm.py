@@ -161,11 +161,15 @@ def test_image_folder_run(tmp_path):
     assert results["history"][-1]["num_val"] == 4
 
 
-def test_fractional_bits_surface_the_library_error(tmp_path):
-    data = _image_folder(tmp_path / "images", per_split=(1, 1))
-    with pytest.raises(ValueError, match="bits"):
-        train_timm.main(["--data-dir", str(data), *TINY_SWIN, "--img-size", "32", "--device", "cpu",
-                         "--act-compress", "--act-bits", "2.5"])
+def test_adaptive_bits_train_on_an_image_folder(tmp_path):
+    """A fractional --act-bits budget trains with the allocator, re-allocating every --act-adapt-interval steps."""
+    data = _image_folder(tmp_path / "images")
+    results = _run(tmp_path, "adaptive", "--data-dir", str(data), *TINY_SWIN, "--img-size", "32", "--batch-size",
+                   "4", "--steps", "3", "--workers", "0", "--amp", "none", "--log-interval", "1", "--act-compress",
+                   "--act-bits", "2.5", "--act-adapt-interval", "2")
+    _check_results(results, steps=3)
+    assert results["act_bits"] == 2.5 and 2.0 <= results["act_avg_bits"] <= 2.5
+    assert results["act_variance_ratio"] is not None and results["act_adapt_overhead"] > 0
 
 
 def test_help_and_bad_arguments(capsys):
