@@ -84,7 +84,7 @@ class ActConfig:
     exclude_head: bool = field(default=True, metadata={"help": "keep the task head uncompressed"})
     strict: bool = field(default=False, metadata={"help": "error instead of fallback for unknown models"})
     fallback_hooks: bool = field(default=True, metadata={"help": "saved-tensor hooks for unknown families"})
-    adapt_interval: int = field(default=500, metadata={"help": "steps between adaptive re-allocations"})
+    adapt_interval: int = field(default=1000, metadata={"help": "steps between adaptive re-allocations"})
     adapt_samples: int = field(default=8, metadata={"help": "samples the sensitivity probe runs on"})
     variance_alarm: float = field(default=10.0, metadata={"help": "warn when compression variance / minibatch "
                                                                 "gradient variance exceeds this (0: off)"})
