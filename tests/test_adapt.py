@@ -242,3 +242,19 @@ def test_automatic_updates_without_trainer():
         {n: g["bits"] for n, g in state["groups"].items()}
     assert fresh.act_hf_allocator.average_bits() <= 2.0
     act_hf.unpatch(fresh)
+
+
+def test_probing_forward_keeps_the_training_output():
+    """The first training forward probes before it runs; its output (dropout included) is the unpatched one."""
+    torch.manual_seed(0)
+    model, inputs = bert(dropout=0.1)
+    model.train()
+    reference = copy.deepcopy(model)
+    act_hf.patch(model, bits=2.5, adapt_samples=2, variance_alarm=0)
+    torch.manual_seed(123)
+    expected = reference(**inputs).logits
+    torch.manual_seed(123)
+    got = model(**inputs).logits
+    assert model.act_hf_allocator.updates == 1
+    assert torch.equal(got, expected)
+    act_hf.unpatch(model)
