@@ -111,7 +111,7 @@ def test_sensitivity_is_the_variance_of_the_gradient():
     grads = torch.stack(grads)
     empirical = grads.var(dim=0, unbiased=True).sum().item()
     mean_estimate = sum(estimates) / len(estimates)
-    assert mean_estimate == pytest.approx(empirical, rel=0.2)
+    assert mean_estimate == pytest.approx(empirical, rel=0.1)  # measured: within 1%
     act_hf.unpatch(model)
 
 
