@@ -312,6 +312,8 @@ class BitAllocator:
         sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
         sync()
         start = time.perf_counter()
+        if self._started is None:  # training time is counted from the first probe or training forward
+            self._started = start
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self._isolated():
             sensitivity, numel, slots = self._sensitivity(loss_closure, params)
@@ -460,7 +462,8 @@ class BitAllocator:
 
     @property
     def overhead(self) -> float:
-        """Probe time as a fraction of the training time since the first training forward (0 before one)."""
+        """Probe time as a fraction of the training time (the wall time since the first probe or training forward,
+        less the probe time); 0 before either."""
         if self._started is None:
             return 0.0
         elapsed = time.perf_counter() - self._started - self.probe_seconds

@@ -69,6 +69,8 @@ def run_one(args: argparse.Namespace, task: str, setting: str, seed: int) -> dic
 
 
 def summarize(rows: list[dict], tasks: list[str], settings: list[str]) -> tuple[dict, str]:
+    """Means per task and setting, and the markdown table (tasks of earlier runs in the file included)."""
+    tasks = list(tasks) + [t for t in dict.fromkeys(r["task"] for r in rows) if t not in tasks]
     means: dict = {}
     for task in tasks:
         for setting in settings:
