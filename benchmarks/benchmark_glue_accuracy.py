@@ -92,12 +92,14 @@ def summarize(rows: list[dict], tasks: list[str], settings: list[str]) -> tuple[
             else:
                 cells.append(f"{100 * value:.2f} ({100 * (value - base):+.2f})")
         lines.append(f"| {task} ({METRIC[task].removeprefix('eval_')}) | " + " | ".join(cells) + " |")
-    overall = {s: sum(means[t][s] for t in means if s in means[t]) / max(1, sum(s in means[t] for t in means))
-               for s in settings}
+    complete = [t for t in tasks if t in means and all(st in means[t] for st in settings)]
+    overall = {st: sum(means[t][st] for t in complete) / len(complete) for st in settings} if complete else {}
     base = overall.get("unpatched")
-    lines.append("| **mean** | " + " | ".join(
-        f"{100 * overall[s]:.2f}" + ("" if s == "unpatched" or base is None else f" ({100 * (overall[s] - base):+.2f})")
-        for s in settings) + " |")
+    if complete:
+        lines.append(f"| **mean** ({', '.join(complete)}) | " + " | ".join(
+            f"{100 * overall[st]:.2f}" + ("" if st == "unpatched" or base is None
+                                          else f" ({100 * (overall[st] - base):+.2f})")
+            for st in settings) + " |")
     return {"per_task": means, "mean": overall}, "\n".join(lines)
 
 
