@@ -117,16 +117,8 @@ class SlotGroup:
 
 
 def _batch_size(obj: Any) -> int | None:
-    if isinstance(obj, torch.Tensor):
-        return obj.shape[0] if obj.dim() > 0 else None
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            size = _batch_size(item)
-            if size is not None:
-                return size
-    return None
+    t = _first_tensor(obj, lambda t: t.dim() > 0)
+    return None if t is None else t.shape[0]
 
 
 def _take(obj: Any, sl: slice, batch: int) -> Any:
@@ -142,6 +134,20 @@ def _take(obj: Any, sl: slice, batch: int) -> Any:
     return obj
 
 
+def _first_tensor(obj: Any, accept: Callable[[torch.Tensor], bool] = lambda t: True) -> torch.Tensor | None:
+    """The first tensor (depth first through tuples, lists and mappings) that ``accept`` takes."""
+    if isinstance(obj, torch.Tensor):
+        return obj if accept(obj) else None
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            t = _first_tensor(item, accept)
+            if t is not None:
+                return t
+    return None
+
+
 def _loss_of(output: Any) -> torch.Tensor | None:
     """The training loss in a model output: ``output.loss`` (HF with labels), ``output["loss"]``, or a
     scalar tensor."""
@@ -153,27 +159,15 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return loss
 
 
-def _first_tensor(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        for item in output:
-            t = _first_tensor(item)
-            if t is not None:
-                return t
-    return None
-
-
 def _squared_distance(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64)
-    for x, y in zip(a, b):
-        if x is not None and y is not None:
-            total = total + (x.double() - y.double()).pow(2).sum().cpu()
-        elif (x is None) != (y is None):
-            total = total + (x if x is not None else y).double().pow(2).sum().cpu()
-    return total
+    """``sum ||x - y||^2`` over paired tensors (a missing one counts as zero), in float64 on the tensors' device:
+    no host sync here, callers read all distances at once."""
+    terms = [(x.double() if y is None else x.double() - y.double()) if x is not None else y.double()
+             for x, y in zip(a, b) if x is not None or y is not None]
+    if not terms:
+        return torch.zeros((), dtype=torch.float64)
+    device = terms[0].device
+    return torch.stack([t.pow(2).sum().to(device) for t in terms]).sum()
 
 
 class BitAllocator:
@@ -182,7 +176,7 @@ class BitAllocator:
     ``act_hf.patch(model, bits=2.5)`` creates one as ``model.act_hf_allocator`` and hooks it to the model's
     forward: the first training forward, and then every ``config.adapt_interval``-th, first runs the probe on
     ``config.adapt_samples`` samples of its own batch (the loss is the output's ``loss``, so HF models need
-    labels in the batch; for other models call :meth:`update` with a loss closure). Inside
+    labels in the batch; for other models call :meth:`update_batch` with a loss function). Inside
     ``transformers.Trainer``, :class:`act_hf.ActCompressCallback` schedules the updates by optimizer step
     instead (``automatic = False``) and saves this state with the checkpoints.
 
@@ -203,7 +197,7 @@ class BitAllocator:
 
     def __init__(self, model: nn.Module, config: ActConfig) -> None:
         if not config.adaptive:
-            raise ActHFValueError(f"a BitAllocator needs a fractional bits budget (e.g. 2.5), got {config.bits}")
+            raise ActHFValueError(f"a BitAllocator needs a float bits budget (e.g. 2.5 or 2.0), got {config.bits!r}")
         self.model = model
         self.config = config
         self.budget = float(config.bits)
@@ -367,12 +361,13 @@ class BitAllocator:
                     probe.redraw = None
                     squared.append(_squared_distance(g0, g1))
             del loss
+        squared = torch.stack([d.to(squared[0].device) for d in squared]).tolist() if squared else []  # one read
         sensitivity = {}
         for name, d in zip(names, squared):
             # every slot of a group was quantized at the same width (allocations give groups one width; before
             # the first one, every slot has its module's width)
             b = self._bits_in_probe(found[name]["slots"])
-            sensitivity[name] = 0.5 * float(d) / variance_factor(b)
+            sensitivity[name] = 0.5 * d / variance_factor(b)
         return sensitivity, {n: found[n]["numel"] for n in names}, {n: found[n]["slots"] for n in names}
 
     @staticmethod

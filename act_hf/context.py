@@ -97,8 +97,9 @@ class Probe:
             self._numel[slot] = self._numel.get(slot, 0) + x.numel()
 
     def _used(self, packed: PackedTensor) -> None:
-        first = self._twins[packed.payload.data_ptr()][0]
-        self._uses[first] = self._uses.get(first, 0) + 1
+        hit = self._twins.get(packed.payload.data_ptr())
+        if hit is not None:  # None: packed before the probe began, so it has no twin to swap in
+            self._uses[hit[0]] = self._uses.get(hit[0], 0) + 1
 
     def saved_by(self, node: Any, items: tuple) -> None:
         """Note that the autograd ``node`` (an act_hf op's ``ctx``) saved the packed ``items``."""

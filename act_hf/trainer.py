@@ -110,9 +110,9 @@ class ActCompressCallback(TrainerCallback):
             self._measure_next = False
 
     def on_step_begin(self, args, state, control, **kwargs):
+        # a fresh allocator (or one restored without groups) is already due before its first training forward
         allocator = self.allocator
-        if allocator is not None and (allocator.updates == 0 and not allocator.groups
-                                      or state.global_step % self.config.adapt_interval == 0):
+        if allocator is not None and state.global_step % self.config.adapt_interval == 0:
             allocator.request_update()
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -5,15 +5,15 @@
 #   GLUE_DIR=/path/to/glue_data bash glue_scripts/recipes/gact_bert_large.sh [tasks...]
 #
 # Environment: GLUE_DIR (GLUE TSV folder; unset: the Hugging Face hub), OUT (default out/gact),
-# SEEDS (default "42 43 44"), SETTINGS (default "fp32 4bit 3bit 2bit adapt2.5"), EXTRA (more run_glue.py args).
-# act_hf's adaptive mode takes a fractional average budget (--act_adaptive --act_bits 2.5); GACT's integer
-# adaptive budgets (4/3/2) have no exact counterpart and are covered by the fixed-bit settings.
+# SEEDS (default "42 43 44"), SETTINGS (default "fp32 4bit 3bit 2bit adapt4 adapt3 adapt2"), EXTRA (more
+# run_glue.py args). adaptN is act_hf's adaptive mode with an average budget of N bits (--act_adaptive
+# --act_bits N), as GACT's adaptive 4/3/2-bit rows; a fractional budget such as adapt2.5 works too.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python}"
 OUT="${OUT:-out/gact}"
 SEEDS="${SEEDS:-42 43 44}"
-SETTINGS="${SETTINGS:-fp32 4bit 3bit 2bit adapt2.5}"
+SETTINGS="${SETTINGS:-fp32 4bit 3bit 2bit adapt4 adapt3 adapt2}"
 TASKS=("${@:-sst2 mrpc qnli mnli}")
 DATA=()
 [[ -n "${GLUE_DIR:-}" ]] && DATA=(--glue_dir "$GLUE_DIR")
