@@ -308,6 +308,7 @@ class BitAllocator:
         start = time.perf_counter()
         if self._started is None:  # training time is counted from the first probe or training forward
             self._started = start
+        self._due = False  # an explicit update satisfies a pending request (the first forward's included)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self._isolated():
             sensitivity, numel, slots = self._sensitivity(loss_closure, params)

@@ -86,8 +86,30 @@ def saved_bytes(model, kind: str, inputs, dtype: torch.dtype | None) -> int:
     return saved.bytes
 
 
-def measure_model(name: str, bits_list: list[int], batch: int, seq: int, device: torch.device) -> dict:
-    """Per-sample saved MiB of one model: unpatched fp32 and bf16, and act_hf at each bit width."""
+def _label(bits: float) -> str:
+    return f"act_hf {int(bits)}-bit" if float(bits).is_integer() else f"act_hf adaptive {bits:g}"
+
+
+def _allocate(model, kind: str, inputs) -> None:
+    """Run the adaptive allocator's sensitivity probe on the benchmark batch: under bf16 autocast on a GPU, in
+    fp32 on a CPU (CPU bf16 matmuls are up to 200x slower than fp32 here; the probe only ranks slots)."""
+    allocator = model.act_hf_allocator
+    allocator.automatic = False
+    device_type = inputs[next(iter(inputs))].device.type
+    if kind == "image":
+        loss = lambda b: torch.nn.functional.cross_entropy(model(b["x"]).float(),  # noqa: E731
+                                                           torch.zeros(len(b["x"]), dtype=torch.long, device=b["x"].device))
+    else:
+        loss = lambda b: model(**b).loss  # noqa: E731
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+        allocator.update_batch(inputs, loss)
+
+
+def measure_model(name: str, bits_list: list[float], batch: int, seq: int, device: torch.device) -> dict:
+    """Per-sample saved MiB of one model: unpatched fp32 and bf16, and act_hf at each bit width.
+
+    A fractional width is an adaptive budget: the allocator probes the benchmark batch first, then the
+    forward is measured with the widths it chose (``avg_bits`` records their element-weighted mean)."""
     torch.manual_seed(0)
     base, kind = MODELS[name]()
     base.to(device)
@@ -96,8 +118,11 @@ def measure_model(name: str, bits_list: list[int], batch: int, seq: int, device:
     for label, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         row["per_sample_mib"][label] = saved_bytes(base, kind, inputs, dtype) / batch / 2**20
     for bits in bits_list:
-        model = act_hf.patch(copy.deepcopy(base), bits=bits)
-        row["per_sample_mib"][f"act_hf {bits}-bit"] = saved_bytes(model, kind, inputs, torch.bfloat16) / batch / 2**20
+        model = act_hf.patch(copy.deepcopy(base), bits=int(bits) if float(bits).is_integer() else bits)
+        if not float(bits).is_integer():
+            _allocate(model, kind, inputs)
+            row.setdefault("avg_bits", {})[_label(bits)] = model.act_hf_allocator.average_bits()
+        row["per_sample_mib"][_label(bits)] = saved_bytes(model, kind, inputs, torch.bfloat16) / batch / 2**20
         del model
         gc.collect()
     bf16 = row["per_sample_mib"]["bf16"]
@@ -123,7 +148,8 @@ def _meta(device) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    parser.add_argument("--bits", type=float, nargs="+", default=[1, 2, 3, 4, 8, 2.5],
+                        help="bit widths; a fractional one is an adaptive budget (default: 1 2 3 4 8 2.5)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -138,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.models:  # one subprocess per model: memory is returned, and a failure stays contained
         cmd = [sys.executable, __file__, "--one", name, "--batch", str(args.batch), "--seq", str(args.seq),
-               "--device", args.device, "--bits", *map(str, args.bits)]
+               "--device", args.device, "--bits", *(f"{b:g}" for b in args.bits)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{name}: failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}", flush=True)

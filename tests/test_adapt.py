@@ -258,3 +258,21 @@ def test_probing_forward_keeps_the_training_output():
     assert model.act_hf_allocator.updates == 1
     assert torch.equal(got, expected)
     act_hf.unpatch(model)
+
+
+def test_an_explicit_update_satisfies_the_first_forwards_request():
+    """A loop that calls update_batch itself (train_timm, a custom loss) is not probed again by the next forward."""
+    torch.manual_seed(0)
+    model, inputs = bert()
+    act_hf.patch(model, bits=2.5, adapt_samples=2, variance_alarm=0)
+    allocator = model.act_hf_allocator
+    allocator.automatic = False
+    model.train()
+    allocator.update_batch(inputs, lambda b: model(**b).loss)
+    bits = {n: g.bits for n, g in allocator.groups.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second probe here would also warn that the output has no loss
+        model(**{k: v for k, v in inputs.items() if k != "labels"})
+    assert allocator.updates == 1
+    assert {n: g.bits for n, g in allocator.groups.items()} == bits
+    act_hf.unpatch(model)
