@@ -5,9 +5,10 @@ backward during one training-mode forward, parameters excluded, packed payloads 
 GPU. Models are built from their standard configs with random weights (attention-probability dropout off,
 see ``MODELS``) (bert-base, bert-large, roberta-base,
 gpt2, a LLaMA-style decoder, and timm's vit-base, swin-tiny, convnext-tiny, resnet50); text at sequence length
-128, images at 224x224. act_hf runs under bf16 autocast, so its ratio is against the bf16 baseline.
+128, images at 224x224. act_hf runs under bf16 autocast, so its ratio is against the bf16 baseline. A
+fractional ``--bits`` value is an adaptive average budget (default columns: 1, 2, 3, 4, 8 bits and adaptive 2.5).
 
-    python benchmarks/benchmark_saved_memory.py [--models bert-base swin-tiny] [--bits 1 2 3 4 8] [--batch 2]
+    python benchmarks/benchmark_saved_memory.py [--models bert-base swin-tiny] [--bits 1 2 3 4 8 2.5] [--batch 2]
 
 Writes ``saved_memory.json``, ``saved_memory.md`` and ``saved_memory.png`` under ``--out``.
 """
@@ -180,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     cols = list(rows[0]["per_sample_mib"])
     lines = [
         f"Saved activations per sample (MiB), training-mode forward; text seq {args.seq}, images 224x224; "
-        f"act_hf under bf16 autocast, ratio against unpatched bf16. {meta['device']}, torch {meta['torch']}, "
+        f"act_hf under bf16 autocast, ratio against unpatched bf16; 'adaptive b' is the average budget b, "
+        f"allocated by one sensitivity probe on the same batch ({'bf16' if device.type == 'cuda' else 'fp32'}). "
+        f"Batch {args.batch}. {meta['device']}, torch {meta['torch']}, "
         f"transformers {meta['transformers']}, timm {meta['timm']}, act_hf {meta['act_hf']} @ {meta['commit']}.",
         "",
         "| model | " + " | ".join(cols) + " |",
