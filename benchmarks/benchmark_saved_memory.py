@@ -66,10 +66,12 @@ MODELS = {
 }
 
 
-def _inputs(kind: str, model, batch: int, seq: int, device):
+def make_inputs(kind: str, model, batch: int, seq: int, device, image_size: int = 224) -> dict[str, torch.Tensor]:
+    """A fixed random batch: ``{"x"}`` images for timm models; token ids and labels (the ids for a causal LM, zeros
+    for a classifier) for HF ones."""
     g = torch.Generator().manual_seed(0)
     if kind == "image":
-        return {"x": torch.randn(batch, 3, 224, 224, generator=g).to(device)}
+        return {"x": torch.randn(batch, 3, image_size, image_size, generator=g).to(device)}
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     out = {"input_ids": ids}
@@ -114,7 +116,7 @@ def measure_model(name: str, bits_list: list[float], batch: int, seq: int, devic
     torch.manual_seed(0)
     base, kind = MODELS[name]()
     base.to(device)
-    inputs = _inputs(kind, base, batch, seq, device)
+    inputs = make_inputs(kind, base, batch, seq, device)
     row = {"model": name, "per_sample_mib": {}}
     for label, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         row["per_sample_mib"][label] = saved_bytes(base, kind, inputs, dtype) / batch / 2**20

@@ -1,0 +1,379 @@
+"""Training speed and memory on a GPU: unpatched against act_hf, with and without gradient checkpointing.
+
+For each model and setting it measures, with real optimizer steps (AdamW, bf16 autocast by default):
+
+1. peak memory and samples/s at one equal batch (``--batch``); speed is reported against ``unpatched``;
+2. the largest batch that trains under a memory cap (``--cap``, applied with
+   ``torch.cuda.set_per_process_memory_fraction``), found by growing from a projection of step 1 and then
+   bisecting to ``--resolution``;
+3. samples/s against batch size up to that largest batch (ActNN's Fig. 1, GACT's Fig. 4).
+
+Every measurement is a *trial* run in its own subprocess, so that an out-of-memory never poisons the caching
+allocator of a later one. Settings (``--settings``):
+
+    unpatched        the model as built
+    bitsN            act_hf.patch(model, bits=N), N in 1..8
+    adaptiveB        act_hf.patch(model, bits=B) with a fractional budget B (the probe runs before timing)
+    ckpt             gradient checkpointing alone (HF: use_reentrant=False; timm: set_grad_checkpointing)
+    ckpt+bitsN       checkpointing with act_hf (GACT's CB1 combination); ckpt+adaptiveB likewise
+
+Examples (the issue's targets: bert-large, swin-tiny, resnet50 under 16 GiB; CB1 on bert-large)::
+
+    python benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 \\
+        --settings unpatched bits3 bits2 --cap 16GiB
+    python benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched ckpt ckpt+bits3 \\
+        --cap 16GiB --no-curve --out benchmarks/results/ckpt
+
+Writes ``gpu_training.json``, ``gpu_training.md`` and ``gpu_training.png`` under ``--out``. On a CPU
+(``--device cpu``) it measures samples/s only: there is no cap to search under.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import act_hf
+from act_hf.estimate import format_bytes, parse_size
+
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_saved_memory import MODELS, _meta, make_inputs
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a trial does to the model: act_hf bits (``None``: not patched) and gradient checkpointing."""
+
+    name: str
+    bits: int | float | None
+    checkpointing: bool
+
+
+def parse_setting(name: str) -> Setting:
+    """``unpatched``, ``bitsN``, ``adaptiveB``, ``ckpt``, ``ckpt+bitsN`` or ``ckpt+adaptiveB`` as a :class:`Setting`."""
+    checkpointing = name == "ckpt" or name.startswith("ckpt+")
+    rest = "unpatched" if name == "ckpt" else name.removeprefix("ckpt+")
+    match = re.fullmatch(r"unpatched|bits([1-8])|adaptive([0-9]*\.[0-9]+)", rest)
+    if not match:
+        raise SystemExit(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8), adaptiveB "
+                         "(a fractional budget such as adaptive2.5), ckpt, ckpt+bitsN, ckpt+adaptiveB")
+    bits: int | float | None = None
+    if match.group(1):
+        bits = int(match.group(1))
+    elif match.group(2):
+        bits = float(match.group(2))
+        if bits.is_integer() or not 1 < bits < 8:
+            raise SystemExit(f"--settings: {name!r}: an adaptive budget is a fractional number in (1, 8), "
+                             "e.g. adaptive2.5 (bitsN is a fixed width)")
+    return Setting(name, bits, checkpointing)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One measurement: ``warmup`` untimed steps, then ``steps`` timed ones at ``batch``."""
+
+    model: str
+    setting: str
+    batch: int
+    steps: int = 5
+    warmup: int = 2
+    seq: int = 128
+    image_size: int = 224
+    dtype: str = "bf16"
+    device: str = "cuda"
+    cap_bytes: int | None = None
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    if hasattr(model, "gradient_checkpointing_enable"):  # transformers
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "set_grad_checkpointing"):  # timm
+        model.set_grad_checkpointing(True)
+    else:
+        raise SystemExit(f"--settings ckpt: {type(model).__name__} has no gradient checkpointing switch")
+
+
+def run_trial(trial: Trial) -> dict:
+    """Train ``trial.warmup + trial.steps`` steps in this process; samples/s over the timed steps, and on a GPU
+    the peak allocated and reserved memory over them. An out-of-memory returns ``{"oom": True}``."""
+    device = torch.device(trial.device)
+    cuda = device.type == "cuda"
+    if cuda and trial.cap_bytes:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, trial.cap_bytes / total), device)
+    setting = parse_setting(trial.setting)
+    torch.manual_seed(0)
+    model, kind = MODELS[trial.model]()
+    if setting.checkpointing:
+        _enable_checkpointing(model)
+    model.to(device).train()
+    if setting.bits is not None:
+        act_hf.patch(model, bits=setting.bits)
+    batch = make_inputs(kind, model, trial.batch, trial.seq, device, trial.image_size)
+    if kind == "image":
+        batch["y"] = torch.zeros(trial.batch, dtype=torch.long, device=device)
+
+        def loss_of(b: dict) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(model(b["x"]).float(), b["y"])
+    else:
+        def loss_of(b: dict) -> torch.Tensor:
+            return model(**b).loss
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=trial.dtype == "bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = loss_of(batch)
+        loss.backward()
+        optimizer.step()
+
+    out: dict = {"oom": False}
+    try:
+        allocator = getattr(model, "act_hf_allocator", None)
+        if allocator is not None:  # adaptive: allocate once, before timing (amortized over adapt_interval steps)
+            allocator.automatic = False
+            with autocast:
+                allocator.update_batch(batch, loss_of)
+            out["avg_bits"] = allocator.average_bits()
+            out["probe_s"] = allocator.probe_seconds
+        for _ in range(trial.warmup):
+            step()
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        for _ in range(trial.steps):
+            step()
+        sync()
+        elapsed = time.perf_counter() - start
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    out |= {"samples_per_s": trial.batch * trial.steps / elapsed, "step_ms": 1000 * elapsed / trial.steps}
+    if cuda:
+        out |= {"peak_bytes": torch.cuda.max_memory_allocated(device),
+                "reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    return out
+
+
+def run_in_subprocess(trial: Trial, timeout: float = 1800) -> dict:
+    """:func:`run_trial` in a fresh interpreter; a crash is returned as ``{"error": ...}``, an out-of-memory that
+    escaped the trial (e.g. in CUDA context creation) as ``{"oom": True}``."""
+    cmd = [sys.executable, __file__, "--trial", json.dumps(asdict(trial))]
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode == 0:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    if "out of memory" in proc.stderr.lower():
+        return {"oom": True}
+    return {"error": " | ".join(proc.stderr.strip().splitlines()[-3:])}
+
+
+def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 16,
+                  resolution: float = 0.02) -> tuple[int, int | None]:
+    """The largest batch for which ``fits`` holds, assuming it holds below some threshold and fails above it.
+
+    Grows by 1.5x from ``start`` while it fits (or halves while it does not), then bisects until the gap between
+    the largest fitting and the smallest failing batch is at most ``max(1, resolution * fitting)``.
+
+    Returns:
+        ``(fitting, failing)``: the largest batch seen to fit (0 if even batch 1 fails) and the smallest seen to
+        fail (``None`` if every batch up to ``limit`` fit).
+    """
+    if start < 1:
+        raise ValueError(f"start must be >= 1, got {start}")
+    seen: dict[int, bool] = {}
+
+    def check(b: int) -> bool:
+        if b not in seen:
+            seen[b] = fits(b)
+        return seen[b]
+
+    lo, hi = 0, None
+    b = min(start, limit)
+    if check(b):
+        lo = b
+        while hi is None and lo < limit:
+            b = min(limit, max(lo + 1, int(lo * 1.5)))
+            if check(b):
+                lo = b
+            else:
+                hi = b
+    else:
+        hi = b
+        while lo == 0 and hi > 1:
+            b = hi // 2
+            if check(b):
+                lo = b
+            else:
+                hi = b
+    while hi is not None and hi - lo > max(1, int(resolution * lo)):
+        mid = (lo + hi) // 2
+        if check(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+def _curve_batches(largest: int, equal: int) -> list[int]:
+    """Powers of two from 8 up to ``largest``, plus the equal batch and ``largest`` itself."""
+    points = {2 ** k for k in range(3, int(math.log2(max(largest, 1))) + 1)} | {largest}
+    if equal <= largest:
+        points.add(equal)
+    return sorted(p for p in points if p >= 1)
+
+
+def _progress(model: str, setting: str, what: str, result: dict) -> None:
+    shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in result.items()}
+    print(f"{model} {setting} {what}: {shown}", flush=True)
+
+
+def measure(model: str, settings: list[str], args: argparse.Namespace) -> list[dict]:
+    """Rows for one model: equal-batch speed and peak, and (with a cap) the largest batch and the curve."""
+    base = {"seq": args.seq, "image_size": args.image_size, "dtype": args.dtype, "device": args.device,
+            "steps": args.steps, "warmup": args.warmup}
+    rows = []
+    for name in settings:
+        row: dict = {"model": model, "setting": name}
+        equal = run_in_subprocess(Trial(model, name, args.batch, cap_bytes=args.cap, **base))
+        _progress(model, name, f"batch {args.batch}", equal)
+        row["equal_batch"] = equal
+        if args.cap and args.search:
+            start = args.batch
+            if equal.get("peak_bytes"):  # project from the measured peak (fixed memory included: an underestimate)
+                start = max(1, int(args.batch * args.cap / equal["peak_bytes"]))
+            quick = base | {"steps": 1, "warmup": 1}  # step 2 holds the optimizer states: the peak is reached
+
+            def fits(b: int, name: str = name, quick: dict = quick) -> bool:
+                result = run_in_subprocess(Trial(model, name, b, cap_bytes=args.cap, **quick))
+                _progress(model, name, f"fits batch {b}", result)
+                if "error" in result:
+                    raise RuntimeError(f"{model} {name} batch {b}: {result['error']}")
+                return not result["oom"]
+
+            row["max_batch"], row["first_failing_batch"] = largest_batch(fits, start, resolution=args.resolution)
+            if args.curve and row["max_batch"]:
+                row["curve"] = {}
+                for b in _curve_batches(row["max_batch"], args.batch):
+                    point = run_in_subprocess(Trial(model, name, b, cap_bytes=args.cap, **base))
+                    _progress(model, name, f"curve batch {b}", point)
+                    row["curve"][b] = point.get("samples_per_s")
+        rows.append(row)
+    reference = next((r for r in rows if r["setting"] == "unpatched"), None)
+    for r in rows:
+        if reference is not None:
+            ref_speed = reference["equal_batch"].get("samples_per_s")
+            if ref_speed and r["equal_batch"].get("samples_per_s"):
+                r["speed_vs_unpatched"] = r["equal_batch"]["samples_per_s"] / ref_speed
+            if reference.get("max_batch") and r.get("max_batch") is not None:
+                r["max_batch_vs_unpatched"] = r["max_batch"] / reference["max_batch"]
+    return rows
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def write_results(rows: list[dict], meta: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_training.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    cap = f"under {format_bytes(meta['cap_bytes'])}" if meta["cap_bytes"] else "(no cap)"
+    lines = [
+        (f"Training steps (AdamW, {meta['dtype']} autocast; text seq {meta['seq']}, images {meta['image_size']}px), "
+        f"equal batch {meta['batch']}, {meta['steps']} timed steps after {meta['warmup']} warm-up; largest batch "
+        f"{cap}, searched in subprocesses to {meta['resolution']:.0%}. {meta['device']}, torch {meta['torch']}, "
+        f"transformers {meta['transformers']}, timm {meta['timm']}, act_hf {meta['act_hf']} @ {meta['commit']}."),
+        "",
+        "| model | setting | peak @ equal batch | samples/s | speed vs unpatched | largest batch | vs unpatched |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        eq = r["equal_batch"]
+        peak = "OOM" if eq.get("oom") else (eq.get("error", "") and "error") or format_bytes(eq.get("peak_bytes"))
+        largest = _cell(r.get("max_batch"), "d")
+        if r.get("first_failing_batch"):
+            largest += f" (fails at {r['first_failing_batch']})"
+        lines.append(f"| {r['model']} | {r['setting']} | {peak} | {_cell(eq.get('samples_per_s'), '.1f')} | "
+                     f"{_cell(r.get('speed_vs_unpatched'), '.3f')} | {largest} | "
+                     f"{_cell(r.get('max_batch_vs_unpatched'), '.2f')} |")
+    (out / "gpu_training.md").write_text("\n".join(lines) + "\n")
+    curves = [r for r in rows if r.get("curve")]
+    if not curves:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install act-hf[bench])")
+        return
+    models = list(dict.fromkeys(r["model"] for r in curves))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for r in (r for r in curves if r["model"] == model):
+            points = sorted((int(b), s) for b, s in r["curve"].items() if s)
+            ax.plot([b for b, _ in points], [s for _, s in points], marker="o", label=r["setting"])
+        ax.set_xscale("log", base=2)
+        ax.set_title(model)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("samples/s")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "gpu_training.png", dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["bert-large", "swin-tiny", "resnet50"], choices=list(MODELS))
+    parser.add_argument("--settings", nargs="+", default=["unpatched", "bits3", "bits2"],
+                        help="what to compare (see above); put unpatched first to get the ratios")
+    parser.add_argument("--batch", type=int, default=32, help="the equal batch for speed and peak (default 32)")
+    parser.add_argument("--cap", type=lambda s: parse_size(s, "--cap"), default=None,
+                        help="memory cap for the largest-batch search, e.g. 16GiB (GPU only)")
+    parser.add_argument("--resolution", type=float, default=0.02, help="relative precision of the search")
+    parser.add_argument("--no-search", dest="search", action="store_false", help="skip the largest-batch search")
+    parser.add_argument("--no-curve", dest="curve", action="store_false", help="skip the throughput curve")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--trial", help=argparse.SUPPRESS)  # internal: run one Trial (JSON), print the result
+    args = parser.parse_args(argv)
+    if args.trial:
+        print(json.dumps(run_trial(Trial(**json.loads(args.trial)))))
+        return 0
+    for name in args.settings:
+        parse_setting(name)
+    if args.batch < 1 or args.steps < 1 or args.warmup < 0:
+        parser.error("--batch and --steps must be >= 1, --warmup >= 0")
+    if args.cap and not args.device.startswith("cuda"):
+        parser.error(f"--cap needs a CUDA device (--device is {args.device!r})")
+    rows = [row for model in args.models for row in measure(model, args.settings, args)]
+    meta = _meta(torch.device(args.device)) | {
+        key: getattr(args, key) for key in ("batch", "steps", "warmup", "seq", "image_size", "dtype", "resolution")
+    } | {"cap_bytes": args.cap}
+    write_results(rows, meta, args.out)
+    print((args.out / "gpu_training.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""The benchmark scripts' own logic: settings, the largest-batch search, trials in subprocesses, the tables.
+
+The measurements themselves are benchmarks (run by hand, results committed); here they run at toy sizes on the
+CPU so that a broken script is caught before a GPU session is spent on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+gpu_training = _load("benchmark_gpu_training")
+
+
+def test_settings_parse_and_bad_ones_name_the_allowed_values():
+    parse = gpu_training.parse_setting
+    assert parse("unpatched") == gpu_training.Setting("unpatched", None, False)
+    assert parse("bits3") == gpu_training.Setting("bits3", 3, False)
+    assert parse("adaptive2.5") == gpu_training.Setting("adaptive2.5", 2.5, False)
+    assert parse("ckpt") == gpu_training.Setting("ckpt", None, True)
+    assert parse("ckpt+bits2") == gpu_training.Setting("ckpt+bits2", 2, True)
+    for bad in ("bits9", "bits", "ckpt+", "adaptive3.0", "adaptive9.5", "int3", "ckptbits3"):
+        with pytest.raises(SystemExit, match="--settings"):
+            parse(bad)
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 7, 91, 100, 233, 374, 1000, 5000])
+@pytest.mark.parametrize("start", [1, 32, 150, 4096])
+def test_largest_batch_finds_the_threshold(threshold, start):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= threshold
+
+    found, failing = gpu_training.largest_batch(fits, start, resolution=0.0)
+    assert (found, failing) == (threshold, threshold + 1)
+    assert len(calls) == len(set(calls))  # no batch is tried twice
+    assert len(calls) <= 3 * max(start, threshold).bit_length() + 4  # 1.5x growth, then bisection: no scan
+
+
+def test_largest_batch_within_resolution_and_edge_cases():
+    found, failing = gpu_training.largest_batch(lambda b: b <= 1234, 100, resolution=0.02)
+    assert found <= 1234 < failing and failing - found <= 0.02 * found
+    assert gpu_training.largest_batch(lambda b: False, 64) == (0, 1)  # not even batch 1 fits
+    assert gpu_training.largest_batch(lambda b: True, 8, limit=100) == (100, None)  # every batch fits
+    with pytest.raises(ValueError, match="start"):
+        gpu_training.largest_batch(lambda b: True, 0)
+
+
+def test_curve_batches():
+    assert gpu_training._curve_batches(91, 32) == [8, 16, 32, 64, 91]
+    assert gpu_training._curve_batches(20, 32) == [8, 16, 20]
+
+
+def test_trial_trains_in_process_and_in_a_subprocess():
+    """A trial takes real optimizer steps (the weights move) and reports samples/s; the subprocess path parses
+    its JSON. resnet50 at 32 px and fp32 keeps it cheap on a CPU."""
+    trial = gpu_training.Trial("resnet50", "bits3", batch=2, steps=1, warmup=1, image_size=32, dtype="fp32",
+                               device="cpu")
+    result = gpu_training.run_trial(trial)
+    assert result["oom"] is False and result["samples_per_s"] > 0 and "peak_bytes" not in result
+    result = gpu_training.run_in_subprocess(gpu_training.Trial(**{**trial.__dict__, "setting": "ckpt+adaptive2.5"}))
+    assert result["oom"] is False and result["samples_per_s"] > 0, result
+    assert 1 <= result["avg_bits"] <= 2.5
+
+
+def test_a_failing_trial_is_reported_not_raised():
+    result = gpu_training.run_in_subprocess(gpu_training.Trial("resnet50", "bits3", batch=1, device="nodevice"))
+    assert "error" in result
+
+
+def test_main_writes_json_and_table_on_cpu(tmp_path, capsys):
+    rc = gpu_training.main(["--models", "resnet50", "--settings", "unpatched", "bits2", "--batch", "2", "--steps", "1",
+                            "--warmup", "0", "--image-size", "32", "--dtype", "fp32", "--device", "cpu",
+                            "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "gpu_training.json").read_text())
+    assert [r["setting"] for r in data["rows"]] == ["unpatched", "bits2"]
+    assert data["rows"][1]["speed_vs_unpatched"] > 0
+    assert data["meta"]["device"].startswith("CPU") and data["meta"]["torch"] == torch.__version__
+    table = (tmp_path / "gpu_training.md").read_text()
+    assert "| resnet50 | bits2 |" in table
+    with pytest.raises(SystemExit):
+        gpu_training.main(["--device", "cpu", "--cap", "16GiB", "--out", str(tmp_path)])
+    assert "--cap needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_search_under_a_cap_on_the_gpu(tmp_path):
+    """A tiny cap: the search must find a batch that fits and one that fails, and act_hf must fit more."""
+    rc = gpu_training.main(["--models", "resnet50", "--settings", "unpatched", "bits2", "--batch", "8", "--steps", "1",
+                            "--warmup", "1", "--image-size", "64", "--cap", "1GiB", "--resolution", "0.1",
+                            "--no-curve", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "gpu_training.json").read_text())["rows"]
+    assert all(r["max_batch"] > 0 and r["first_failing_batch"] for r in rows)
+    assert rows[1]["max_batch"] > rows[0]["max_batch"]
+    assert rows[0]["equal_batch"]["peak_bytes"] > rows[1]["equal_batch"]["peak_bytes"]
