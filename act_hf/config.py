@@ -71,6 +71,8 @@ class ActConfig:
         adapt_samples: samples of the captured batch that the sensitivity probe runs on (fewer is cheaper).
         variance_alarm: warn when the gradient variance that compression adds exceeds this multiple of the
             minibatch gradient variance (GACT's failure predictor); ``0`` turns the check off.
+        swap: move each packed context to pinned host memory as soon as it is packed, and fetch it back (with
+            prefetch) in backward (:mod:`act_hf.swap`); only contexts on CUDA devices are moved.
     """
 
     bits: int | float = field(default=3, metadata={"help": "int 1..8, or a float average budget for adaptive bits"})
@@ -88,6 +90,7 @@ class ActConfig:
     adapt_samples: int = field(default=8, metadata={"help": "samples the sensitivity probe runs on"})
     variance_alarm: float = field(default=10.0, metadata={"help": "warn when compression variance / minibatch "
                                                                 "gradient variance exceeds this (0: off)"})
+    swap: bool = field(default=False, metadata={"help": "swap packed contexts to pinned host memory"})
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
@@ -129,6 +132,8 @@ class ActConfig:
         if isinstance(self.variance_alarm, bool) or not isinstance(self.variance_alarm, (int, float)) \
                 or not self.variance_alarm >= 0:
             raise ActHFValueError(f"variance_alarm must be a number >= 0 (0 turns it off), got {self.variance_alarm!r}")
+        if not isinstance(self.swap, bool):
+            raise ActHFTypeError(f"swap must be True or False, got {self.swap!r}")
 
     @property
     def adaptive(self) -> bool:

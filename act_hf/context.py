@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .compress import PackedSpec, PackedTensor, quantize
+from .swap import HostSwap
 
 __all__ = ["ContextStore", "Probe", "SavedTracker", "store", "track_saved"]
 
@@ -139,12 +140,14 @@ class ContextStore:
     Attributes:
         bits: per-slot bits set by the adaptive allocator (slots not listed use their module's bits).
         force_bits: when set, every slot is quantized at this width (the allocator's near-exact reference).
+        swap: the host-memory swap of contexts compressed with ``swap=True`` (see :mod:`act_hf.swap`).
     """
 
     def __init__(self) -> None:
         self._local = threading.local()
         self.bits: dict[str, int] = {}
         self.force_bits: int | None = None
+        self.swap = HostSwap()
         self._trackers: list[SavedTracker] = []
         self._probe: Probe | None = None
 
@@ -162,15 +165,25 @@ class ContextStore:
             return self.force_bits
         return self.bits.get(slot, default)
 
-    def compress(self, x: torch.Tensor, *, slot: str, bits: int, group_size: int) -> PackedTensor:
-        """Quantize ``x`` for the backward context, or return the packed copy made earlier for it."""
+    def compress(self, x: torch.Tensor, *, slot: str, bits: int, group_size: int, swap: bool = False) -> PackedTensor:
+        """Quantize ``x`` for the backward context, or return the packed copy made earlier for it.
+
+        With ``swap`` and ``x`` on a CUDA device, the packed copy is moved to pinned host memory (the returned
+        tensor is the host one; :meth:`resolve` brings it back in backward)."""
+        swap = swap and x.is_cuda
         key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, bits,
-               group_size, x.device)
+               group_size, x.device, swap)
         entries = self._entries
         entry = entries.get(key)
         packed = entry.get(x) if entry is not None else None
+        if packed is not None and swap:
+            self.swap.reused(packed)
         if packed is None:
             packed = quantize(x, bits, group_size)
+            if swap:
+                packed = self.swap.offload(packed)
+                for tracker in self._trackers:
+                    tracker._host.update(t.untyped_storage().data_ptr() for t in packed.tensors)
             entries[key] = _Entry(weakref.ref(x), x._version, tuple(weakref.ref(t) for t in packed.tensors),
                                   packed.spec)
             self._local.inserts += 1
@@ -180,9 +193,14 @@ class ContextStore:
             if self._probe is not None:
                 self._probe._twins[packed.payload.data_ptr()] = (slot, quantize(x, bits, group_size))
         if self._probe is not None:
-            self._probe._record(x, key[:5] + key[7:], slot)
+            self._probe._record(x, key[:5] + key[7:8], slot)
             self._probe._used(packed)
         return packed
+
+    def compress_as(self, x: torch.Tensor, settings: Any) -> PackedTensor:
+        """:meth:`compress` with an op's :class:`~act_hf.ops._saving.OpSettings` (slot, bits, group size, swap)."""
+        return self.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size,
+                             swap=settings.swap)
 
     def forget(self, paths: list[str]) -> None:
         """Drop the per-slot bits of the modules at ``paths`` (their slots are ``<path>:<role>``)."""
@@ -206,13 +224,15 @@ class ContextStore:
             self._probe = None
 
     def resolve(self, packed: PackedTensor) -> PackedTensor:
-        """``packed``, or its twin draw when a probe is redrawing the group it belongs to."""
+        """What a backward reads for the saved ``packed``: its twin draw when a probe is redrawing the group it
+        belongs to, the device copy when it was swapped to host memory, else ``packed`` itself."""
         probe = self._probe
-        if probe is None or probe.redraw is None:
-            return packed
-        hit = probe._twins.get(packed.payload.data_ptr())
-        if hit is not None and probe._find(hit[0]) == probe.redraw:
-            return hit[1]
+        if probe is not None and probe.redraw is not None:
+            hit = probe._twins.get(packed.payload.data_ptr())
+            if hit is not None and probe._find(hit[0]) == probe.redraw:
+                return hit[1]
+        if not packed.payload.is_cuda and self.swap.is_swapped(packed):
+            return self.swap.fetch(packed)
         return packed
 
     def register(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], *, slot: str,
@@ -277,9 +297,12 @@ class SavedTracker:
         uncompressed_bytes: what the same context would take uncompressed: compressed entries at the size of
             the tensors they stand for, everything else as saved. ``uncompressed_bytes / bytes`` is the
             compression ratio of the saved context (not counting the sharing act_hf adds).
+        host_bytes: packed contexts swapped to pinned host memory (``ActConfig(swap=True)``); they are in
+            none of the other counts.
     """
 
     bytes: int = 0
+    host_bytes: int = 0
     by_slot: dict[str, int] = field(default_factory=dict)
     num_tensors: int = 0
     uncompressed_bytes: int = 0
@@ -288,6 +311,7 @@ class SavedTracker:
     _exclude: set = field(default_factory=set, repr=False)
     _param_shapes: dict = field(default_factory=dict, repr=False)
     _keep: list = field(default_factory=list, repr=False)  # holds counted storages: no address reuse while tracking
+    _host: set = field(default_factory=set, repr=False)  # addresses of swapped host copies
 
     def _label(self, tensors, slot: str, original_nbytes: int) -> None:
         for i, t in enumerate(tensors):
@@ -303,6 +327,9 @@ class SavedTracker:
         self._seen.add((ptr, t.device))
         self._keep.append(t)
         nbytes = storage.nbytes()
+        if ptr in self._host:
+            self.host_bytes += nbytes
+            return t
         slot, original = self._labels.get(ptr, (f"<uncompressed:{t.dtype}>", nbytes))
         self.uncompressed_bytes += original
         self.bytes += nbytes

@@ -35,15 +35,15 @@ def _report(t: torch.Tensor) -> None:
 
 
 class _Compressing:
-    def __init__(self, slot: str, bits: int, group_size: int) -> None:
-        self.slot, self.bits, self.group_size = slot, bits, group_size
+    def __init__(self, slot: str, bits: int, group_size: int, swap: bool) -> None:
+        self.slot, self.bits, self.group_size, self.swap = slot, bits, group_size, swap
 
     def pack(self, t: torch.Tensor):
         if not t.is_floating_point() or t.numel() < MIN_NUMEL or _is_parameter_like(t):
             _report(t)
             return t
         packed = store.compress(t, slot=self.slot, bits=store.bits_for(self.slot, self.bits),
-                                group_size=self.group_size)
+                                group_size=self.group_size, swap=self.swap)
         for p in packed.tensors:
             _report(p)
         return (packed.tensors, packed.spec)
@@ -60,13 +60,13 @@ def _pass_through(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int) -> list:
+def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False) -> list:
     """Install the hooks on ``model``; returns the hook handles (remove them to uninstall).
 
     The compressing hooks are active during the root module's forward in training with grad enabled; every
     act_hf module pushes a pass-through hook around its own forward.
     """
-    compressing = _Compressing(f"{type(model).__name__}:saved", bits, group_size)
+    compressing = _Compressing(f"{type(model).__name__}:saved", bits, group_size, swap)
     stack: list = []
 
     def enter(hooks):

@@ -16,13 +16,14 @@ allocator of a later one. Settings (``--settings``):
     adaptiveB        act_hf.patch(model, bits=B) with a fractional budget B (the probe runs before timing)
     ckpt             gradient checkpointing alone (HF: use_reentrant=False; timm: set_grad_checkpointing)
     ckpt+bitsN       checkpointing with act_hf (GACT's CB1 combination); ckpt+adaptiveB likewise
+    swap+bitsN       act_hf with ActConfig(swap=True): packed contexts in pinned host memory (GACT's L2)
 
 Examples (the issue's targets: bert-large, swin-tiny, resnet50 under 16 GiB; CB1 on bert-large)::
 
     python benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 \\
         --settings unpatched bits3 bits2 --cap 16GiB
     python benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched ckpt ckpt+bits3 \\
-        --cap 16GiB --no-curve --out benchmarks/results/ckpt
+        swap+bits3 --cap 16GiB --no-curve --out benchmarks/results/ckpt_swap
 
 Writes ``gpu_training.json``, ``gpu_training.md`` and ``gpu_training.png`` under ``--out``. On a CPU
 (``--device cpu``) it measures samples/s only: there is no cap to search under.
@@ -52,21 +53,28 @@ from benchmark_saved_memory import MODELS, _meta, make_inputs
 
 @dataclass(frozen=True)
 class Setting:
-    """What a trial does to the model: act_hf bits (``None``: not patched) and gradient checkpointing."""
+    """What a trial does to the model: act_hf bits (``None``: not patched), gradient checkpointing, and
+    ``ActConfig(swap=True)``."""
 
     name: str
     bits: int | float | None
-    checkpointing: bool
+    checkpointing: bool = False
+    swap: bool = False
+
+
+_SETTINGS_HELP = ("allowed: unpatched, bitsN (N 1..8), adaptiveB (a fractional budget such as adaptive2.5), ckpt, "
+                  "and ckpt+ / swap+ in front of a bits setting (ckpt+bits3, swap+bits3, ckpt+swap+adaptive2.5)")
 
 
 def parse_setting(name: str) -> Setting:
-    """``unpatched``, ``bitsN``, ``adaptiveB``, ``ckpt``, ``ckpt+bitsN`` or ``ckpt+adaptiveB`` as a :class:`Setting`."""
-    checkpointing = name == "ckpt" or name.startswith("ckpt+")
-    rest = "unpatched" if name == "ckpt" else name.removeprefix("ckpt+")
-    match = re.fullmatch(r"unpatched|bits([1-8])|adaptive([0-9]*\.[0-9]+)", rest)
-    if not match:
-        raise SystemExit(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8), adaptiveB "
-                         "(a fractional budget such as adaptive2.5), ckpt, ckpt+bitsN, ckpt+adaptiveB")
+    """A ``--settings`` word as a :class:`Setting`; unknown words exit with the allowed forms."""
+    *options, base = name.split("+")
+    if base == "ckpt" and not options:
+        options, base = ["ckpt"], "unpatched"
+    match = re.fullmatch(r"unpatched|bits([1-8])|adaptive([0-9]*\.[0-9]+)", base)
+    if not match or len(set(options)) != len(options) or not set(options) <= {"ckpt", "swap"} \
+            or (base == "unpatched" and options and name != "ckpt"):
+        raise SystemExit(f"--settings: unknown setting {name!r}; {_SETTINGS_HELP}")
     bits: int | float | None = None
     if match.group(1):
         bits = int(match.group(1))
@@ -75,7 +83,7 @@ def parse_setting(name: str) -> Setting:
         if bits.is_integer() or not 1 < bits < 8:
             raise SystemExit(f"--settings: {name!r}: an adaptive budget is a fractional number in (1, 8), "
                              "e.g. adaptive2.5 (bitsN is a fixed width)")
-    return Setting(name, bits, checkpointing)
+    return Setting(name, bits, checkpointing="ckpt" in options, swap="swap" in options)
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ def run_trial(trial: Trial) -> dict:
         _enable_checkpointing(model)
     model.to(device).train()
     if setting.bits is not None:
-        act_hf.patch(model, bits=setting.bits)
+        act_hf.patch(model, bits=setting.bits, swap=setting.swap)
     batch = make_inputs(kind, model, trial.batch, trial.seq, device, trial.image_size)
     if kind == "image":
         batch["y"] = torch.zeros(trial.batch, dtype=torch.long, device=device)

@@ -156,6 +156,9 @@ class ActArguments:
         default=None, metadata={"help": "Optimizer steps between adaptive re-allocations (default: act_hf's)."}
     )
     act_group_size: int = field(default=256, metadata={"help": "Quantization group size (a multiple of 8)."})
+    act_swap: bool = field(
+        default=False, metadata={"help": "Keep the packed activations in pinned host memory until backward (GPU)."}
+    )
     act_kinds: str | None = field(
         default=None,
         metadata={"help": f"Comma-separated kinds of module to compress, among {','.join(act_hf.config.ACT_KINDS)} "
@@ -191,6 +194,8 @@ def build_act_config(act_args: ActArguments) -> act_hf.ActConfig | None:
     overrides: dict[str, Any] = {}
     if act_args.act_adapt_interval is not None:
         overrides["adapt_interval"] = act_args.act_adapt_interval
+    if act_args.act_swap:
+        overrides["swap"] = True
     if act_args.act_kinds:
         kinds = act_args.act_kinds
         overrides["kinds"] = tuple(k.strip() for k in kinds.split(",") if k.strip()) if isinstance(kinds, str) \

@@ -75,7 +75,8 @@ def _enable_attention(model: nn.Module, config: ActConfig, head_paths: list[str]
     if not modules or not _hf_attention.enable(model):
         return []
     for path, module in modules:
-        _hf_attention.mark(module, slot=path, bits=config.default_bits, group_size=config.group_size)
+        _hf_attention.mark(module, slot=path, bits=config.default_bits, group_size=config.group_size,
+                           swap=config.swap)
         module.act_kind = "attention"
 
     def restore():

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 def _base_settings(module: ActModule) -> OpSettings:
     return OpSettings(slot=module.act_slot or type(module).__name__, bits=module.act_bits,
-                      group_size=module.act_group_size)
+                      group_size=module.act_group_size, swap=module.act_swap)
 
 
 def _compressing(module: nn.Module) -> bool:

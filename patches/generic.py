@@ -54,7 +54,8 @@ def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
         stacklevel=3,
     )
     if hooks:
-        handles = install_fallback_hooks(model, bits=config.default_bits, group_size=config.group_size)
+        handles = install_fallback_hooks(model, bits=config.default_bits, group_size=config.group_size,
+                                         swap=config.swap)
         add_cleanup(model, lambda: [h.remove() for h in handles])
         patched.append("<saved-tensor hooks>")
     return patched

@@ -34,12 +34,16 @@ gpu_training = _load("benchmark_gpu_training")
 
 def test_settings_parse_and_bad_ones_name_the_allowed_values():
     parse = gpu_training.parse_setting
-    assert parse("unpatched") == gpu_training.Setting("unpatched", None, False)
-    assert parse("bits3") == gpu_training.Setting("bits3", 3, False)
-    assert parse("adaptive2.5") == gpu_training.Setting("adaptive2.5", 2.5, False)
-    assert parse("ckpt") == gpu_training.Setting("ckpt", None, True)
-    assert parse("ckpt+bits2") == gpu_training.Setting("ckpt+bits2", 2, True)
-    for bad in ("bits9", "bits", "ckpt+", "adaptive3.0", "adaptive9.5", "int3", "ckptbits3"):
+    Setting = gpu_training.Setting
+    assert parse("unpatched") == Setting("unpatched", None)
+    assert parse("bits3") == Setting("bits3", 3)
+    assert parse("adaptive2.5") == Setting("adaptive2.5", 2.5)
+    assert parse("ckpt") == Setting("ckpt", None, checkpointing=True)
+    assert parse("ckpt+bits2") == Setting("ckpt+bits2", 2, checkpointing=True)
+    assert parse("swap+bits3") == Setting("swap+bits3", 3, swap=True)
+    assert parse("ckpt+swap+adaptive2.5") == Setting("ckpt+swap+adaptive2.5", 2.5, checkpointing=True, swap=True)
+    for bad in ("bits9", "bits", "ckpt+", "adaptive3.0", "adaptive9.5", "int3", "ckptbits3", "swap", "swap+unpatched",
+                "ckpt+ckpt+bits3", "ckpt+unpatched", "zip+bits3"):
         with pytest.raises(SystemExit, match="--settings"):
             parse(bad)
 

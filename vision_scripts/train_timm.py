@@ -412,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(a fractional --act-bits such as 2.5 implies it)")
     a.add_argument("--act-adapt-interval", type=int, help="steps between adaptive re-allocations of a fractional "
                    "--act-bits budget (default: act_hf's)")
+    a.add_argument("--act-swap", action="store_true", help="keep the packed activations in pinned host memory "
+                   "until backward (GPU)")
     r = p.add_argument_group("run")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
     r.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
@@ -466,6 +468,8 @@ def main(argv: list[str] | None = None) -> dict:
         overrides = {} if args.act_group_size is None else {"group_size": args.act_group_size}
         if args.act_adapt_interval is not None:
             overrides["adapt_interval"] = args.act_adapt_interval
+        if args.act_swap:
+            overrides["swap"] = True
         bits = float(args.act_bits) if args.act_adaptive else args.act_bits  # a float is an adaptive budget
         act_hf.patch(model, bits=bits, **overrides)
     allocator = getattr(model, "act_hf_allocator", None)  # adaptive bits: a fractional --act-bits budget

@@ -25,27 +25,33 @@ class ActModule:
         act_slot: the module path used to name its slots (``"<path>:<role>"``); the patcher sets it.
         act_bits: default bits of this module's quantized slots (the allocator may override per slot).
         act_group_size: quantization group size.
+        act_swap: swap the packed context to pinned host memory (see :mod:`act_hf.swap`).
     """
 
     act_slot: str = ""
     act_bits: int = 3
     act_group_size: int = 256
+    act_swap: bool = False
     act_original_class: type | None = None
 
-    def act_configure(self, *, slot: str | None = None, bits: int | None = None, group_size: int | None = None):
-        """Set slot name, bits and group size (only the ones given)."""
+    def act_configure(self, *, slot: str | None = None, bits: int | None = None, group_size: int | None = None,
+                      swap: bool | None = None):
+        """Set slot name, bits, group size and swap (only the ones given)."""
         if slot is not None:
             self.act_slot = slot
         if bits is not None:
             self.act_bits = bits
         if group_size is not None:
             self.act_group_size = group_size
+        if swap is not None:
+            self.act_swap = swap
         return self
 
     def act_settings(self, role: str = "input") -> OpSettings:
         """Settings for the slot ``<act_slot>:<role>``, with the bits the allocator gave it."""
         slot = f"{self.act_slot or type(self).__name__}:{role}"
-        return OpSettings(slot=slot, bits=store.bits_for(slot, self.act_bits), group_size=self.act_group_size)
+        return OpSettings(slot=slot, bits=store.bits_for(slot, self.act_bits), group_size=self.act_group_size,
+                          swap=self.act_swap)
 
     def act_enabled(self, *inputs: torch.Tensor | None) -> bool:
         """Compress only when training with autograd recording something this module must save for."""
@@ -76,10 +82,11 @@ def act_class_for(original: type, mixin: type) -> type:
     return cls
 
 
-def convert(module: nn.Module, mixin: type, *, slot: str = "", bits: int = 3, group_size: int = 256) -> nn.Module:
+def convert(module: nn.Module, mixin: type, *, slot: str = "", bits: int = 3, group_size: int = 256,
+            swap: bool = False) -> nn.Module:
     """Turn ``module`` into its act_hf version in place (same object, parameters and state dict)."""
     module.__class__ = act_class_for(type(module), mixin)
-    module.act_configure(slot=slot, bits=bits, group_size=group_size)  # type: ignore[attr-defined]
+    module.act_configure(slot=slot, bits=bits, group_size=group_size, swap=swap)  # type: ignore[attr-defined]
     return module
 
 

@@ -19,11 +19,13 @@ __all__ = ["OpSettings", "load_context", "save_context"]
 
 @dataclass(frozen=True)
 class OpSettings:
-    """What an op needs to compress one saved tensor: the slot name, its bits and the group size."""
+    """What an op needs to compress one saved tensor: the slot name, its bits, the group size, and whether
+    the packed copy is swapped to host memory."""
 
     slot: str
     bits: int
     group_size: int = 256
+    swap: bool = False
 
 
 def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | None) -> None:

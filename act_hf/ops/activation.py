@@ -232,7 +232,8 @@ class ActActivationFunction(torch.autograd.Function):
         bits = settings.bits if ctx.quantized_input else spec.code_bits(settings.bits)
         codes = packed = None
         if need and ctx.quantized_input:  # before fn: fn may overwrite x
-            packed = store.compress(x, slot=settings.slot, bits=bits, group_size=settings.group_size)
+            packed = store.compress(x, slot=settings.slot, bits=bits, group_size=settings.group_size,
+                                    swap=settings.swap)
         elif need:
             codes = spec.encode(x, bits)
         version = x._version

@@ -92,7 +92,8 @@ _warned_fused_dropout = False
 def role_settings(settings: OpSettings, role: str) -> OpSettings:
     """Settings of the slot ``<settings.slot>:<role>`` with the bits the allocator gave it."""
     slot = f"{settings.slot}:{role}"
-    return OpSettings(slot=slot, bits=store.bits_for(slot, settings.bits), group_size=settings.group_size)
+    return OpSettings(slot=slot, bits=store.bits_for(slot, settings.bits), group_size=settings.group_size,
+                      swap=settings.swap)
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -110,7 +111,7 @@ def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _compress(t: Tensor, settings: OpSettings, role: str):
     s = role_settings(settings, role)
-    return store.compress(t, slot=s.slot, bits=s.bits, group_size=s.group_size)
+    return store.compress_as(t, s)
 
 
 def _pack_keep(attn_after_dropout: Tensor, settings: OpSettings) -> Tensor:

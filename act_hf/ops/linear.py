@@ -38,7 +38,7 @@ class ActLinearFunction(torch.autograd.Function):
                 transposed: bool = False) -> Tensor:
         out = _transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        packed = store.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size) if need_w else None
+        packed = store.compress_as(x, settings) if need_w else None
         save_context(ctx, packed, weight if need_x else None)
         ctx.transposed = transposed
         return out
@@ -82,7 +82,7 @@ class ActConvFunction(torch.autograd.Function):
                 padding: tuple[int, ...], dilation: tuple[int, ...], groups: int, settings: OpSettings) -> Tensor:
         out = _CONV[len(stride)](x, weight, bias, stride, padding, dilation, groups)  # autocast applies as usual
         need_w = ctx.needs_input_grad[1]
-        packed = store.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size) if need_w else None
+        packed = store.compress_as(x, settings) if need_w else None
         save_context(ctx, packed, weight)  # the parameter itself: its shape is needed even for grad_x only
         ctx.conv_args = (stride, padding, dilation, groups)
         ctx.input_shape = x.shape

@@ -200,10 +200,10 @@ class ActLayerNormFunction(torch.autograd.Function):
         if not (need_x or need_w):
             save_context(ctx, None, None, None, None, None)
         elif context == "output":
-            packed = store.compress(out, slot=settings.slot, bits=settings.bits, group_size=settings.group_size)
+            packed = store.compress_as(out, settings)
             save_context(ctx, packed, None, rstd if need_x else None, weight, bias)
         else:
-            packed = store.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size)
+            packed = store.compress_as(x, settings)
             save_context(ctx, packed, mean, rstd, weight, None)
         return out
 
@@ -332,10 +332,10 @@ class ActRMSNormFunction(torch.autograd.Function):
         if not (need_x or need_w):
             save_context(ctx, None, None, None)
         elif context == "output":
-            packed = store.compress(y, slot=settings.slot, bits=settings.bits, group_size=settings.group_size)
+            packed = store.compress_as(y, settings)
             save_context(ctx, packed, rstd if need_x else None, weight)
         else:
-            packed = store.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size)
+            packed = store.compress_as(x, settings)
             save_context(ctx, packed, rstd, weight)
         return y
 
@@ -471,7 +471,7 @@ class ActBatchNormFunction(torch.autograd.Function):
             if x.numel() < MIN_VALUES_PER_CHANNEL * x.shape[1]:
                 packed = x_norm  # statistics over a handful of values amplify any error: keep this small tensor exact
             else:
-                packed = store.compress(x_norm, slot=settings.slot, bits=settings.bits, group_size=settings.group_size)
+                packed = store.compress_as(x_norm, settings)
             save_context(ctx, packed, mean, invstd, weight)
         else:
             save_context(ctx, None, None, None, None)
@@ -544,7 +544,7 @@ class ActBatchNormActFunction(torch.autograd.Function):
         # the sign of z, exactly: rounding can flip small z across 0, where the derivative jumps
         mask = pack_bits(y > 0, 1) if activation != "identity" and (need_x or need_w or need_b) else None
         if need_x or need_w:
-            packed = store.compress(z, slot=settings.slot, bits=settings.bits, group_size=settings.group_size)
+            packed = store.compress_as(z, settings)
             save_context(ctx, packed, mask, invstd, weight, bias)
         else:
             save_context(ctx, None, mask, None, None, None)

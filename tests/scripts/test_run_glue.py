@@ -253,7 +253,8 @@ def test_act_arguments(run_glue):
         run_glue.build_act_config(act(act_compress=True, act_bits=2.5, act_adapt_interval=0))
     assert run_glue.build_act_config(act()) is None  # baseline
     config = run_glue.build_act_config(act(act_compress=True, act_bits=3.0, act_group_size=128))
-    assert config.bits == 3 and isinstance(config.bits, int) and config.group_size == 128
+    assert config.bits == 3 and isinstance(config.bits, int) and config.group_size == 128 and not config.swap
+    assert run_glue.build_act_config(act(act_compress=True, act_swap=True)).swap
     adaptive = run_glue.build_act_config(act(act_compress=True, act_bits=2.5, act_adaptive=True))
     assert adaptive.bits == 2.5 and adaptive.adaptive
     few_bit = run_glue.build_act_config(act(act_compress=True, act_bits=2.0, act_kinds="activation"))
