@@ -114,8 +114,7 @@ class HostSwap:
         current = torch.cuda.current_stream(record.device)
         if record.fetched is None:
             current.wait_event(record.written)
-            with torch.cuda.stream(current):
-                record.fetched = tuple(t.to(record.device, non_blocking=True) for t in packed.tensors)
+            record.fetched = tuple(t.to(record.device, non_blocking=True) for t in packed.tensors)
         elif record.ready is not None:  # prefetched on the side stream
             current.wait_event(record.ready)
             for t in record.fetched:
