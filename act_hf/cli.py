@@ -35,6 +35,16 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bits_arg(text: str) -> int | float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 1..8 or a budget such as 2.5, got {text!r}") from None
+    if not 1 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"must be in [1, 8], got {text}")
+    return int(value) if value.is_integer() else value
+
+
 def _size_arg(name: str):
     def parse(text: str) -> int:
         from .estimate import parse_size
@@ -67,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help="HF model folder (with config.json), timm model name, or HF hub id (config only)")
     p.add_argument("--batch", type=int, required=True, help="batch size to project for")
     p.add_argument("--seq", type=int, default=128, help="sequence length for text models (default 128)")
-    p.add_argument("--bits", type=int, default=3, choices=range(1, 9), metavar="{1..8}", help="act_hf bits (default 3)")
+    p.add_argument("--bits", type=_bits_arg, default=3, metavar="{1..8 | budget}",
+                   help="act_hf bits: an int 1..8, or a fractional average budget such as 2.5 for adaptive bits "
+                        "(default 3)")
     p.add_argument("--gpu-mem", type=_size_arg("--gpu-mem"), default=None,
                    help="memory PyTorch may allocate, e.g. 16GiB, 80GB, 24000MiB: also project the largest batch")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",

@@ -177,7 +177,8 @@ class Estimate:
         model_class: the class that was measured.
         task: the task it was built for (``TASKS`` key, or ``"timm"`` / ``"module"``).
         batch, seq, img_size: the shape projected for (``seq`` for text, ``img_size`` for images, else None).
-        bits: act_hf bits.
+        bits: act_hf bits: an int width, or a float average budget (adaptive bits).
+        avg_bits: the element-weighted average width the adaptive allocator chose (None for an int ``bits``).
         dtype: ``"bf16"`` (autocast, fp32 weights) or ``"fp32"``.
         device: where saved bytes were measured.
         optimizer: ``"adamw"`` or ``"sgd"``.
@@ -200,7 +201,7 @@ class Estimate:
     batch: int
     seq: int | None
     img_size: int | None
-    bits: int
+    bits: int | float
     dtype: str
     device: str
     optimizer: str
@@ -221,6 +222,7 @@ class Estimate:
     peak_act_hf: float = 0.0
     max_batch_baseline: int | None = None
     max_batch_act_hf: int | None = None
+    avg_bits: float | None = None
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -308,7 +310,8 @@ class Estimate:
                 (f"largest batch in {cap}", str(self.max_batch_baseline), str(self.max_batch_act_hf),
                  ratio(self.max_batch_act_hf, self.max_batch_baseline)),
             ]
-        header = ("", "unpatched", f"act_hf {self.bits}-bit", "ratio")
+        label = f"act_hf {self.bits}-bit" if isinstance(self.bits, int) else f"act_hf adaptive {self.bits:g}"
+        header = ("", "unpatched", label, "ratio")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
         lines = [head, ""]
         for r in [header, *rows]:
@@ -490,6 +493,15 @@ def _inputs(built: _Built, batch: int, seq: int, device: torch.device) -> dict[s
     return {"input_ids": ids, "labels": ids}
 
 
+def _loss(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The training loss on ``inputs``: the HF model's own, or the cross-entropy a timm training step adds."""
+    if "x" not in inputs:
+        return model(**inputs).loss
+    out = model(inputs["x"])
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return nn.functional.cross_entropy(out.float().flatten(1), inputs["labels"]) if out.dim() >= 2 else out.mean()
+
+
 def _saved_bytes(built: _Built, model: nn.Module, batch: int, seq: int, device: torch.device,
                  dtype: torch.dtype | None) -> int:
     import act_hf
@@ -498,14 +510,23 @@ def _saved_bytes(built: _Built, model: nn.Module, batch: int, seq: int, device: 
     model.train()
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     with autocast, act_hf.track_saved(model) as saved:
-        if "x" in inputs:  # timm / plain module: logits, then the cross-entropy a training step adds
-            out = model(inputs["x"])
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            loss = nn.functional.cross_entropy(out.float().flatten(1), inputs["labels"]) if out.dim() >= 2 else out
-        else:
-            loss = model(**inputs).loss
+        loss = _loss(model, inputs)
     del loss, inputs
     return saved.bytes
+
+
+def _allocate(built: _Built, model: nn.Module, seq: int, device: torch.device, dtype: torch.dtype | None) -> float:
+    """Run the adaptive allocator's probe once on an ``adapt_samples`` batch, then keep that allocation for the
+    calibration forwards; returns the average bits chosen. The probe runs under ``dtype`` on a GPU and in fp32 on
+    a CPU, where bf16 matmuls are far slower (it only ranks slots; the bytes are measured under ``dtype``)."""
+    allocator = model.act_hf_allocator
+    allocator.automatic = False
+    inputs = _inputs(built, allocator.config.adapt_samples, seq, device)
+    model.train()
+    amp = dtype if device.type == "cuda" else None
+    with torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext():
+        allocator.update_batch(inputs, lambda b: _loss(model, b))
+    return allocator.average_bits()
 
 
 def _calibrate(built: _Built, model: nn.Module, *, batches: tuple[int, ...], max_batch: int, tol: float, seq: int,
@@ -554,7 +575,7 @@ def _count(model: nn.Module, dtype: torch.dtype | None) -> tuple[int, int, int, 
     return num, sum(p.numel() for p in trainable), param_bytes, grad_bytes, copies
 
 
-def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: int = 128, bits: int = 3,
+def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: int = 128, bits: int | float = 3,
              gpu_mem: int | str | None = None, dtype: str = "bf16", device: str | torch.device | None = None,
              optimizer: str = "adamw", task: str | None = None, img_size: int | None = None, margin: float = 0.05,
              calib_batches: tuple[int, ...] = (1, 2, 4), max_calib_batch: int = 64, tol: float = 0.01,
@@ -572,7 +593,8 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
             (config only; random weights).
         batch: the batch size to project for.
         seq: sequence length (text models; ignored for images).
-        bits: act_hf bits, an int 1..8.
+        bits: act_hf bits: an int 1..8, or a float average budget in [1, 8] (e.g. 2.5): the adaptive allocator
+            probes the model once (random weights, ``adapt_samples`` samples) and its allocation is measured.
         gpu_mem: memory PyTorch may allocate, in bytes or as text (``"16GiB"``, ``"80GB"``); enables the
             largest-batch projection.
         dtype: ``"bf16"`` (bf16 autocast over fp32 weights, as in mixed-precision training) or ``"fp32"``.
@@ -599,8 +621,8 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         raise ActHFValueError(f"batch: must be a positive int, got {batch!r}")
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
         raise ActHFValueError(f"seq: must be a positive int, got {seq!r}")
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ActHFValueError(f"bits: must be an int from 1 to 8, got {bits!r}")
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 1 <= bits <= 8:
+        raise ActHFValueError(f"bits: must be an int from 1 to 8 or a float budget in [1, 8] (adaptive), got {bits!r}")
     if dtype not in _DTYPES:
         raise ActHFValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if optimizer not in _OPTIMIZER_STATES:
@@ -634,6 +656,7 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
             baseline = _calibrate(built, base, **kwargs)
             patched = act_hf.patch(copy.deepcopy(base), bits=bits)
             try:
+                avg_bits = _allocate(built, patched, seq, device, amp) if isinstance(bits, float) else None
                 fit = _calibrate(built, patched, **kwargs)
             finally:
                 del patched
@@ -659,6 +682,9 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         (f"optimizer {optimizer}: {_OPTIMIZER_STATES[optimizer]} fp32 state(s) per trainable parameter; "
          "CUDA context (~0.5 GiB) not included: give --gpu-mem as memory PyTorch may allocate"),
     ]
+    if avg_bits is not None:
+        notes.append(f"adaptive budget {bits:g}: one sensitivity probe on random weights chose an average of "
+                     f"{avg_bits:.2f} bits; a trained model's allocation differs, its bytes stay within the budget")
     if device.type == "cpu":
         notes.append("measured on CPU: unpatched saved bytes run a few % above GPU ones (bert-base 50.4 vs 47.8 "
                      "MiB/sample)")
@@ -668,5 +694,5 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         device=str(device), optimizer=optimizer, gpu_mem=cap, margin=margin, num_params=num,
         trainable_params=trainable, param_bytes=param_bytes, grad_bytes=grad_bytes,
         optimizer_bytes=_OPTIMIZER_STATES[optimizer] * 4 * trainable, weight_copy_bytes=copies,
-        baseline=baseline, act_hf=fit, notes=notes,
+        baseline=baseline, act_hf=fit, avg_bits=avg_bits, notes=notes,
     )

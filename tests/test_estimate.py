@@ -116,6 +116,23 @@ def test_cli_table_and_json(bert_dir, capsys):
     assert set(data["baseline"]["measured"]) >= {"1", "2", "4"}
 
 
+def test_adaptive_budget(bert_dir, bert_est, capsys):
+    """A fractional --bits is an adaptive budget: one probe allocates, and the allocation's bytes sit between the
+    fixed widths around the budget (same model, same calibration)."""
+    argv = [str(bert_dir), "--batch", "8", "--seq", "32", "--bits", "2.5", "--gpu-mem", "1GiB", "--device", "cpu"]
+    assert main(["estimate", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "act_hf adaptive 2.5" in out and "adaptive budget 2.5" in out
+    assert main(["estimate", *argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["bits"] == 2.5 and 1 <= data["avg_bits"] <= 2.5
+    two = estimate(bert_dir, batch=8, seq=32, bits=2, gpu_mem="1GiB", device="cpu")
+    assert two.act_hf.per_sample <= data["act_hf"]["per_sample"] <= bert_est.act_hf.per_sample
+    with pytest.raises(SystemExit):
+        main(["estimate", *argv[:-4], "--bits", "9.5"])
+    assert "--bits" in capsys.readouterr().err
+
+
 def test_cli_bad_gpu_mem(bert_dir, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["estimate", str(bert_dir), "--batch", "8", "--gpu-mem", "16 potatoes"])
