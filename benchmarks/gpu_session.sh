@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Everything issue #6 still needs a GPU for, in phases that each fit one 10-minute device call.
+# Run from the repository root on the GPU machine (no pip there: the tree runs from PYTHONPATH=.):
+#
+#   bash benchmarks/gpu_session.sh build-test   # compile the extension, the cuda-marked tests, kernel throughput
+#   bash benchmarks/gpu_session.sh memory       # saved-memory table on the GPU (all models, adaptive 2.5 included)
+#   bash benchmarks/gpu_session.sh targets      # bert-large, swin-tiny, resnet50: speed, peak, largest batch < 16 GiB
+#   bash benchmarks/gpu_session.sh ckpt-swap    # bert-large: checkpointing alone / with act_hf (CB1), swap
+#   bash benchmarks/gpu_session.sh curves       # throughput against batch size (ActNN Fig. 1, GACT Fig. 4)
+#
+# Results go under $OUT (or benchmarks/results/gpu when OUT is unset); logs beside them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.
+OUT="${OUT:-benchmarks/results/gpu}"
+mkdir -p "$OUT"
+phase="${1:?usage: gpu_session.sh build-test|memory|targets|ckpt-swap|curves}"
+log="$OUT/$phase.log"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python -c "import torch, transformers, timm; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'timm', timm.__version__)"
+} >"$log" 2>&1
+case "$phase" in
+  build-test)
+    TORCH_CUDA_ARCH_LIST="9.0" timeout 300 python -m act_hf.cli build-ext >>"$log" 2>&1
+    timeout 240 python -m pytest -q -m cuda -x tests -p no:cacheprovider >>"$log" 2>&1
+    timeout 60 python benchmarks/benchmark_quantize.py --out "$OUT" >>"$log" 2>&1
+    ;;
+  memory)
+    timeout 560 python benchmarks/benchmark_saved_memory.py --device cuda --batch 8 --out "$OUT" >>"$log" 2>&1
+    ;;
+  targets)
+    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 \
+      --settings unpatched bits3 bits2 --cap 16GiB --resolution 0.03 --no-curve --out "$OUT/targets" >>"$log" 2>&1
+    ;;
+  ckpt-swap)
+    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large \
+      --settings unpatched ckpt ckpt+bits3 ckpt+bits2 swap+bits3 adaptive2.5 --cap 16GiB --resolution 0.03 \
+      --no-curve --out "$OUT/ckpt_swap" >>"$log" 2>&1
+    ;;
+  curves)
+    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny \
+      --settings unpatched bits3 --cap 16GiB --resolution 0.05 --out "$OUT/curves" >>"$log" 2>&1
+    ;;
+  *)
+    echo "unknown phase: $phase" >&2
+    exit 2
+    ;;
+esac
+status=$?
+tail -n 40 "$log"
+exit $status
