@@ -54,6 +54,8 @@ def report(model: nn.Module, saved: SavedTracker | None = None, *, top: int = 10
             f"saved for backward: {saved.bytes / 2**20:.2f} MiB in {saved.num_tensors} tensors; uncompressed "
             f"equivalent {saved.uncompressed_bytes / 2**20:.2f} MiB; ratio {saved.ratio:.2f}x"
         )
+        if saved.host_bytes:
+            lines.append(f"swapped to pinned host memory (not in the above): {saved.host_bytes / 2**20:.2f} MiB")
         for slot, nbytes in sorted(saved.by_slot.items(), key=lambda kv: -kv[1])[:top]:
             lines.append(f"  {nbytes / 2**20:9.3f} MiB  {slot}")
     text = "\n".join(lines)

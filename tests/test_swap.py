@@ -76,6 +76,7 @@ def test_swapped_gradients_are_bit_identical_on_cuda(prefetch):
     packed = sum(b for slot, b in saved0.by_slot.items() if not slot.startswith("<uncompressed"))
     assert saved1.host_bytes > 0 and saved1.bytes < saved0.bytes
     assert saved0.bytes - saved1.bytes <= packed
+    assert "swapped to pinned host memory" in act_hf.report(swapped, saved1, file=False)
     torch.cuda.synchronize()
     assert len(store.swap) == 0  # the graph is freed: nothing stays registered
 
