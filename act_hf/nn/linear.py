@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.linear import act_conv, act_linear
+from ..ops.linear import act_channel_scale, act_conv, act_linear
 from ._base import ActModule, register_act_class
 
-__all__ = ["ActConv1d", "ActConv2d", "ActConv3d", "ActConvMixin", "ActLinear", "ActLinearMixin",
-           "ActTransposedLinearMixin"]
+__all__ = ["ActConv1d", "ActConv2d", "ActConv3d", "ActConvMixin", "ActLayerScaleMixin", "ActLinear",
+           "ActLinearMixin", "ActTransposedLinearMixin"]
 
 
 class ActLinearMixin(ActModule):
@@ -43,6 +43,19 @@ class ActConvMixin(ActModule):
             padding = (0,) * len(self.kernel_size)
         return act_conv(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
                         self.act_settings("input"))
+
+
+class ActLayerScaleMixin(ActModule):
+    """For layer-scale modules ``y = x * gamma`` (timm's ``LayerScale``: ``gamma`` along the last dim;
+    ``LayerScale2d``: along dim 1, set ``act_scale_dim = 1``): slot ``<path>:input``. An in-place original
+    (``inplace=True``) returns a new tensor here, with the same values."""
+
+    act_scale_dim: int = -1
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        return act_channel_scale(x, self.gamma, self.act_scale_dim, self.act_settings("input"))
 
 
 class ActLinear(ActLinearMixin, nn.Linear):

@@ -17,7 +17,8 @@ from ..compress import dequantize
 from ..context import store
 from ._saving import OpSettings, load_context, save_context
 
-__all__ = ["ActConvFunction", "ActLinearFunction", "act_conv", "act_linear"]
+__all__ = ["ActChannelScaleFunction", "ActConvFunction", "ActLinearFunction", "act_channel_scale", "act_conv",
+           "act_linear"]
 
 
 def _transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -110,3 +111,47 @@ def act_conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, di
              settings: OpSettings) -> Tensor:
     """Functional form of :class:`ActConvFunction`."""
     return ActConvFunction.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups, settings)
+
+
+def _channel_view(gamma: Tensor, ndim: int, dim: int) -> Tensor:
+    shape = [1] * ndim
+    shape[dim] = -1
+    return gamma.view(shape)
+
+
+class ActChannelScaleFunction(torch.autograd.Function):
+    """``y = x * gamma`` with ``gamma`` a vector along ``dim`` of ``x`` (layer scale: a diagonal linear map).
+
+    The product is computed as ``x.mul(gamma.view(...))`` (type promotion included, as in timm). Saves
+    ``quantize(x)`` if ``gamma`` needs a gradient (``grad_gamma = sum(grad * x)`` over the other dims) and
+    ``gamma`` if ``x`` does (``grad_x = grad * gamma``, exact).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, gamma: Tensor, dim: int, settings: OpSettings) -> Tensor:
+        dim = dim % x.dim()
+        out = x.mul(_channel_view(gamma, x.dim(), dim))
+        need_x, need_g = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        packed = store.compress_as(x, settings) if need_g else None
+        save_context(ctx, packed, gamma if need_x else None)
+        ctx.meta = (dim, x.dtype, x.dim(), gamma.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        packed, gamma = load_context(ctx)
+        dim, x_dtype, ndim, gamma_dtype = ctx.meta
+        grad_x = grad_g = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.mul(_channel_view(gamma, ndim, dim)).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            prod = grad_out * dequantize(packed)
+            grad_g = prod.sum(dim=[d for d in range(ndim) if d != dim]).to(gamma_dtype)
+        return grad_x, grad_g, None, None
+
+
+def act_channel_scale(x: Tensor, gamma: Tensor, dim: int, settings: OpSettings) -> Tensor:
+    """Functional form of :class:`ActChannelScaleFunction`."""
+    if gamma.dim() != 1 or gamma.shape[0] != x.shape[dim]:
+        raise ValueError(f"gamma: expected a vector of x.shape[{dim}] = {x.shape[dim]} values, got {tuple(gamma.shape)}")
+    return ActChannelScaleFunction.apply(x, gamma, dim, settings)

@@ -219,3 +219,59 @@ def test_inside_checkpoint_grads_match_exact():
     ref(x2).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
     assert sqnr_db(ref.weight.grad, act.weight.grad) > 35
+
+
+# ------------------------------------------------------------------------------------------------ layer scale
+
+
+@pytest.mark.parametrize("dim, shape", [(-1, (3, 5, 64)), (1, (2, 48, 7, 7))])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_channel_scale_forward_exact_and_grads_against_autograd(dim, shape, x_dtype):
+    """Forward is the original ``x.mul(gamma)`` (dtype promotion included); grad_x is exact; grad_gamma is
+    autograd's with the dequantized input, and at 8 bits close to the exact one (float64)."""
+    from act_hf.compress import dequantize, manual_seed, quantize
+    from act_hf.ops._saving import OpSettings
+    from act_hf.ops.linear import act_channel_scale
+
+    torch.manual_seed(0)
+    x = torch.randn(shape).to(x_dtype)
+    gamma = torch.rand(shape[dim], dtype=torch.float32) + 0.5
+    view = [1] * len(shape)
+    view[dim] = -1
+    xr, gr = x.clone().requires_grad_(), gamma.clone().requires_grad_()
+    xa, ga = x.clone().requires_grad_(), gamma.clone().requires_grad_()
+    yr = xr.mul(gr.view(view))
+    manual_seed(5)
+    ya = act_channel_scale(xa, ga, dim, OpSettings(slot="ls", bits=3))
+    assert ya.dtype == yr.dtype and torch.equal(ya, yr)
+    g = torch.randn_like(yr)
+    yr.backward(g)
+    ya.backward(g)
+    assert xa.grad.dtype == x_dtype and torch.equal(xa.grad, xr.grad)
+    manual_seed(5)  # the same draw as the op's: the reference is autograd through the dequantized input
+    x_hat = dequantize(quantize(x, 3, 256)).requires_grad_(False)
+    gh = gamma.clone().requires_grad_()
+    x_hat.mul(gh.view(view)).backward(g)
+    torch.testing.assert_close(ga.grad, gh.grad, rtol=1e-5, atol=1e-5)
+
+    x64, g64 = x.double(), g.double()
+    exact = (g64 * x64).sum(dim=[d for d in range(len(shape)) if d != dim % len(shape)])
+    ga8 = gamma.double().clone().requires_grad_()
+    act_channel_scale(x64, ga8, dim, OpSettings(slot="ls", bits=8)).backward(g64)
+    assert sqnr_db(exact, ga8.grad) >= 30
+
+
+def test_channel_scale_needs_input_grad_and_bad_gamma():
+    from act_hf.ops._saving import OpSettings
+    from act_hf.ops.linear import act_channel_scale
+
+    x = torch.randn(4, 16, 32)
+    frozen = torch.ones(32)  # a frozen gamma: nothing of x is saved
+    with track_saved() as saved:
+        act_channel_scale(x.requires_grad_(), frozen, -1, OpSettings(slot="ls", bits=3))
+    assert saved.by_slot.get("ls", 0) == 0
+    with track_saved() as saved:
+        act_channel_scale(torch.randn(4, 16, 32), torch.ones(32, requires_grad=True), -1, OpSettings(slot="ls", bits=3))
+    assert saved.by_slot["ls"] < 4 * 16 * 32 * 4 / 8  # 3 bits + metadata, far below fp32
+    with pytest.raises(ValueError, match="gamma"):
+        act_channel_scale(x, torch.ones(16), -1, OpSettings(slot="ls", bits=3))

@@ -198,3 +198,38 @@ def test_real_pretrained_efficientnet_lite0_weights():
     # cancellation) reaches cosine 0.997, 0.12% of the total gradient norm; every other parameter >= 0.999.
     worst = assert_grads_match(ref, model, cos=0.995, tol=2e-3, name="tf_efficientnet_lite0")
     print(f"tf_efficientnet_lite0 (ImageNet weights) at 8 bits: worst per-parameter cosine {worst:.5f}")
+
+
+@pytest.mark.parametrize("name, kwargs, role", [
+    ("convnext_atto", {}, "layer_scale"),  # ConvNeXtBlock's own gamma
+    ("vit_tiny_patch16_224", {"init_values": 1e-5, "img_size": 32, "patch_size": 8}, "input"),  # LayerScale
+])
+def test_timm_layer_scale_keeps_its_input_quantized(name, kwargs, role):
+    """Layer scale's ``x * gamma`` would keep x at full width for gamma's gradient; patched, it keeps x packed,
+    the forward is unchanged, and gradients match at 8 bits."""
+    import timm
+
+    torch.manual_seed(0)
+    ref = timm.create_model(name, pretrained=False, num_classes=3, **kwargs).train()
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    scaled = [p for p in model.act_hf_patched_modules if type(model.get_submodule(p)).__name__.startswith("Act")
+              and hasattr(model.get_submodule(p), "gamma")]
+    assert scaled, model.act_hf_patched_modules
+    x = torch.randn(2, 3, 32, 32)
+    with act_hf.track_saved(model) as saved:
+        out = model(x)
+    assert torch.equal(out, ref(x))
+    assert any(slot.endswith(f":{role}") and slot.split(":")[0] in scaled for slot in saved.by_slot)
+    out.pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    assert_grads_match(ref, model, name=name)
+    saved_bytes = {}
+    for label, exclude in (("all", None), ("without layer scale", scaled)):
+        three = act_hf.patch(copy.deepcopy(ref), bits=3, exclude_modules=exclude)
+        with act_hf.track_saved(three) as saved:
+            three(x)
+        saved_bytes[label] = saved
+    # what the layer scales keep at 3 bits instead of fp32: at least 4x less
+    plain = saved_bytes["without layer scale"].bytes - saved_bytes["all"].bytes
+    packed = sum(b for slot, b in saved_bytes["all"].by_slot.items() if slot.split(":")[0] in scaled)
+    assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)
