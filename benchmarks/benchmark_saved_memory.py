@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--merge", action="store_true",
+                        help="re-measure only --models and keep the other rows of the existing saved_memory.json "
+                             "(each row records the commit it was measured at)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one model, print its row as JSON
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_model(args.one, args.bits, args.batch, args.seq, device)))
         return 0
 
+    meta = _meta(device) | {"batch": args.batch, "seq": args.seq, "image": 224}
     rows = []
     for name in args.models:  # one subprocess per model: memory is returned, and a failure stays contained
         cmd = [sys.executable, __file__, "--one", name, "--batch", str(args.batch), "--seq", str(args.seq),
@@ -172,13 +176,22 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode != 0:
             print(f"{name}: failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}", flush=True)
             continue
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row = json.loads(proc.stdout.strip().splitlines()[-1]) | {"commit": meta["commit"]}
         rows.append(row)
         print(name, {k: round(v, 2) for k, v in row["per_sample_mib"].items()},
               {k: round(v, 2) for k, v in row["ratio_vs_bf16"].items()}, flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = _meta(device) | {"batch": args.batch, "seq": args.seq, "image": 224}
+    previous = args.out / "saved_memory.json"
+    if args.merge and previous.exists():
+        old = json.loads(previous.read_text())
+        if (old["meta"]["batch"], old["meta"]["seq"], old["meta"]["device"]) != (args.batch, args.seq, meta["device"]):
+            parser.error("--merge: the existing results were measured with another batch, seq or device")
+        if rows and list(old["rows"][0]["per_sample_mib"]) != list(rows[0]["per_sample_mib"]):
+            parser.error("--merge: the existing results have other columns (give the same --bits)")
+        fresh = {r["model"]: r for r in rows}
+        rows = [fresh.pop(r["model"], r | {"commit": r.get("commit", old["meta"]["commit"])}) for r in old["rows"]]
+        rows += list(fresh.values())
     (args.out / "saved_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     cols = list(rows[0]["per_sample_mib"])
     lines = [
@@ -195,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{r['per_sample_mib'][c]:.2f}" + (f" ({r['ratio_vs_bf16'][c]:.1f}x)" if c in r["ratio_vs_bf16"] else "")
                  for c in cols]
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+    others = [f"{r['model']} @ {r['commit']}" for r in rows if r.get("commit", meta["commit"]) != meta["commit"]]
+    if others:
+        lines += ["", f"Rows measured at an earlier commit (kept by --merge): {', '.join(others)}."]
     (args.out / "saved_memory.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
