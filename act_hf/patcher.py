@@ -9,8 +9,12 @@ and state-dict keys never change and ``unpatch`` restores the original classes e
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import inspect
 import logging
 import re
+import textwrap
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,6 +29,7 @@ from .nn._base import ActModule, convert, revert
 __all__ = [
     "PATCH_FUNCTIONS",
     "Rule",
+    "code_fingerprint",
     "family_of",
     "generic_rules",
     "is_selected",
@@ -104,6 +109,16 @@ def same_forward(*bases: type) -> Callable[[nn.Module], bool]:
     computes something else, and only a family rule that knows it may convert it.
     """
     return lambda m: any(isinstance(m, b) and type(m).forward is b.forward for b in bases)
+
+
+def code_fingerprint(fn) -> str:
+    """A hash of ``fn``'s statements (parsed and unparsed, docstring and comments left out): the same code in any
+    formatting gives the same hash."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return hashlib.sha256("\n".join(ast.unparse(node) for node in body).encode()).hexdigest()[:16]
 
 
 def generic_rules() -> list[Rule]:

@@ -1,15 +1,47 @@
 """LLaMA-style decoders: LLaMA, Mistral, Qwen2 (RMSNorm, SwiGLU MLP, grouped-query attention).
 
 RMSNorm keeps its output (shared with the q/k/v and gate/up projections); ``act_fn`` (SiLU) of the SwiGLU
-MLP is few-bit; the element-wise product ``act(gate) * up`` is a plain op whose operands autograd keeps
-uncompressed (``down_proj`` compresses the product itself). Attention: act_hf's SDPA function, GQA included.
+MLP is few-bit; the product ``act(gate) * up``, whose operands autograd's ``mul`` would keep at full width,
+keeps both packed (:func:`act_hf.ops.product.act_product`), and ``down_proj`` compresses the product itself.
+Attention: act_hf's SDPA function, GQA included.
 """
 
-from act_hf.patcher import register_patch
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from act_hf.nn._base import ActModule
+from act_hf.ops.product import act_product
+from act_hf.patcher import Rule, code_fingerprint, register_patch
 
 from ._hf import patch_hf
+
+__all__ = ["ActGatedMLPMixin", "GATED_MLP_FORWARD", "patch_llama"]
+
+
+class ActGatedMLPMixin(ActModule):
+    """A gated MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` whose product keeps both operands packed
+    (slots ``<path>:gate_act`` and ``<path>:up``). The rule converts an MLP only when its ``forward`` is that
+    code (:data:`GATED_MLP_FORWARD`); the submodules are converted by their own rules."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        gate = self.act_fn(self.gate_proj(x))
+        up = self.up_proj(x)
+        return self.down_proj(act_product(gate, up, self.act_settings("gate_act"), self.act_settings("up")))
+
+
+#: :func:`code_fingerprint` of ``LlamaMLP.forward`` (the same code in Mistral and Qwen2, transformers 5.x).
+GATED_MLP_FORWARD = "5b8abf7af12a4b42"
+
+
+def _is_gated_mlp(m: nn.Module) -> bool:
+    cls = type(m)
+    return cls.__name__.endswith("MLP") and cls.__module__.startswith("transformers.") \
+        and code_fingerprint(cls.forward) == GATED_MLP_FORWARD
 
 
 @register_patch("llama", "mistral", "qwen2")
 def patch_llama(model, config) -> list[str]:
-    return patch_hf(model, config)
+    return patch_hf(model, config, rules=[Rule("linear", _is_gated_mlp, lambda m: ActGatedMLPMixin)])

@@ -11,16 +11,11 @@ gradient. The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import inspect
-import textwrap
-
 from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
 from act_hf.ops.linear import act_channel_scale
-from act_hf.patcher import Rule, patch_modules, register_patch
+from act_hf.patcher import Rule, code_fingerprint, patch_modules, register_patch
 
 __all__ = ["patch_timm"]
 
@@ -39,16 +34,6 @@ _TIMM_ACTIVATIONS = {  # timm.layers.activations class name -> few-bit table
 
 def _is_timm(m: nn.Module, name: str) -> bool:
     return type(m).__name__ == name and type(m).__module__.startswith("timm.")
-
-
-def code_fingerprint(fn) -> str:
-    """A hash of ``fn``'s statements (parsed and unparsed, docstring and comments left out): the same code in any
-    formatting gives the same hash."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        body = body[1:]
-    return hashlib.sha256("\n".join(ast.unparse(node) for node in body).encode()).hexdigest()[:16]
 
 
 class ActConvNeXtBlockMixin(ActModule):

@@ -233,3 +233,32 @@ def test_timm_layer_scale_keeps_its_input_quantized(name, kwargs, role):
     plain = saved_bytes["without layer scale"].bytes - saved_bytes["all"].bytes
     packed = sum(b for slot, b in saved_bytes["all"].by_slot.items() if slot.split(":")[0] in scaled)
     assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_gated_mlp_product_keeps_both_operands_packed(model_type):
+    """``act(gate) * up`` would keep both operands at full width; patched, both are packed, the forward is
+    unchanged and gradients match at 8 bits."""
+    from tests.patches.models import llama
+
+    torch.manual_seed(0)
+    ref, inputs = llama(model_type=model_type)
+    ref.train()
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    mlps = [p for p in model.act_hf_patched_modules if p.endswith(".mlp")]
+    assert len(mlps) == ref.config.num_hidden_layers
+    out, expected = model(**inputs), ref(**inputs)
+    assert torch.equal(out.logits, expected.logits)
+    out.loss.backward()
+    expected.loss.backward()
+    assert_grads_match(ref, model, name=model_type)
+    saved = {}
+    for label, exclude in (("all", None), ("plain product", mlps)):
+        three = act_hf.patch(copy.deepcopy(ref), bits=3, exclude_modules=exclude)
+        with act_hf.track_saved(three) as tracker:
+            three(**inputs)
+        saved[label] = tracker
+    assert {f"{mlps[0]}:gate_act", f"{mlps[0]}:up"} <= set(saved["all"].by_slot)
+    packed = sum(b for slot, b in saved["all"].by_slot.items() if slot.split(":")[0] in mlps)
+    plain = saved["plain product"].bytes - saved["all"].bytes
+    assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)  # fp32 operands vs 3 bits + metadata
