@@ -57,6 +57,7 @@ def test_views_with_different_layout_are_not_confused():
 
 
 def test_entries_die_with_the_graph():
+    store.clear()  # only this test's entries
     a, b, _ = _three_linears()
     x = torch.randn(8, 64)
     y = a(x) + b(x)
