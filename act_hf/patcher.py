@@ -10,6 +10,7 @@ and state-dict keys never change and ``unpatch`` restores the original classes e
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import inspect
 import logging
@@ -111,6 +112,7 @@ def same_forward(*bases: type) -> Callable[[nn.Module], bool]:
     return lambda m: any(isinstance(m, b) and type(m).forward is b.forward for b in bases)
 
 
+@functools.lru_cache(maxsize=None)
 def code_fingerprint(fn) -> str:
     """A hash of ``fn``'s statements (parsed and unparsed, docstring and comments left out): the same code in any
     formatting gives the same hash."""

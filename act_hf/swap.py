@@ -26,6 +26,7 @@ allocator.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass
 
@@ -88,7 +89,8 @@ class HostSwap:
                 h.copy_(t, non_blocking=True)
                 t.record_stream(side)  # the allocator must not hand t's memory out before the copy ran
             written = side.record_event()
-        self._purge_if_needed()
+        if self._counter % 256 == 0:
+            self.purge()
         record = _Swapped(tuple(weakref.ref(h) for h in host), packed.spec, device, self._counter, written)
         self._counter += 1
         self._order.append(record)
@@ -133,7 +135,7 @@ class HostSwap:
         side = self._stream(record.device)
         started = 0
         # records are in swap-out order; scan back from this one for the next ones backward will need
-        i = self._index(record) - 1
+        i = bisect.bisect_left(self._order, record.order, key=lambda r: r.order) - 1
         while i >= 0 and started < self.prefetch:
             other = self._order[i]
             i -= 1
@@ -142,27 +144,12 @@ class HostSwap:
             host = tuple(r() for r in other.host)
             if any(h is None for h in host):
                 continue
-            with torch.cuda.stream(side):
-                side.wait_event(other.written)
+            with torch.cuda.stream(side):  # after other's device-to-host copy: the same stream
                 other.fetched = tuple(h.to(other.device, non_blocking=True) for h in host)
                 other.ready = side.record_event()
             started += 1
 
-    def _index(self, record: _Swapped) -> int:
-        lo, hi = 0, len(self._order)  # binary search on the increasing order numbers
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._order[mid].order < record.order:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
-
     # -- housekeeping -------------------------------------------------------------------------------------
-    def _purge_if_needed(self) -> None:
-        if self._counter % 256 == 0:
-            self.purge()
-
     def purge(self) -> None:
         """Forget contexts whose host copies autograd has released (their graph was freed or run)."""
         live = [r for r in self._order if r.alive()]

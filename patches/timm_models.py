@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
 from act_hf.ops.linear import act_channel_scale
-from act_hf.patcher import Rule, code_fingerprint, patch_modules, register_patch
+from act_hf.patcher import Rule, code_fingerprint, patch_modules, register_patch, same_forward
 
 __all__ = ["patch_timm"]
 
@@ -68,16 +68,10 @@ def _is_convnext_block(m: nn.Module) -> bool:
     return _is_timm(m, "ConvNeXtBlock") and code_fingerprint(type(m).forward) == CONVNEXT_BLOCK_FORWARD
 
 
-def _is_layer_scale(m: nn.Module, name: str) -> bool:
-    if not _is_timm(m, name):
-        return False
-    from timm import layers
-
-    return type(m).forward is getattr(layers, name).forward
-
-
 def timm_rules() -> list[Rule]:
     """Rules for timm's layers, in front of the generic torch ones."""
+    from timm import layers
+
     from act_hf.nn import activation, linear, norm
 
     from . import _timm_attention
@@ -90,8 +84,8 @@ def timm_rules() -> list[Rule]:
              lambda m: norm.ActLayerNormMixin, attrs=ln_attrs),
         Rule("norm", lambda m: _is_timm(m, "BatchNormAct2d"), lambda m: norm.ActBatchNormAct2dMixin),
         Rule("linear", _is_convnext_block, lambda m: ActConvNeXtBlockMixin),
-        Rule("linear", lambda m: _is_layer_scale(m, "LayerScale"), lambda m: linear.ActLayerScaleMixin),
-        Rule("linear", lambda m: _is_layer_scale(m, "LayerScale2d"), lambda m: linear.ActLayerScaleMixin,
+        Rule("linear", same_forward(layers.LayerScale), lambda m: linear.ActLayerScaleMixin),
+        Rule("linear", same_forward(layers.LayerScale2d), lambda m: linear.ActLayerScaleMixin,
              attrs=lambda m, c: {"act_scale_dim": 1}),
         Rule("activation", lambda m: type(m).__module__.startswith("timm.") and type(m).__name__ in _TIMM_ACTIVATIONS,
              lambda m: activation.ActActivationMixin,

@@ -232,8 +232,7 @@ class ActActivationFunction(torch.autograd.Function):
         bits = settings.bits if ctx.quantized_input else spec.code_bits(settings.bits)
         codes = packed = None
         if need and ctx.quantized_input:  # before fn: fn may overwrite x
-            packed = store.compress(x, slot=settings.slot, bits=bits, group_size=settings.group_size,
-                                    swap=settings.swap)
+            packed = store.compress_as(x, settings)  # bits is settings.bits here
         elif need:
             codes = spec.encode(x, bits)
         version = x._version

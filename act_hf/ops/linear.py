@@ -134,13 +134,14 @@ class ActChannelScaleFunction(torch.autograd.Function):
         need_x, need_g = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         packed = store.compress_as(x, settings) if need_g else None
         save_context(ctx, packed, gamma if need_x else None)
-        ctx.meta = (dim, x.dtype, x.dim(), gamma.dtype)
+        ctx.meta = (dim, x.dtype, gamma.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         packed, gamma = load_context(ctx)
-        dim, x_dtype, ndim, gamma_dtype = ctx.meta
+        dim, x_dtype, gamma_dtype = ctx.meta
+        ndim = grad_out.dim()
         grad_x = grad_g = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_out.mul(_channel_view(gamma, ndim, dim)).to(x_dtype)
@@ -153,5 +154,6 @@ class ActChannelScaleFunction(torch.autograd.Function):
 def act_channel_scale(x: Tensor, gamma: Tensor, dim: int, settings: OpSettings) -> Tensor:
     """Functional form of :class:`ActChannelScaleFunction`."""
     if gamma.dim() != 1 or gamma.shape[0] != x.shape[dim]:
-        raise ValueError(f"gamma: expected a vector of x.shape[{dim}] = {x.shape[dim]} values, got {tuple(gamma.shape)}")
+        raise ValueError(f"gamma: expected a vector of x.shape[{dim}] = {x.shape[dim]} values, "
+                         f"got {tuple(gamma.shape)}")
     return ActChannelScaleFunction.apply(x, gamma, dim, settings)

@@ -19,7 +19,7 @@ __all__ = ["ActProductFunction", "act_product"]
 
 class ActProductFunction(torch.autograd.Function):
     """``y = a * b`` for ``a`` and ``b`` of one shape; saves ``quantize(b)`` if ``a`` needs a gradient and
-    ``quantize(a)`` if ``b`` does (slots ``<slot>:a`` and ``<slot>:b``, quantized in that order)."""
+    ``quantize(a)`` if ``b`` does (with ``settings_b`` and ``settings_a``; ``a`` is quantized first)."""
 
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor, settings_a: OpSettings, settings_b: OpSettings) -> Tensor:
