@@ -263,6 +263,16 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _without_history(t: torch.Tensor) -> torch.Tensor:
+    """What a saved-tensor pack hook may keep of ``t``: ``t`` detached when it has a ``grad_fn``, else ``t``.
+
+    Kept with its ``grad_fn``, an op's saved *output* would hold that op's node alive, a cycle through C++ that
+    Python's gc cannot break when the forward is never run backward (autograd itself saves outputs without
+    their ``grad_fn`` and re-attaches it on unpacking). Other tensors are kept as they are: the context store
+    tells packed copies apart by the life of their tensor objects."""
+    return t.detach() if t.grad_fn is not None else t
+
+
 def _is_parameter_like(t: torch.Tensor, param_shapes: dict | None = None) -> bool:
     """A parameter, autocast's dtype cast of one, or a view (``w.t()``) of either: weights, not activations.
 
@@ -318,24 +328,26 @@ class SavedTracker:
             self._labels[t.untyped_storage().data_ptr()] = (slot, original_nbytes if i == 0 else 0)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t``; return what the hook keeps: ``t`` itself, detached when it has a ``grad_fn``."""
+        detached = _without_history(t)
         if _is_parameter_like(t, self._param_shapes):
-            return t
+            return detached
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self._exclude or (ptr, t.device) in self._seen or storage.nbytes() == 0:
-            return t
+            return detached
         self._seen.add((ptr, t.device))
-        self._keep.append(t)
+        self._keep.append(detached)
         nbytes = storage.nbytes()
         if ptr in self._host:
             self.host_bytes += nbytes
-            return t
+            return detached
         slot, original = self._labels.get(ptr, (f"<uncompressed:{t.dtype}>", nbytes))
         self.uncompressed_bytes += original
         self.bytes += nbytes
         self.num_tensors += 1
         self.by_slot[slot] = self.by_slot.get(slot, 0) + nbytes
-        return t
+        return detached
 
     @property
     def megabytes(self) -> float:
@@ -356,9 +368,8 @@ def track_saved(model: nn.Module | None = None) -> Iterator[SavedTracker]:
     ``w.t()`` a linear saves) are excluded; with ``model`` given, so are all its parameters and buffers and the
     autocast casts of its frozen weights (recognised by shape). Works on CPU and GPU alike.
 
-    Known leak: a patched model's forward tracked here and never run backward keeps part of its graph alive
-    after its output is dropped (one context-store entry per forward in the tiny models; a reference that
-    Python's gc does not see). Backward releases it. Not yet traced to its cause.
+    A forward tracked here and never run backward frees its graph as soon as its output is dropped (the hook
+    keeps tensors without their history, see :func:`_without_history`).
 
     Example:
         >>> with act_hf.track_saved(model) as saved:

@@ -7,7 +7,8 @@ Tensors saved inside act_hf's own modules are left to those modules (an inner pa
 them), parameters and their casts are never touched, and tiny tensors (statistics, scalars) stay exact.
 
 Only the innermost saved-tensor hooks apply, so these hooks report every tensor to active
-:func:`act_hf.track_saved` trackers themselves.
+:func:`act_hf.track_saved` trackers themselves. What they keep of a tensor has no history (see
+:func:`act_hf.context._without_history`), so a forward never run backward is freed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from .compress import PackedTensor, dequantize
-from .context import _is_parameter_like, store
+from .context import _is_parameter_like, _without_history, store
 from .nn._base import ActModule
 
 __all__ = ["MIN_NUMEL", "install_fallback_hooks"]
@@ -41,7 +42,7 @@ class _Compressing:
     def pack(self, t: torch.Tensor):
         if not t.is_floating_point() or t.numel() < MIN_NUMEL or _is_parameter_like(t):
             _report(t)
-            return t
+            return _without_history(t)
         packed = store.compress(t, slot=self.slot, bits=store.bits_for(self.slot, self.bits),
                                 group_size=self.group_size, swap=self.swap)
         for p in packed.tensors:
@@ -57,7 +58,7 @@ class _Compressing:
 
 def _pass_through(t: torch.Tensor) -> torch.Tensor:
     _report(t)
-    return t
+    return _without_history(t)
 
 
 def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False) -> list:

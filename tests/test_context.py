@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 from torch import nn
@@ -66,6 +67,16 @@ def test_entries_die_with_the_graph():
     del y
     gc.collect()
     assert len(store) == 0
+
+
+def test_a_tracked_forward_never_run_backward_is_freed():
+    lin = nn.Linear(8, 8)
+    with track_saved(lin):
+        y = torch.tanh(lin(torch.randn(4, 8)))  # tanh saves its own output: kept with grad_fn, a C++ cycle
+    alive = weakref.ref(y)
+    del y
+    gc.collect()
+    assert alive() is None
 
 
 def test_track_saved_excludes_parameters_and_counts_plain_ops():

@@ -6,6 +6,8 @@ One shared set of checks, driven by the table of model factories in ``tests/patc
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -158,6 +160,23 @@ def test_unknown_model_fallback_warns_and_strict_raises():
     with act_hf.track_saved(model) as saved:
         model(x)
     assert "Custom:saved" not in saved.by_slot
+
+
+def test_fallback_forward_never_run_backward_is_freed():
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 32)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x))  # tanh saves its output; 4 x 32 is below MIN_NUMEL: kept exact
+
+    model = Head()
+    with pytest.warns(act_hf.ActHFWarning, match="has no family"):
+        act_hf.patch(model, bits=3)
+    alive = weakref.ref(model(torch.randn(4, 16)))
+    gc.collect()
+    assert alive() is None
 
 
 def test_target_and_exclude_modules():
