@@ -174,7 +174,8 @@ class BitAllocator:
     """The adaptive-bits state of one patched model: groups, sensitivities, allocation, alarm and cost.
 
     ``act_hf.patch(model, bits=2.5)`` creates one as ``model.act_hf_allocator`` and hooks it to the model's
-    forward: the first training forward, and then every ``config.adapt_interval``-th, first runs the probe on
+    forward: the first training forward, and then every ``config.adapt_interval``-th after the last update (an
+    explicit :meth:`update_batch` counts), first runs the probe on
     ``config.adapt_samples`` samples of its own batch (the loss is the output's ``loss``, so HF models need
     labels in the batch; for other models call :meth:`update_batch` with a loss function). Inside
     ``transformers.Trainer``, :class:`act_hf.ActCompressCallback` schedules the updates by optimizer step
@@ -208,6 +209,7 @@ class BitAllocator:
         self.automatic = True
         self.loss_fn: Callable[[Any], torch.Tensor] | None = None
         self._forwards = 0
+        self._updated_at: int | None = None  # self._forwards at the last update
         self._due = True
         self._busy = False
         self._started: float | None = None
@@ -229,12 +231,13 @@ class BitAllocator:
             return
         if self._started is None:
             self._started = time.perf_counter()
-        if self.automatic and self._forwards % self.config.adapt_interval == 0:
+        if self.automatic and (self._updated_at is None
+                               or self._forwards - self._updated_at >= self.config.adapt_interval):
             self._due = True
-        self._forwards += 1
         if self._due:
             self._due = False
             self.update(self._closure(module, args, kwargs))
+        self._forwards += 1
 
     def _closure(self, module: nn.Module, args: tuple, kwargs: dict) -> Callable[..., torch.Tensor]:
         def compute_loss(batch: tuple[tuple, dict]) -> torch.Tensor:
@@ -309,6 +312,7 @@ class BitAllocator:
         if self._started is None:  # training time is counted from the first probe or training forward
             self._started = start
         self._due = False  # an explicit update satisfies a pending request (the first forward's included)
+        self._updated_at = self._forwards
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self._isolated():
             sensitivity, numel, slots = self._sensitivity(loss_closure, params)
@@ -473,6 +477,7 @@ class BitAllocator:
             "variance_ratio": self.variance_ratio,
             "updates": self.updates,
             "forwards": self._forwards,
+            "updated_at": self._updated_at,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -481,6 +486,10 @@ class BitAllocator:
         self.variance_ratio = state.get("variance_ratio")
         self.updates = int(state.get("updates", 0))
         self._forwards = int(state.get("forwards", 0))
+        updated_at = state.get("updated_at")
+        if updated_at is None and self.groups:  # a state saved before "updated_at": the interval's last start
+            updated_at = self._forwards - self._forwards % self.config.adapt_interval
+        self._updated_at = None if updated_at is None else int(updated_at)
         self._due = not self.groups
         self.apply()
 

@@ -276,3 +276,22 @@ def test_an_explicit_update_satisfies_the_first_forwards_request():
     assert allocator.updates == 1
     assert {n: g.bits for n, g in allocator.groups.items()} == bits
     act_hf.unpatch(model)
+
+
+def test_the_interval_counts_from_an_explicit_update():
+    """With automatic updates on, an explicit update_batch before the first forward is not followed by a probe
+    at that forward; the next one comes adapt_interval training forwards later."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    with pytest.warns(act_hf.ActHFWarning, match="no family"):
+        act_hf.patch(model, bits=2.5, adapt_interval=3, variance_alarm=0)
+    allocator = model.act_hf_allocator
+    allocator.loss_fn = lambda out: out.pow(2).mean()
+    x = torch.randn(8, 16)
+    allocator.update_batch(x, lambda b: model(b).pow(2).mean())
+    updates = []
+    for _ in range(7):
+        model(x)
+        updates.append(allocator.updates)
+    assert updates == [1, 1, 1, 2, 2, 2, 3]
+    act_hf.unpatch(model)
