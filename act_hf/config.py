@@ -73,6 +73,9 @@ class ActConfig:
             minibatch gradient variance (GACT's failure predictor); ``0`` turns the check off.
         swap: move each packed context to pinned host memory as soon as it is packed, and fetch it back (with
             prefetch) in backward (:mod:`act_hf.swap`); only contexts on CUDA devices are moved.
+        share_bn_relu: a conv or linear fed by ``relu(batch_norm(x))`` reads its input from BatchNorm's packed
+            normalized input and the ReLU's 1-bit mask (unbiased, no bytes of its own; :mod:`act_hf.derived`)
+            instead of packing it again.
     """
 
     bits: int | float = field(default=3, metadata={"help": "int 1..8, or a float average budget for adaptive bits"})
@@ -91,6 +94,8 @@ class ActConfig:
     variance_alarm: float = field(default=10.0, metadata={"help": "warn when compression variance / minibatch "
                                                                 "gradient variance exceeds this (0: off)"})
     swap: bool = field(default=False, metadata={"help": "swap packed contexts to pinned host memory"})
+    share_bn_relu: bool = field(default=True, metadata={"help": "a conv after BatchNorm + ReLU reads BatchNorm's "
+                                                                   "packed input instead of packing its own"})
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
@@ -132,8 +137,9 @@ class ActConfig:
         if isinstance(self.variance_alarm, bool) or not isinstance(self.variance_alarm, (int, float)) \
                 or not self.variance_alarm >= 0:
             raise ActHFValueError(f"variance_alarm must be a number >= 0 (0 turns it off), got {self.variance_alarm!r}")
-        if not isinstance(self.swap, bool):
-            raise ActHFTypeError(f"swap must be True or False, got {self.swap!r}")
+        for name in ("swap", "share_bn_relu"):
+            if not isinstance(getattr(self, name), bool):
+                raise ActHFTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def adaptive(self) -> bool:

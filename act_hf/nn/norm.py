@@ -17,7 +17,9 @@ the original's attributes, so the patcher can attach them to transformers/timm c
 - :class:`ActBatchNormAct2dMixin`: timm ``BatchNormAct2d`` (reads ``self.drop`` and ``self.act``).
 
 Knobs (class or instance attributes): ``act_norm_context`` in ``{"output", "input"}`` (default ``"output"`` for
-LayerNorm/RMSNorm, measured in :mod:`act_hf.ops.norm`) and ``act_gamma_eps`` (small-``|gamma|`` guard).
+LayerNorm/RMSNorm, measured in :mod:`act_hf.ops.norm`), ``act_gamma_eps`` (small-``|gamma|`` guard) and, for
+the BatchNorm input form, ``act_share_bn_relu`` (let a conv after a ReLU read the packed input,
+:mod:`act_hf.derived`).
 ``nn.SyncBatchNorm`` is not supported (its forward all-reduces statistics): a converted one runs its original
 forward.
 """
@@ -162,13 +164,14 @@ class ActBatchNormMixin(_ActNormMixin):
     original)."""
 
     act_norm_context: str = "input"
+    act_share_bn_relu: bool = True
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x) or not _bn_supported(self, x):
             return super().forward(x)
         running_mean, running_var, eaf = _bn_args(self)
         return act_batch_norm(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
-                              self.act_settings("input"))
+                              self.act_settings("input"), note_output=self.act_share_bn_relu)
 
 
 class ActBatchNormActMixin(_ActNormMixin):
@@ -218,6 +221,7 @@ class ActBatchNormAct2dMixin(_ActNormMixin):
     """
 
     act_norm_context: str = "output"
+    act_share_bn_relu: bool = True
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x) or not _bn_supported(self, x):
@@ -231,7 +235,7 @@ class ActBatchNormAct2dMixin(_ActNormMixin):
                                       self.act_settings("output"), activation=fused[0], param=fused[1],
                                       gamma_eps=self.act_gamma_eps, cache_guard=True)
         y = act_batch_norm(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
-                           self.act_settings("input"))
+                           self.act_settings("input"), note_output=self.act_share_bn_relu)
         return self.act(self.drop(y))
 
 

@@ -13,6 +13,7 @@ import torch
 
 from ..compress import PackedTensor
 from ..context import store
+from ..derived import RectifiedAffine
 
 __all__ = ["OpSettings", "load_context", "save_context"]
 
@@ -28,8 +29,9 @@ class OpSettings:
     swap: bool = False
 
 
-def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | None) -> None:
-    """Save ``items`` (tensors, :class:`PackedTensor` or ``None``) on ``ctx``; :func:`load_context` gives them back."""
+def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine | None) -> None:
+    """Save ``items`` (tensors, :class:`PackedTensor`, :class:`~act_hf.derived.RectifiedAffine` or ``None``) on
+    ``ctx``; :func:`load_context` gives them back."""
     flat: list[torch.Tensor] = []
     layout: list[tuple] = []
     for item in items:
@@ -38,18 +40,23 @@ def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | None) -> None:
         elif isinstance(item, PackedTensor):
             layout.append(("packed", len(flat), item.spec))
             flat.extend(item.tensors)
+        elif isinstance(item, RectifiedAffine):
+            tensors = item.tensors
+            layout.append(("rectified", len(flat), len(tensors), item.meta))
+            flat.extend(tensors)
         elif isinstance(item, torch.Tensor):
             layout.append(("tensor", len(flat)))
             flat.append(item)
         else:
-            raise TypeError(f"save_context takes tensors, PackedTensor or None, got {type(item).__name__}")
+            raise TypeError(f"save_context takes tensors, PackedTensor, RectifiedAffine or None, "
+                            f"got {type(item).__name__}")
     ctx.save_for_backward(*flat)
     ctx.act_layout = layout
-    if store._probe is not None:
-        store._probe.saved_by(ctx, items)  # ctx is the op's backward node
+    if store._probe is not None:  # ctx is the op's backward node
+        store._probe.saved_by(ctx, tuple(i.packed if isinstance(i, RectifiedAffine) else i for i in items))
 
 
-def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | None]:
+def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | RectifiedAffine | None]:
     """The items given to :func:`save_context`, in order (a packed item is the probe's twin draw while a
     sensitivity probe redraws its group, see :meth:`act_hf.context.ContextStore.resolve`)."""
     saved = ctx.saved_tensors
@@ -60,6 +67,11 @@ def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | None]:
         elif entry[0] == "packed":
             i = entry[1]
             out.append(store.resolve(PackedTensor.rebuild(saved[i : i + 3], entry[2])))
+        elif entry[0] == "rectified":
+            i, n, meta = entry[1:]
+            derived = RectifiedAffine.rebuild(saved[i : i + n], meta)
+            derived.packed = store.resolve(derived.packed)
+            out.append(derived)
         else:
             out.append(saved[entry[1]])
     return out

@@ -48,6 +48,7 @@ from torch.autograd.function import once_differentiable
 from .. import fewbit
 from ..compress import dequantize, pack_bits, unpack_bits
 from ..context import store
+from ..derived import affine_of, note_rectified
 from ..errors import ActHFRuntimeError, ActHFValueError
 from ._saving import OpSettings, load_context, save_context
 
@@ -235,6 +236,7 @@ class ActActivationFunction(torch.autograd.Function):
             packed = store.compress_as(x, settings)  # bits is settings.bits here
         elif need:
             codes = spec.encode(x, bits)
+        affine = affine_of(x) if need and spec.name == "relu" else None  # x = batch_norm(.): see act_hf.derived
         version = x._version
         out = fn(x)
         if x._version != version:
@@ -247,7 +249,10 @@ class ActActivationFunction(torch.autograd.Function):
         if packed is not None:
             save_context(ctx, packed)
         elif need:
-            save_context(ctx, _pack_codes(codes, bits, settings.slot, x.numel() * x.element_size()))
+            payload = _pack_codes(codes, bits, settings.slot, x.numel() * x.element_size())
+            save_context(ctx, payload)
+            if affine is not None:  # noted by act_activation once autograd has wrapped (and versioned) out
+                ctx.act_rectified = (affine, payload)
         ctx.spec, ctx.bits, ctx.shape = spec, bits, x.shape
         return out
 
@@ -300,4 +305,9 @@ def act_activation(
         fn = spec.forward if not inplace else (lambda t: spec.forward(t, inplace=True))
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and _inplace_would_fail(x)):
         return fn(x)  # nothing to save, or the original op raises autograd's in-place error itself
-    return ActActivationFunction.apply(x, spec, fn, settings)
+    out = ActActivationFunction.apply(x, spec, fn, settings)
+    pending = getattr(out.grad_fn, "act_rectified", None)
+    if pending is not None:
+        del out.grad_fn.act_rectified
+        note_rectified(out, *pending)
+    return out

@@ -1,8 +1,8 @@
 """Linear and convolution with a quantized saved input.
 
 Forward is the original op (``F.linear`` / ``torch.convolution``, autocast applying as usual). The context is
-the input, quantized through the context store (shared with every other op that saves the same tensor), and
-the weight *parameter* itself (never autocast's copy: backward casts it again). Following
+the input, quantized through the context store (shared with every other op that saves the same tensor) or,
+after BatchNorm and ReLU, read from what they saved (:mod:`act_hf.derived`), and the weight *parameter* itself (never autocast's copy: backward casts it again). Following
 ``ctx.needs_input_grad``: the input is saved only when the weight needs a gradient, the weight only when the
 input does; a frozen layer fed by a frozen input saves nothing.
 """
@@ -13,12 +13,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compress import dequantize
+from ..compress import PackedTensor, dequantize
 from ..context import store
+from ..derived import RectifiedAffine, rectified_input
 from ._saving import OpSettings, load_context, save_context
 
 __all__ = ["ActChannelScaleFunction", "ActConvFunction", "ActLinearFunction", "act_channel_scale", "act_conv",
            "act_linear"]
+
+
+def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffine:
+    """What a linear or conv keeps of its input for the weight gradient: the context BatchNorm and ReLU already
+    saved when ``x = relu(batch_norm(.))`` (:mod:`act_hf.derived`), else ``x`` packed through the store."""
+    return rectified_input(x, settings) or store.compress_as(x, settings)
+
+
+def input_values(saved: PackedTensor | RectifiedAffine) -> Tensor:
+    """The input estimate :func:`saved_input`'s context stands for."""
+    return saved.dequantize() if isinstance(saved, RectifiedAffine) else dequantize(saved)
 
 
 def _transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -39,7 +51,7 @@ class ActLinearFunction(torch.autograd.Function):
                 transposed: bool = False) -> Tensor:
         out = _transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        packed = store.compress_as(x, settings) if need_w else None
+        packed = saved_input(x, settings) if need_w else None
         save_context(ctx, packed, weight if need_x else None)
         ctx.transposed = transposed
         return out
@@ -55,7 +67,7 @@ class ActLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             g2d = grad_out.reshape(-1, grad_out.shape[-1])
             if ctx.needs_input_grad[1]:
-                x2d = dequantize(packed).to(dtype)
+                x2d = input_values(packed).to(dtype)
                 x2d = x2d.reshape(-1, x2d.shape[-1])
                 grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
             if ctx.needs_input_grad[2]:
@@ -83,7 +95,7 @@ class ActConvFunction(torch.autograd.Function):
                 padding: tuple[int, ...], dilation: tuple[int, ...], groups: int, settings: OpSettings) -> Tensor:
         out = _CONV[len(stride)](x, weight, bias, stride, padding, dilation, groups)  # autocast applies as usual
         need_w = ctx.needs_input_grad[1]
-        packed = store.compress_as(x, settings) if need_w else None
+        packed = saved_input(x, settings) if need_w else None
         save_context(ctx, packed, weight)  # the parameter itself: its shape is needed even for grad_x only
         ctx.conv_args = (stride, padding, dilation, groups)
         ctx.input_shape = x.shape
@@ -97,7 +109,7 @@ class ActConvFunction(torch.autograd.Function):
         dtype = grad_out.dtype
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.bias_shape is not None]
         if packed is not None:
-            x_hat = dequantize(packed).to(dtype)
+            x_hat = input_values(packed).to(dtype)
         else:  # only the input gradient is wanted: the input's values are not needed, only its shape
             x_hat = grad_out.new_zeros(()).expand(ctx.input_shape)
         grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from ..compress import dequantize, pack_bits, unpack_bits
 from ..context import store
+from ..derived import note_affine
 from ..errors import ActHFValueError
 from ._saving import OpSettings, load_context, save_context
 
@@ -456,12 +457,14 @@ class ActBatchNormFunction(torch.autograd.Function):
     downsample BN over 2 values per channel gave a gradient cosine of -0.87 with the raw input, 1.0 now).
     With fewer than ``MIN_VALUES_PER_CHANNEL`` values per channel (a 1x1 feature map at batch 2, say) the
     normalized input is kept exact: that tensor is small, and its statistics amplify any error.
-    A bias-only gradient saves nothing.
+    A bias-only gradient saves nothing. With ``note_output`` the output is noted as ``weight * x_norm + bias``
+    (:func:`act_hf.derived.note_affine`), so a ReLU and a conv after it can read the packed ``x_norm``.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
-                running_var: Tensor | None, momentum: float, eps: float, settings: OpSettings) -> Tensor:
+                running_var: Tensor | None, momentum: float, eps: float, settings: OpSettings,
+                note_output: bool = False) -> Tensor:
         y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.meta = (x.shape, x.dtype, eps)
@@ -472,6 +475,8 @@ class ActBatchNormFunction(torch.autograd.Function):
                 packed = x_norm  # statistics over a handful of values amplify any error: keep this small tensor exact
             else:
                 packed = store.compress_as(x_norm, settings)
+                if note_output:
+                    note_affine(y, packed, weight, bias, settings.slot)
             save_context(ctx, packed, mean, invstd, weight)
         else:
             save_context(ctx, None, None, None, None)
@@ -486,7 +491,7 @@ class ActBatchNormFunction(torch.autograd.Function):
         if packed is None:
             if need_b:
                 grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
-            return grad_x, grad_w, grad_b, None, None, None, None, None
+            return grad_x, grad_w, grad_b, None, None, None, None, None, None
         stats = (1, -1) + (1,) * (len(shape) - 2)
         x_norm = packed if isinstance(packed, Tensor) else dequantize(packed)
         x_hat = (x_norm.float() / invstd.view(stats) + mean.view(stats)).to(grad_out.dtype)
@@ -497,14 +502,17 @@ class ActBatchNormFunction(torch.autograd.Function):
             [need_x, need_w and weight is not None, need_b and weight is not None])
         if grad_b is None and need_b:
             grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def act_batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None,
-                   bias: Tensor | None, momentum: float, eps: float, settings: OpSettings) -> Tensor:
+                   bias: Tensor | None, momentum: float, eps: float, settings: OpSettings, *,
+                   note_output: bool = False) -> Tensor:
     """Training-mode ``F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)`` with a
-    quantized saved input (ActNN form). Same argument order as ``F.batch_norm`` minus ``training``."""
-    return ActBatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, settings)
+    quantized saved input (ActNN form). Same argument order as ``F.batch_norm`` minus ``training``; with
+    ``note_output`` a conv after a ReLU after it reads that input (see :mod:`act_hf.derived`)."""
+    return ActBatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, settings,
+                                      note_output)
 
 
 def apply_activation(y: Tensor, activation: str, param: float) -> Tensor:

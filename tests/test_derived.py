@@ -1,0 +1,198 @@
+"""A conv after BatchNorm + ReLU reads BatchNorm's packed input: bytes, exactness, unbiasedness, invalidation."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import act_hf
+from act_hf import derived
+from tests.utils import assert_grads_match, sqnr_db
+
+C, H = 16, 16  # 256 values per channel: BatchNorm packs x_norm (above MIN_VALUES_PER_CHANNEL)
+
+
+class Chain(nn.Module):
+    """BatchNorm -> ReLU -> Conv, with an optional in-place edit between two of them."""
+
+    def __init__(self, inplace: bool = True, edit: str | None = None):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(C)
+        self.relu = nn.ReLU(inplace=inplace)
+        self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False)
+        self.edit = edit
+        with torch.no_grad():
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.normal_(0, 0.5)
+
+    def forward(self, x):
+        y = self.bn(x)
+        if self.edit == "bn_output":
+            y = y.mul_(2)
+        h = self.relu(y)
+        if self.edit == "relu_output":
+            h = h.mul_(2)  # autograd's own ReLU keeps its output: the unpatched twin edits a copy
+        elif self.edit == "relu_output_copy":
+            h = h * 2
+        return self.conv(h)
+
+
+def _chain(bits=3, share=True, **kwargs):
+    torch.manual_seed(0)
+    ref = Chain(**kwargs)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", act_hf.ActHFWarning)  # no family: known leaf modules only
+        act_hf.patch(model, bits=bits, share_bn_relu=share, fallback_hooks=False)
+    return ref, model
+
+
+def _input():
+    return torch.randn(4, C, H, H) * 2 + 0.3
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_conv_saves_no_input_of_its_own(inplace):
+    _, shared = _chain(inplace=inplace)
+    _, own = _chain(share=False, inplace=inplace)
+    x = _input()
+    with act_hf.track_saved(shared) as s:
+        shared(x.clone().requires_grad_())
+    with act_hf.track_saved(own) as o:
+        own(x.clone().requires_grad_())
+    assert "conv:input" not in s.by_slot and o.by_slot["conv:input"] > 0
+    assert s.bytes == o.bytes - o.by_slot["conv:input"]
+
+
+def test_forward_is_unchanged_and_gradients_match_at_8_bits():
+    ref, model = _chain(bits=8, inplace=True)
+    x = _input()
+    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = model(xm)
+    assert torch.equal(out, ref(xr))
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref(xr.detach().requires_grad_()).backward(g)  # the reference's BN ran twice: grads from its second pass
+    ref.zero_grad()
+    xr = x.clone().requires_grad_()
+    ref(xr).backward(g)
+    assert_grads_match(ref, model, name="bn-relu-conv")
+    assert sqnr_db(xr.grad, xm.grad) > 30
+
+
+def test_conv_weight_gradient_is_unbiased():
+    """The mean over many draws of the 2-bit weight gradient converges to the exact one."""
+    ref, model = _chain(bits=2)
+    x = _input()
+    g = torch.randn(4, C, H, H)
+    ref.double()(x.double()).backward(g.double())
+    exact = ref.conv.weight.grad
+    draws = 256
+    total = torch.zeros_like(exact)
+    first_error = None
+    for seed in range(draws):
+        act_hf.manual_seed(seed)
+        model.zero_grad()
+        model(x.clone().requires_grad_()).backward(g)
+        total += model.conv.weight.grad.double()
+        if first_error is None:
+            first_error = (model.conv.weight.grad.double() - exact).norm()
+    mean_error = (total / draws - exact).norm()
+    # an unbiased estimate's error falls as 1/sqrt(draws) = 1/16 of one draw's; a bias would stop it
+    assert mean_error < 0.15 * first_error
+
+
+def test_one_bit_more_beats_the_own_copy_with_fewer_bytes():
+    """The trade measured in act_hf.derived: shared at b + 1 bits against an own copy at b bits."""
+    x = _input()
+    g = torch.randn(4, C, H, H)
+    ref, _ = _chain()
+    ref.double()(x.double().requires_grad_()).backward(g.double())
+    results = {}
+    for share, bits in ((False, 3), (True, 4)):
+        _, model = _chain(bits=bits, share=share)
+        sqnr = []
+        for seed in range(4):
+            act_hf.manual_seed(seed)
+            model.zero_grad()
+            model(x.clone().requires_grad_()).backward(g)
+            sqnr.append(sqnr_db(ref.conv.weight.grad, model.conv.weight.grad))
+        with act_hf.track_saved(model) as saved:
+            model(x.clone().requires_grad_())
+        results[share] = (sum(sqnr) / len(sqnr), saved.bytes)
+    assert results[True][0] > results[False][0]
+    assert results[True][1] < results[False][1]
+
+
+@pytest.mark.parametrize("edit", ["bn_output", "relu_output"])
+def test_an_in_place_edit_makes_the_conv_pack_its_own_input(edit):
+    ref, model = _chain(bits=8, edit=edit)
+    if edit == "relu_output":
+        ref.edit = "relu_output_copy"
+    x = _input()
+    with act_hf.track_saved(model) as saved:
+        out = model(x.clone().requires_grad_())
+    assert saved.by_slot.get("conv:input", 0) > 0
+    out.backward(torch.ones_like(out))
+    ref(x.clone().requires_grad_()).backward(torch.ones_like(out))
+    assert_grads_match(ref, model, name=edit)
+
+
+def test_a_conv_at_other_bits_packs_its_own_input():
+    _, model = _chain(bits=3)
+    model.conv.act_bits = 4
+    with act_hf.track_saved(model) as saved:
+        model(_input().requires_grad_())
+    assert saved.by_slot.get("conv:input", 0) > 0
+
+
+def test_share_bn_relu_is_validated():
+    with pytest.raises(TypeError, match="share_bn_relu must be True or False"):
+        act_hf.ActConfig(share_bn_relu="yes")
+
+
+def test_adaptive_bits_give_conv_and_batchnorm_one_group():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, C, 3, padding=1), nn.BatchNorm2d(C), nn.ReLU(inplace=True),
+                          nn.Conv2d(C, C, 3, padding=1), nn.Flatten(), nn.Linear(C * H * H, 4))
+    with pytest.warns(act_hf.ActHFWarning, match="no family"):
+        act_hf.patch(model, bits=2.5, variance_alarm=0)
+    x, y = torch.randn(4, 3, H, H), torch.randint(0, 4, (4,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.act_hf_allocator.update_batch((x, y), lambda b: nn.functional.cross_entropy(model(b[0]), b[1]))
+    groups = [g.slots for g in model.act_hf_allocator.groups.values()]
+    assert ["1:input", "3:input"] in groups
+    with warnings.catch_warnings(), act_hf.track_saved(model) as saved:
+        warnings.simplefilter("error")  # no second probe (it would warn that the output has no loss)
+        model(x)
+    assert model.act_hf_allocator.updates == 1
+    assert "3:input" not in saved.by_slot  # one width for the group: the conv reads BatchNorm's draw
+    act_hf.unpatch(model)
+
+
+def test_gradient_checkpointing_recomputes_the_same_context():
+    """checkpoint drops the first pass's saved tensors at once; the recomputation must decide the same way."""
+    ref, model = _chain(bits=8)
+    x = _input()
+    xm = x.clone().requires_grad_()
+    out = torch.utils.checkpoint.checkpoint(model, xm, use_reentrant=False)
+    out.backward(torch.ones_like(out))
+    ref(x.clone().requires_grad_()).backward(torch.ones_like(out))
+    assert_grads_match(ref, model, name="checkpointed")
+
+
+def test_notes_die_with_the_tensors_they_describe():
+    _, model = _chain()
+    during = []
+    model.conv.register_forward_pre_hook(lambda m, args: during.append(len(derived._notes())))
+    out = model(_input().requires_grad_())
+    assert during == [2]  # BatchNorm's output and the ReLU's (the same tensor, in place)
+    gc.collect()
+    assert len(derived._notes()) == 0  # that tensor is gone: only the conv's saved references remain
+    out.sum().backward()
