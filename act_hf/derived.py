@@ -48,6 +48,7 @@ from .context import store
 
 __all__ = ["RectifiedAffine", "affine_of", "note_affine", "note_rectified", "rectified_input"]
 
+
 @dataclass
 class RectifiedAffine:
     """``m * (weight * dequantize(packed) + bias)`` along dim 1: a context made of other ops' saved tensors.
