@@ -414,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--act-bits budget (default: act_hf's)")
     a.add_argument("--act-swap", action="store_true", help="keep the packed activations in pinned host memory "
                    "until backward (GPU)")
+    a.add_argument("--act-no-share-bn-relu", dest="act_share_bn_relu", action="store_false",
+                   help="a conv after BatchNorm + ReLU packs its own input instead of reading BatchNorm's")
     r = p.add_argument_group("run")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
     r.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
@@ -470,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
             overrides["adapt_interval"] = args.act_adapt_interval
         if args.act_swap:
             overrides["swap"] = True
+        if not args.act_share_bn_relu:
+            overrides["share_bn_relu"] = False
         bits = float(args.act_bits) if args.act_adaptive else args.act_bits  # a float is an adaptive budget
         act_hf.patch(model, bits=bits, **overrides)
     allocator = getattr(model, "act_hf_allocator", None)  # adaptive bits: a fractional --act-bits budget
@@ -572,6 +576,7 @@ def main(argv: list[str] | None = None) -> dict:
         "act_compress": args.act_compress,
         "act_bits": args.act_bits if args.act_compress else None,
         "act_group_size": (getattr(model, "act_hf_config", None).group_size if args.act_compress else None),
+        "act_share_bn_relu": model.act_hf_config.share_bn_relu if args.act_compress else None,
         "act_avg_bits": allocator.average_bits() if allocator is not None else None,
         "act_variance_ratio": allocator.variance_ratio if allocator is not None else None,
         "act_adapt_overhead": allocator.overhead if allocator is not None else None,

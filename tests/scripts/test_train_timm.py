@@ -129,6 +129,10 @@ def test_fashion_mnist_resnet_with_and_without_compression(tmp_path, fmnist_dir)
     ratio = base["saved_mib_per_step"] / comp["saved_mib_per_step"]
     assert ratio > 2, f"3-bit saved only {ratio:.2f}x less activation memory"
     assert comp["saved_ratio_vs_unpatched"] == pytest.approx(ratio, rel=1e-6)
+    own = _run(tmp_path, "own", *_fmnist_args(fmnist_dir, *TINY_RESNET, "--act-compress", "--act-bits", "3",
+                                              "--act-no-share-bn-relu"))
+    assert comp["act_share_bn_relu"] is True and own["act_share_bn_relu"] is False
+    assert own["saved_mib_per_step"] > comp["saved_mib_per_step"]  # each conv after BN + ReLU packs its input
 
 
 def test_fashion_mnist_swin_compressed(tmp_path, fmnist_dir):
