@@ -76,6 +76,9 @@ class ActConfig:
         share_bn_relu: a conv or linear fed by ``relu(batch_norm(x))`` reads its input from BatchNorm's packed
             normalized input and the ReLU's 1-bit mask (unbiased, no bytes of its own; :mod:`act_hf.derived`)
             instead of packing it again.
+        lm_loss_recompute: a causal LM's loss (transformers' ``ForCausalLMLoss`` after an ``lm_head``) keeps the
+            head's input instead of the fp32 logits and recomputes them in backward (exact;
+            :mod:`act_hf.ops.loss`).
     """
 
     bits: int | float = field(default=3, metadata={"help": "int 1..8, or a float average budget for adaptive bits"})
@@ -96,6 +99,8 @@ class ActConfig:
     swap: bool = field(default=False, metadata={"help": "swap packed contexts to pinned host memory"})
     share_bn_relu: bool = field(default=True, metadata={"help": "a conv after BatchNorm + ReLU reads BatchNorm's "
                                                                    "packed input instead of packing its own"})
+    lm_loss_recompute: bool = field(default=True, metadata={"help": "a causal LM's loss recomputes its logits in "
+                                                                       "backward instead of keeping them"})
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
@@ -137,7 +142,7 @@ class ActConfig:
         if isinstance(self.variance_alarm, bool) or not isinstance(self.variance_alarm, (int, float)) \
                 or not self.variance_alarm >= 0:
             raise ActHFValueError(f"variance_alarm must be a number >= 0 (0 turns it off), got {self.variance_alarm!r}")
-        for name in ("swap", "share_bn_relu"):
+        for name in ("swap", "share_bn_relu", "lm_loss_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise ActHFTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -170,6 +170,8 @@ def rectified_input(x: Tensor, settings) -> RectifiedAffine | None:
     if note is None or not note.describes(x) or (note.packed.bits, note.packed.group_size) != (
             settings.bits, settings.group_size):
         return None
+    if store.swap.is_swapped(note.packed):  # one more op fetches BatchNorm's host copy in backward
+        store.swap.reused(note.packed)
     probe = store._probe
     if probe is not None:  # the consumer reads BatchNorm's draw: one slot group, one width
         probe._union(settings.slot, note.slot)

@@ -1,8 +1,11 @@
 """What every Hugging Face family shares: HF activation classes, GPT-2's Conv1D, RMSNorm classes found by
-name, the task head, and switching the model's attention implementation to act_hf's."""
+name, the task head, switching the model's attention implementation to act_hf's, and the causal-LM loss that
+recomputes its logits (:mod:`act_hf.ops.loss`)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 
 import transformers
@@ -12,6 +15,7 @@ from transformers import activations as hf_act
 from transformers.pytorch_utils import Conv1D
 
 from act_hf.config import ActConfig
+from act_hf.ops.loss import causal_lm_loss, note_head_output
 from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules
 
 __all__ = ["HF_ACTIVATIONS", "hf_rules", "patch_hf", "rms_norm_rule"]
@@ -89,6 +93,27 @@ def _enable_attention(model: nn.Module, config: ActConfig, head_paths: list[str]
     return [path for path, _ in modules]
 
 
+def _enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
+    """Route a causal LM's loss through :func:`act_hf.ops.loss.causal_lm_loss` when its head is a plain
+    ``nn.Linear`` named ``lm_head``, its forward calls ``self.loss_function`` (T5 and BART compute their own),
+    and that is transformers' ``ForCausalLMLoss``."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    head = getattr(model, "lm_head", None)
+    if not config.lm_loss_recompute or not isinstance(head, nn.Linear) \
+            or "loss_function" not in inspect.unwrap(type(model).forward).__code__.co_names \
+            or getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        return
+    handle = head.register_forward_hook(note_head_output)
+    model.loss_function = functools.partial(causal_lm_loss, ForCausalLMLoss)
+
+    def restore():
+        handle.remove()
+        model.__dict__.pop("_loss_function", None)
+
+    add_cleanup(model, restore)
+
+
 def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), attention: bool = True,
              head_paths: list[str] | None = None) -> list[str]:
     """Patch an HF model: family ``rules``, then the HF and generic rules, then attention.
@@ -105,4 +130,5 @@ def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), att
     patched = patch_modules(model, config, rules=list(rules) + hf_rules() + [rms_norm_rule()], head_paths=heads)
     if attention and "attention" in config.kinds:
         patched += _enable_attention(model, config, heads)
+    _enable_lm_loss(model, config)
     return patched

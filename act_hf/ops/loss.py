@@ -1,0 +1,129 @@
+"""Causal-LM cross-entropy that keeps no logits: backward recomputes them from the LM head's input.
+
+HF's ``ForCausalLMLoss`` upcasts the logits to fp32, and ``log_softmax`` saves its fp32 output for backward:
+``4 * V`` bytes a token (GPT-2: 25.7 of its 31 MiB a sample at 3 bits; a 32k-vocabulary LLaMA: 15.6 MiB), more
+than everything act_hf packs. :class:`HeadCrossEntropyFunction` computes the same loss (the same calls, so the
+same value) but saves only what the LM head saved anyway: its input, weight and bias. Backward recomputes the
+logits chunk by chunk under the autocast state of the forward and forms ``softmax - onehot`` per chunk, so no
+``V``-wide fp32 tensor lives beyond one chunk. Nothing is quantized: the gradient is exact (the recomputed
+logits are the forward's, the same kernel on the same inputs). The price is one more LM-head matmul in
+backward.
+
+The head's forward hook (:func:`note_head_output`) records how the logits were made; :func:`causal_lm_loss`
+mirrors ``ForCausalLMLoss`` and takes this path only for logits so noted and unmodified since, else it calls
+the original loss.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["HeadCrossEntropyFunction", "causal_lm_loss", "note_head_output"]
+
+#: Bytes of fp32 logits one backward chunk may hold.
+CHUNK_BYTES = 128 * 2**20
+
+_local = threading.local()
+
+
+def _notes() -> dict:
+    notes = getattr(_local, "notes", None)
+    if notes is None:
+        notes = _local.notes = {}
+    return notes
+
+
+def note_head_output(module: nn.Module, args: tuple, output: Tensor) -> None:
+    """Forward hook of an LM head (``nn.Linear``): remember that ``output = linear(args[0], weight, bias)``
+    (while ``output`` lives) when training with autograd on."""
+    if not (module.training and torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
+        return
+    notes, key = _notes(), id(output)
+
+    def forget(ref: weakref.ref) -> None:
+        if key in notes and notes[key][0] is ref:
+            del notes[key]
+
+    notes[key] = (weakref.ref(output, forget), output._version, args[0], module.weight, module.bias)
+
+
+def _head_of(logits: Tensor) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    note = _notes().get(id(logits))
+    if note is None or note[0]() is not logits or logits._version != note[1]:
+        return None
+    return note[2], note[3], note[4]
+
+
+class HeadCrossEntropyFunction(torch.autograd.Function):
+    """``F.cross_entropy(logits.float().view(-1, V), targets, ignore_index=..., reduction=...)`` where
+    ``logits = F.linear(hidden, weight, bias)``; saves ``hidden``, ``weight``, ``bias`` and ``targets``.
+
+    Returns the gradient of ``logits`` only (in ``logits``' dtype): ``hidden``, ``weight`` and ``bias`` are
+    passed for the recomputation, and their gradients flow through the LM head's own backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                ignore_index: int, reduction: str) -> Tensor:
+        vocab = logits.shape[-1]
+        loss = F.cross_entropy(logits.float().view(-1, vocab), targets, ignore_index=ignore_index,
+                               reduction=reduction)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        device = logits.device.type
+        autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+        ctx.meta = (logits.shape, logits.dtype, ignore_index, reduction, autocast)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        shape, dtype, ignore_index, reduction, autocast = ctx.meta
+        vocab = shape[-1]
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        keep = targets != ignore_index
+        scale = grad_loss.float()
+        if reduction == "mean":
+            scale = scale / keep.sum()
+        grad = torch.empty(rows.shape[0], vocab, dtype=dtype, device=grad_loss.device)
+        step = max(1, CHUNK_BYTES // (4 * vocab))
+        context = torch.autocast(autocast[0], dtype=autocast[1]) if autocast else torch.autocast(
+            grad_loss.device.type, enabled=False)
+        with torch.no_grad(), context:
+            for start in range(0, rows.shape[0], step):
+                end = min(start + step, rows.shape[0])
+                probs = torch.softmax(F.linear(rows[start:end], weight, bias).float(), dim=-1)
+                chunk_targets, chunk_keep = targets[start:end], keep[start:end]
+                probs[torch.arange(end - start, device=probs.device), chunk_targets.clamp_min(0)] -= 1
+                probs *= torch.where(chunk_keep, scale, scale.new_zeros(())).unsqueeze(-1)
+                grad[start:end] = probs.to(dtype)
+        return grad.view(shape), None, None, None, None, None, None
+
+
+def causal_lm_loss(original: Callable[..., Tensor], logits: Tensor, labels: Tensor, vocab_size: int,
+                   num_items_in_batch: Tensor | int | None = None, ignore_index: int = -100,
+                   shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+    """transformers' ``ForCausalLMLoss`` (same arguments after ``original``, same value) through
+    :class:`HeadCrossEntropyFunction` when ``logits`` were noted by :func:`note_head_output`; otherwise
+    ``original(logits, labels, vocab_size, ...)``."""
+    head = _head_of(logits)
+    if head is None:
+        return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                        ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    targets = shift_labels.view(-1).to(logits.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = HeadCrossEntropyFunction.apply(logits.view(-1, vocab_size), *head, targets, ignore_index, reduction)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss

@@ -1,0 +1,156 @@
+"""The causal-LM loss that recomputes its logits: same loss, exact gradients, no V-wide context, fallbacks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+import act_hf
+from act_hf.ops import loss as lm_loss
+from act_hf.ops.loss import causal_lm_loss, note_head_output
+from tests.patches.models import gpt2, llama
+from tests.utils import assert_grads_match, assert_verbose_allclose
+
+B, S, H, V = 2, 7, 16, 50
+
+
+def _head_and_labels(bias: bool = True):
+    torch.manual_seed(0)
+    trunk = nn.Linear(H, H)
+    head = nn.Linear(H, V, bias=bias)
+    labels = torch.randint(0, V, (B, S))
+    labels[0, :3] = -100  # ignored positions
+    return trunk, head, labels
+
+
+def _recomputes(loss: torch.Tensor) -> bool:
+    """Whether ``loss`` went through HeadCrossEntropyFunction."""
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if "HeadCrossEntropy" in node.name():
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def _loss(trunk, head, labels, x, *, hooked: bool, **kwargs):
+    handle = head.register_forward_hook(note_head_output) if hooked else None
+    logits = head(trunk(x))
+    loss = causal_lm_loss(ForCausalLMLoss, logits, labels, V, **kwargs)
+    if handle is not None:
+        handle.remove()
+    return loss
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_items_in_batch": torch.tensor(9)}, {"shift_labels": "given"}],
+                         ids=["mean", "sum over num_items", "shift_labels"])
+@pytest.mark.parametrize("chunk_bytes", [lm_loss.CHUNK_BYTES, 3 * 4 * V], ids=["one chunk", "3-row chunks"])
+def test_same_loss_and_gradients_as_for_causal_lm_loss(kwargs, chunk_bytes, monkeypatch):
+    monkeypatch.setattr(lm_loss, "CHUNK_BYTES", chunk_bytes)
+    trunk, head, labels = _head_and_labels()
+    if kwargs.get("shift_labels") == "given":
+        kwargs = {"shift_labels": torch.roll(labels, -1, dims=1)}
+    x = torch.randn(B, S, H)
+    ref_trunk, ref_head = copy.deepcopy(trunk), copy.deepcopy(head)
+    expected = _loss(ref_trunk, ref_head, labels, x, hooked=False, **kwargs)
+    got = _loss(trunk, head, labels, x, hooked=True, **kwargs)
+    assert torch.equal(got, expected)
+    assert _recomputes(got) and not _recomputes(expected)
+    expected.backward()
+    got.backward()
+    for ref, mod in ((ref_trunk, trunk), (ref_head, head)):
+        for (name, p_ref), p in zip(ref.named_parameters(), mod.parameters()):
+            assert_verbose_allclose(p.grad, p_ref.grad, atol=1e-6, rtol=1e-5, name=name)
+
+
+def test_under_bf16_autocast_the_backward_recomputes_the_same_logits():
+    trunk, head, labels = _head_and_labels(bias=False)
+    x = torch.randn(B, S, H)
+    ref_trunk, ref_head = copy.deepcopy(trunk), copy.deepcopy(head)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = _loss(ref_trunk, ref_head, labels, x, hooked=False)
+        got = _loss(trunk, head, labels, x, hooked=True)
+    assert torch.equal(got, expected)
+    expected.backward()
+    got.backward()
+    assert_verbose_allclose(head.weight.grad, ref_head.weight.grad, atol=1e-3, rtol=1e-2, name="head.weight")
+    assert_verbose_allclose(trunk.weight.grad, ref_trunk.weight.grad, atol=1e-3, rtol=1e-2, name="trunk.weight")
+
+
+def test_logits_not_made_by_a_noted_head_take_the_original_loss():
+    trunk, head, labels = _head_and_labels()
+    x = torch.randn(B, S, H)
+    handle = head.register_forward_hook(note_head_output)
+    scaled = head(trunk(x)) * 2  # not the head's output
+    edited = head(trunk(x)).mul_(2)  # the head's output, modified since
+    handle.remove()
+    for logits in (scaled, edited):
+        assert not _recomputes(causal_lm_loss(ForCausalLMLoss, logits, labels, V))
+
+
+def test_the_loss_keeps_no_logits():
+    trunk, head, labels = _head_and_labels()
+    x = torch.randn(B, S, H)
+    saved = {}
+    for hooked in (False, True):
+        with act_hf.track_saved() as s:
+            _loss(trunk, head, labels, x, hooked=hooked)
+        saved[hooked] = s.bytes
+    assert saved[False] - saved[True] >= B * S * V * 4  # the fp32 log-probabilities
+
+
+@pytest.mark.parametrize("build", [gpt2, llama])
+def test_causal_lms_recompute_their_logits(build):
+    torch.manual_seed(0)
+    ref, inputs = build()
+    ref.train()
+    saved = {}
+    for recompute in (False, True):
+        model = copy.deepcopy(ref)
+        act_hf.patch(model, bits=8, lm_loss_recompute=recompute)
+        assert (model.loss_function is not ForCausalLMLoss) is recompute
+        with act_hf.track_saved(model) as s:
+            out = model(**inputs)
+        assert _recomputes(out.loss) is recompute
+        saved[recompute] = s.bytes
+        twin = copy.deepcopy(ref)
+        expected = twin(**inputs).loss
+        assert torch.equal(out.loss, expected)
+        out.loss.backward()
+        expected.backward()
+        assert_grads_match(twin, model, name=build.__name__)
+    tokens, vocab = inputs["input_ids"].numel(), ref.config.vocab_size
+    assert saved[False] - saved[True] >= tokens * vocab * 4 * 0.9
+    act_hf.unpatch(model)
+    assert model.loss_function is ForCausalLMLoss
+
+
+def test_models_computing_their_own_loss_keep_it():
+    from tests.patches.models import t5
+
+    model, _ = t5()
+    act_hf.patch(model, bits=3)
+    assert model.loss_function is ForCausalLMLoss and not model.lm_head._forward_hooks
+
+
+def test_lm_loss_recompute_is_validated():
+    with pytest.raises(TypeError, match="lm_loss_recompute must be True or False"):
+        act_hf.ActConfig(lm_loss_recompute=1)
+
+
+def test_eval_and_no_grad_use_the_original_loss():
+    trunk, head, labels = _head_and_labels()
+    head.eval()
+    x = torch.randn(B, S, H)
+    assert not _recomputes(_loss(trunk, head, labels, x, hooked=True))
+    with torch.no_grad():
+        head.train()
+        assert _loss(trunk, head, labels, x, hooked=True).grad_fn is None
