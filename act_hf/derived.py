@@ -27,7 +27,7 @@ it beats the own copy on every gradient with 29% fewer bytes. ``ActConfig(share_
 
 Protocol: BatchNorm calls :func:`note_affine` on its output; the ReLU asks :func:`affine_of` for its input and
 calls :func:`note_rectified` on its output; a conv or linear asks :func:`rectified_input` for its input before
-packing it (BatchNorm notes only when its ``act_share_bn_relu`` is set). A note is used only while
+packing it (BatchNorm notes only when its ``act_share_bn_relu`` is set). A note (:func:`remember`) is used only while
 the tensor it describes is alive and unmodified (same object and version counter), holds what it reads until
 that tensor dies, and is used only at the bits and group size the consumer would have packed at: with adaptive bits the
 consumer's slot joins BatchNorm's slot group in a sensitivity probe, so the allocator gives both one width.
@@ -39,6 +39,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,7 +47,7 @@ from torch import Tensor
 from .compress import PackedTensor, dequantize, unpack_bits
 from .context import store
 
-__all__ = ["RectifiedAffine", "affine_of", "note_affine", "note_rectified", "rectified_input"]
+__all__ = ["RectifiedAffine", "affine_of", "note_affine", "note_rectified", "recall", "rectified_input", "remember"]
 
 
 @dataclass
@@ -98,25 +99,6 @@ class RectifiedAffine:
         return torch.where(keep, values, values.new_zeros(())).to(self.dtype)
 
 
-@dataclass
-class _Note:
-    """What is known of a tensor (the ``source``): its tensors are held while the source lives, so the same
-    forward decides the same way when ``torch.utils.checkpoint`` recomputes it (its first pass drops every
-    saved tensor at once)."""
-
-    source: weakref.ref
-    version: int
-    packed: PackedTensor
-    weight: Tensor | None
-    bias: Tensor | None
-    mask: Tensor | None  # None: an affine note (BatchNorm's output, before the ReLU)
-    slot: str
-
-    def describes(self, x: Tensor) -> bool:
-        """Whether ``x`` is the noted tensor, unmodified since."""
-        return self.source() is x and x._version == self.version
-
-
 _local = threading.local()
 
 
@@ -127,53 +109,69 @@ def _notes() -> dict:
     return notes
 
 
-def _key(x: Tensor, kind: str) -> tuple:
-    return kind, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device
+def remember(x: Tensor, kind: str, value: Any) -> None:
+    """Attach ``value`` (``kind``: what it says of ``x``) to the tensor ``x`` while ``x`` lives.
 
+    The note holds ``value`` strongly and dies with ``x``, so a forward decides the same way when
+    ``torch.utils.checkpoint`` recomputes it (its first pass drops every saved tensor at once)."""
+    notes, key = _notes(), (kind, id(x))
 
-def _add(x: Tensor, kind: str, version: int, packed: PackedTensor, weight: Tensor | None, bias: Tensor | None,
-         mask: Tensor | None, slot: str) -> None:
-    notes, key = _notes(), _key(x, kind)
-
-    def forget(ref: weakref.ref) -> None:  # the note dies with its source, and with it the references it holds
-        if key in notes and notes[key].source is ref:
+    def forget(ref: weakref.ref) -> None:
+        if key in notes and notes[key][0] is ref:
             del notes[key]
 
-    notes[key] = _Note(weakref.ref(x, forget), version, packed, weight, bias, mask, slot)
+    notes[key] = (weakref.ref(x, forget), x._version, value)
+
+
+def recall(x: Tensor, kind: str) -> Any:
+    """The value :func:`remember` attached to ``x`` under ``kind``, if ``x`` is unmodified since; else ``None``."""
+    note = _notes().get((kind, id(x)))
+    if note is None or note[0]() is not x or x._version != note[1]:
+        return None
+    return note[2]
+
+
+@dataclass(frozen=True)
+class _Affine:
+    packed: PackedTensor
+    weight: Tensor | None
+    bias: Tensor | None
+    slot: str
 
 
 def note_affine(y: Tensor, packed: PackedTensor, weight: Tensor | None, bias: Tensor | None, slot: str) -> None:
     """Record that BatchNorm's output ``y`` is ``weight * dequantize(packed) + bias`` per channel (dim 1) in
     expectation, ``packed`` being the normalized input BatchNorm saved under ``slot``."""
     if y.dim() >= 2 and tuple(y.shape) == tuple(packed.shape):
-        _add(y, "affine", y._version, packed, weight, bias, None, slot)
+        remember(y, "affine", _Affine(packed, weight, bias, slot))
 
 
-def affine_of(x: Tensor) -> _Note | None:
-    """The note of ``x`` when it is a BatchNorm output noted by :func:`note_affine` and unmodified since (ask
-    before a ReLU runs: an in-place one modifies ``x``)."""
-    note = _notes().get(_key(x, "affine"))
-    return note if note is not None and note.describes(x) else None
+def affine_of(x: Tensor) -> _Affine | None:
+    """What :func:`note_affine` recorded for ``x``, if ``x`` is unmodified since (ask before a ReLU runs: an
+    in-place one modifies ``x``)."""
+    return recall(x, "affine")
 
 
-def note_rectified(out: Tensor, affine: _Note, mask: Tensor) -> None:
+def note_rectified(out: Tensor, affine: _Affine, mask: Tensor) -> None:
     """Record that ``out = relu(y)``, ``y`` the BatchNorm output ``affine`` describes (from :func:`affine_of`)
     and ``mask`` the packed 1-bit code of ``y > 0``."""
-    _add(out, "rectified", out._version, affine.packed, affine.weight, affine.bias, mask, affine.slot)
+    remember(out, "rectified", (affine, mask))
 
 
 def rectified_input(x: Tensor, settings) -> RectifiedAffine | None:
     """The derived context of ``x`` when it is ``relu(batch_norm(.))`` noted by both ops and packed at
     ``settings.bits`` and ``settings.group_size`` (an op's :class:`~act_hf.ops._saving.OpSettings`); else
     ``None`` (the op packs ``x`` itself)."""
-    note = _notes().get(_key(x, "rectified"))
-    if note is None or not note.describes(x) or (note.packed.bits, note.packed.group_size) != (
-            settings.bits, settings.group_size):
+    found = recall(x, "rectified")
+    if found is None:
         return None
-    if store.swap.is_swapped(note.packed):  # one more op fetches BatchNorm's host copy in backward
-        store.swap.reused(note.packed)
+    affine, mask = found
+    if (affine.packed.bits, affine.packed.group_size) != (settings.bits, settings.group_size):
+        return None
+    if store.swap.is_swapped(affine.packed):  # one more op fetches BatchNorm's host copy in backward
+        store.swap.reused(affine.packed)
     probe = store._probe
     if probe is not None:  # the consumer reads BatchNorm's draw: one slot group, one width
-        probe._union(settings.slot, note.slot)
-        probe._used(note.packed)
-    return RectifiedAffine(note.packed, note.weight, note.bias, note.mask, x.dtype)
+        probe._union(settings.slot, affine.slot)
+        probe._used(affine.packed)
+    return RectifiedAffine(affine.packed, affine.weight, affine.bias, mask, x.dtype)

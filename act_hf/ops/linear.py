@@ -2,7 +2,8 @@
 
 Forward is the original op (``F.linear`` / ``torch.convolution``, autocast applying as usual). The context is
 the input, quantized through the context store (shared with every other op that saves the same tensor) or,
-after BatchNorm and ReLU, read from what they saved (:mod:`act_hf.derived`), and the weight *parameter* itself (never autocast's copy: backward casts it again). Following
+after BatchNorm and ReLU, read from what they saved (:mod:`act_hf.derived`), and the weight *parameter*
+itself (never autocast's copy: backward casts it again). Following
 ``ctx.needs_input_grad``: the input is saved only when the weight needs a gradient, the weight only when the
 input does; a frozen layer fed by a frozen input saves nothing.
 """

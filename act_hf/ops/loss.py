@@ -16,8 +16,6 @@ the original loss.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,40 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..derived import recall, remember
+
 __all__ = ["HeadCrossEntropyFunction", "causal_lm_loss", "note_head_output"]
 
 #: Bytes of fp32 logits one backward chunk may hold.
 CHUNK_BYTES = 128 * 2**20
 
-_local = threading.local()
-
-
-def _notes() -> dict:
-    notes = getattr(_local, "notes", None)
-    if notes is None:
-        notes = _local.notes = {}
-    return notes
-
-
 def note_head_output(module: nn.Module, args: tuple, output: Tensor) -> None:
     """Forward hook of an LM head (``nn.Linear``): remember that ``output = linear(args[0], weight, bias)``
     (while ``output`` lives) when training with autograd on."""
-    if not (module.training and torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
-        return
-    notes, key = _notes(), id(output)
-
-    def forget(ref: weakref.ref) -> None:
-        if key in notes and notes[key][0] is ref:
-            del notes[key]
-
-    notes[key] = (weakref.ref(output, forget), output._version, args[0], module.weight, module.bias)
-
-
-def _head_of(logits: Tensor) -> tuple[Tensor, Tensor, Tensor | None] | None:
-    note = _notes().get(id(logits))
-    if note is None or note[0]() is not logits or logits._version != note[1]:
-        return None
-    return note[2], note[3], note[4]
+    if module.training and torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad:
+        remember(output, "lm_head", (args[0], module.weight, module.bias))
 
 
 class HeadCrossEntropyFunction(torch.autograd.Function):
@@ -112,7 +88,7 @@ def causal_lm_loss(original: Callable[..., Tensor], logits: Tensor, labels: Tens
     """transformers' ``ForCausalLMLoss`` (same arguments after ``original``, same value) through
     :class:`HeadCrossEntropyFunction` when ``logits`` were noted by :func:`note_head_output`; otherwise
     ``original(logits, labels, vocab_size, ...)``."""
-    head = _head_of(logits)
+    head = recall(logits, "lm_head")
     if head is None:
         return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
