@@ -222,7 +222,8 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
         bits: an int 1..8, or a float average budget for adaptive bits (e.g. 2.5: the model gets a
             :class:`act_hf.adapt.BitAllocator` as ``model.act_hf_allocator``, which re-allocates the budget over
             the slots from measured sensitivities). Ignored when ``config`` is given (use ``bits=`` inside the
-            config or as an override).
+            config or as an override). An :class:`ActConfig` here is taken as ``config``
+            (``act_hf.patch(model, ActConfig(...))``).
         config: a full :class:`ActConfig`; ``overrides`` replace single fields of it.
         strict: raise instead of falling back when the family is unknown or nothing could be patched.
         **overrides: any :class:`ActConfig` field (``group_size=128``, ``kinds=("linear",)``, ...).
@@ -241,6 +242,10 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
     if getattr(model, "act_hf_config", None) is not None:
         logger.info("model is already patched by act_hf; patch() is a no-op")
         return wrapper
+    if isinstance(bits, ActConfig):
+        if config is not None:
+            raise ActHFTypeError("bits is an ActConfig and config is given too: pass one config")
+        config = bits
     if config is None:
         config = ActConfig(bits=bits)
     elif not isinstance(config, ActConfig):

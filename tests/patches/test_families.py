@@ -179,6 +179,16 @@ def test_fallback_forward_never_run_backward_is_freed():
     assert alive() is None
 
 
+def test_a_config_passed_by_position_is_the_config():
+    from tests.patches.models import bert
+
+    model, _ = bert()
+    act_hf.patch(model, act_hf.ActConfig(bits=2, kinds=("linear",)))
+    assert model.act_hf_config.bits == 2 and model.act_hf_config.kinds == ("linear",)
+    with pytest.raises(TypeError, match="pass one config"):
+        act_hf.patch(bert()[0], act_hf.ActConfig(), config=act_hf.ActConfig())
+
+
 def test_target_and_exclude_modules():
     from tests.patches.models import bert
 
