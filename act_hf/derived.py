@@ -90,13 +90,13 @@ class RectifiedAffine:
         """The estimate ``h_hat`` (a new contiguous tensor of the original shape, in ``dtype``)."""
         shape = self.packed.shape
         channel = (1, -1) + (1,) * (len(shape) - 2)
-        values = dequantize(self.packed).float()
+        values = dequantize(self.packed).float()  # a new tensor: updated in place from here on
         if self.weight is not None:
-            values = values * self.weight.float().view(channel)
+            values.mul_(self.weight.float().view(channel))
         if self.bias is not None:
-            values = values + self.bias.float().view(channel)
+            values.add_(self.bias.float().view(channel))
         keep = unpack_bits(self.mask, 1, math.prod(shape)).view(shape).bool()
-        return torch.where(keep, values, values.new_zeros(())).to(self.dtype)
+        return values.masked_fill_(~keep, 0).to(self.dtype)
 
 
 _local = threading.local()
