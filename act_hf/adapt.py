@@ -289,12 +289,12 @@ class BitAllocator:
         devices = sorted({b.device.index or 0 for b, _ in buffers if b.is_cuda})
         if not devices and torch.cuda.is_available() and torch.cuda.is_initialized():
             devices = [torch.cuda.current_device()]
-        self._busy = True
+        self._busy = store.uncheckpointed = True
         try:
             with torch.random.fork_rng(devices=devices):
                 yield
         finally:
-            self._busy = False
+            self._busy = store.uncheckpointed = False
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)

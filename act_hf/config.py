@@ -79,6 +79,10 @@ class ActConfig:
         lm_loss_recompute: a causal LM's loss (transformers' ``ForCausalLMLoss`` after an ``lm_head``) keeps the
             head's input instead of the fp32 logits and recomputes them in backward (exact;
             :mod:`act_hf.ops.loss`).
+        checkpoint_bits: with HF gradient checkpointing on, keep each checkpointed layer's input packed at this
+            many bits (1..8) instead of at full width, and recompute the layer from it in backward (GACT's CB1;
+            :mod:`act_hf.checkpoint`). Opt-in because the recomputation runs on the rounded input, so the
+            gradient is not unbiased (GACT used 4 bits). ``None`` (default) keeps the inputs exact.
     """
 
     bits: int | float = field(default=3, metadata={"help": "int 1..8, or a float average budget for adaptive bits"})
@@ -101,6 +105,8 @@ class ActConfig:
                                                                    "packed input instead of packing its own"})
     lm_loss_recompute: bool = field(default=True, metadata={"help": "a causal LM's loss recomputes its logits in "
                                                                        "backward instead of keeping them"})
+    checkpoint_bits: int | None = field(default=None, metadata={"help": "bits of the layer inputs HF gradient "
+                                                                          "checkpointing keeps (None: exact)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
@@ -142,6 +148,10 @@ class ActConfig:
         if isinstance(self.variance_alarm, bool) or not isinstance(self.variance_alarm, (int, float)) \
                 or not self.variance_alarm >= 0:
             raise ActHFValueError(f"variance_alarm must be a number >= 0 (0 turns it off), got {self.variance_alarm!r}")
+        if self.checkpoint_bits is not None and (
+            isinstance(self.checkpoint_bits, bool) or self.checkpoint_bits not in range(1, 9)
+        ):
+            raise ActHFValueError(f"checkpoint_bits must be an integer from 1 to 8 (or None), got {self.checkpoint_bits!r}")
         for name in ("swap", "share_bn_relu", "lm_loss_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise ActHFTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -141,12 +141,15 @@ class ContextStore:
         bits: per-slot bits set by the adaptive allocator (slots not listed use their module's bits).
         force_bits: when set, every slot is quantized at this width (the allocator's near-exact reference).
         swap: the host-memory swap of contexts compressed with ``swap=True`` (see :mod:`act_hf.swap`).
+        uncheckpointed: set while the adaptive allocator probes: its backward passes are
+            ``torch.autograd.grad``, so :func:`act_hf.checkpoint.checkpoint` runs layers uncheckpointed.
     """
 
     def __init__(self) -> None:
         self._local = threading.local()
         self.bits: dict[str, int] = {}
         self.force_bits: int | None = None
+        self.uncheckpointed = False
         self.swap = HostSwap()
         self._trackers: list[SavedTracker] = []
         self._probe: Probe | None = None

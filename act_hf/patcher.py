@@ -272,6 +272,8 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
             f"act_hf found nothing to patch in {type(model).__name__} (kinds={list(config.kinds)}, "
             f"target_modules={config.target_modules!r}, exclude_modules={config.exclude_modules!r})"
         )
+    if config.checkpoint_bits is not None:
+        _enable_checkpoint_compression(model, config)
     from .context import store
 
     store.forget(patched)  # per-slot bits left by an earlier model with the same module paths
@@ -288,6 +290,20 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
         if allocator is not None:
             target.act_hf_allocator = allocator
     return wrapper
+
+
+def _enable_checkpoint_compression(model: nn.Module, config: ActConfig) -> None:
+    """``config.checkpoint_bits`` for a model with HF gradient checkpointing; a warning for any other."""
+    if not hasattr(model, "_set_gradient_checkpointing"):
+        warnings.warn(f"checkpoint_bits={config.checkpoint_bits} has no effect on {type(model).__name__}: act_hf packs "
+                      "the inputs of Hugging Face gradient checkpointing only (for other models call "
+                      "act_hf.checkpoint.checkpoint in place of torch.utils.checkpoint.checkpoint)", ActHFWarning,
+                      stacklevel=3)
+        return
+    from .checkpoint import enable_hf_checkpoint_compression
+
+    add_cleanup(model, enable_hf_checkpoint_compression(model, bits=config.checkpoint_bits,
+                                                        group_size=config.group_size, swap=config.swap))
 
 
 def unpatch(model: nn.Module) -> nn.Module:

@@ -15,7 +15,9 @@ allocator of a later one. Settings (``--settings``):
     bitsN            act_hf.patch(model, bits=N), N in 1..8
     adaptiveB        act_hf.patch(model, bits=B) with a fractional budget B (the probe runs before timing)
     ckpt             gradient checkpointing alone (HF: use_reentrant=False; timm: set_grad_checkpointing)
-    ckpt+bitsN       checkpointing with act_hf (GACT's CB1 combination); ckpt+adaptiveB likewise
+    ckpt+bitsN       checkpointing with act_hf, the checkpointed layer inputs kept exact; ckpt+adaptiveB likewise
+    ckptK+bitsN      the same with the layer inputs packed at K bits (ActConfig(checkpoint_bits=K); GACT's CB1,
+                     which used K=4)
     swap+bitsN       act_hf with ActConfig(swap=True): packed contexts in pinned host memory (GACT's L2)
 
 Examples (the issue's targets: bert-large, swin-tiny, resnet50 under 16 GiB; CB1 on bert-large)::
@@ -23,7 +25,7 @@ Examples (the issue's targets: bert-large, swin-tiny, resnet50 under 16 GiB; CB1
     python benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 \\
         --settings unpatched bits3 bits2 --cap 16GiB
     python benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched ckpt ckpt+bits3 \\
-        swap+bits3 --cap 16GiB --no-curve --out benchmarks/results/ckpt_swap
+        ckpt4+bits3 swap+bits3 --cap 16GiB --no-curve --out benchmarks/results/ckpt_swap
 
 Writes ``gpu_training.json``, ``gpu_training.md`` and ``gpu_training.png`` under ``--out``. On a CPU
 (``--device cpu``) it measures samples/s only: there is no cap to search under.
@@ -53,17 +55,19 @@ from benchmark_saved_memory import MODELS, _meta, make_inputs
 
 @dataclass(frozen=True)
 class Setting:
-    """What a trial does to the model: act_hf bits (``None``: not patched), gradient checkpointing, and
-    ``ActConfig(swap=True)``."""
+    """What a trial does to the model: act_hf bits (``None``: not patched), gradient checkpointing (with the
+    layer inputs packed at ``checkpoint_bits``, or exact for ``None``), and ``ActConfig(swap=True)``."""
 
     name: str
     bits: int | float | None
     checkpointing: bool = False
     swap: bool = False
+    checkpoint_bits: int | None = None
 
 
 _SETTINGS_HELP = ("allowed: unpatched, bitsN (N 1..8), adaptiveB (a fractional budget such as adaptive2.5), ckpt, "
-                  "and ckpt+ / swap+ in front of a bits setting (ckpt+bits3, swap+bits3, ckpt+swap+adaptive2.5)")
+                  "and ckpt+ / ckptK+ (layer inputs packed at K bits) / swap+ in front of a bits setting (ckpt+bits3, "
+                  "ckpt4+bits3, swap+bits3, ckpt+swap+adaptive2.5)")
 
 
 def parse_setting(name: str) -> Setting:
@@ -72,7 +76,9 @@ def parse_setting(name: str) -> Setting:
     if base == "ckpt" and not options:
         options, base = ["ckpt"], "unpatched"
     match = re.fullmatch(r"unpatched|bits([1-8])|adaptive([0-9]*\.[0-9]+)", base)
-    if not match or len(set(options)) != len(options) or not set(options) <= {"ckpt", "swap"} \
+    ckpt = [o for o in options if re.fullmatch(r"ckpt[1-8]?", o)]
+    if not match or len(set(options)) != len(options) or len(ckpt) > 1 \
+            or not all(o == "swap" or o in ckpt for o in options) \
             or (base == "unpatched" and options and name != "ckpt"):
         raise SystemExit(f"--settings: unknown setting {name!r}; {_SETTINGS_HELP}")
     bits: int | float | None = None
@@ -83,7 +89,8 @@ def parse_setting(name: str) -> Setting:
         if bits.is_integer() or not 1 < bits < 8:
             raise SystemExit(f"--settings: {name!r}: an adaptive budget is a fractional number in (1, 8), "
                              "e.g. adaptive2.5 (bitsN is a fixed width)")
-    return Setting(name, bits, checkpointing="ckpt" in options, swap="swap" in options)
+    return Setting(name, bits, checkpointing=bool(ckpt), swap="swap" in options,
+                   checkpoint_bits=int(ckpt[0][4:]) if ckpt and ckpt[0] != "ckpt" else None)
 
 
 @dataclass(frozen=True)
@@ -126,7 +133,7 @@ def run_trial(trial: Trial) -> dict:
         _enable_checkpointing(model)
     model.to(device).train()
     if setting.bits is not None:
-        act_hf.patch(model, bits=setting.bits, swap=setting.swap)
+        act_hf.patch(model, bits=setting.bits, swap=setting.swap, checkpoint_bits=setting.checkpoint_bits)
     batch = make_inputs(kind, model, trial.batch, trial.seq, device, trial.image_size)
     if kind == "image":
         batch["y"] = torch.zeros(trial.batch, dtype=torch.long, device=device)

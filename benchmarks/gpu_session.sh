@@ -36,7 +36,7 @@ case "$phase" in
     ;;
   ckpt-swap)
     timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large \
-      --settings unpatched ckpt ckpt+bits3 ckpt+bits2 swap+bits3 adaptive2.5 --cap 16GiB --resolution 0.03 \
+      --settings unpatched ckpt ckpt+bits3 ckpt4+bits3 ckpt4+bits2 swap+bits3 adaptive2.5 --cap 16GiB --resolution 0.03 \
       --no-curve --out "$OUT/ckpt_swap" >>"$log" 2>&1
     ;;
   curves)

@@ -159,6 +159,11 @@ class ActArguments:
     act_swap: bool = field(
         default=False, metadata={"help": "Keep the packed activations in pinned host memory until backward (GPU)."}
     )
+    act_checkpoint_bits: int | None = field(
+        default=None, metadata={"help": "With --gradient_checkpointing: keep each layer's checkpointed input packed "
+                                        "at this many bits (1..8; GACT's CB1 used 4) instead of exact. Biased: "
+                                        "backward recomputes the layer on the rounded input."}
+    )
     act_kinds: str | None = field(
         default=None,
         metadata={"help": f"Comma-separated kinds of module to compress, among {','.join(act_hf.config.ACT_KINDS)} "
@@ -196,6 +201,8 @@ def build_act_config(act_args: ActArguments) -> act_hf.ActConfig | None:
         overrides["adapt_interval"] = act_args.act_adapt_interval
     if act_args.act_swap:
         overrides["swap"] = True
+    if act_args.act_checkpoint_bits is not None:
+        overrides["checkpoint_bits"] = act_args.act_checkpoint_bits
     if act_args.act_kinds:
         kinds = act_args.act_kinds
         overrides["kinds"] = tuple(k.strip() for k in kinds.split(",") if k.strip()) if isinstance(kinds, str) \

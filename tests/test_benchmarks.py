@@ -42,8 +42,11 @@ def test_settings_parse_and_bad_ones_name_the_allowed_values():
     assert parse("ckpt+bits2") == Setting("ckpt+bits2", 2, checkpointing=True)
     assert parse("swap+bits3") == Setting("swap+bits3", 3, swap=True)
     assert parse("ckpt+swap+adaptive2.5") == Setting("ckpt+swap+adaptive2.5", 2.5, checkpointing=True, swap=True)
+    assert parse("ckpt4+bits3") == Setting("ckpt4+bits3", 3, checkpointing=True, checkpoint_bits=4)
+    assert parse("swap+ckpt2+bits2") == Setting("swap+ckpt2+bits2", 2, checkpointing=True, swap=True, checkpoint_bits=2)
     for bad in ("bits9", "bits", "ckpt+", "adaptive3.0", "adaptive9.5", "int3", "ckptbits3", "swap", "swap+unpatched",
-                "ckpt+ckpt+bits3", "ckpt+unpatched", "zip+bits3"):
+                "ckpt+ckpt+bits3", "ckpt+unpatched", "zip+bits3", "ckpt9+bits3", "ckpt4", "ckpt4+unpatched",
+                "ckpt+ckpt4+bits3"):
         with pytest.raises(SystemExit, match="--settings"):
             parse(bad)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
+import unittest.mock
 from pathlib import Path
 
 import numpy as np
@@ -255,6 +257,9 @@ def test_act_arguments(run_glue):
     config = run_glue.build_act_config(act(act_compress=True, act_bits=3.0, act_group_size=128))
     assert config.bits == 3 and isinstance(config.bits, int) and config.group_size == 128 and not config.swap
     assert run_glue.build_act_config(act(act_compress=True, act_swap=True)).swap
+    assert run_glue.build_act_config(act(act_compress=True, act_checkpoint_bits=4)).checkpoint_bits == 4
+    with pytest.raises(ValueError, match="checkpoint_bits"):
+        run_glue.build_act_config(act(act_compress=True, act_checkpoint_bits=0))
     adaptive = run_glue.build_act_config(act(act_compress=True, act_bits=2.5, act_adaptive=True))
     assert adaptive.bits == 2.5 and adaptive.adaptive
     few_bit = run_glue.build_act_config(act(act_compress=True, act_bits=2.0, act_kinds="activation"))
@@ -276,6 +281,29 @@ def test_run_glue_adaptive_bits(run_glue, glue_dir, tmp_path):
     assert results["act_hf/adapt_updates"] >= 2  # before step 0 and step 1
     assert 2.0 <= results["act_hf/avg_bits"] <= 2.5  # met from below
     assert results["act_hf/variance_ratio"] >= 0 and results["act_hf/adapt_overhead"] > 0
+
+
+def test_run_glue_checkpointing_with_packed_layer_inputs(run_glue, glue_dir, tmp_path):
+    """--gradient_checkpointing with --act_checkpoint_bits: the Trainer switches checkpointing on after act_hf
+    patched the model, and the layers keep their inputs packed."""
+    from act_hf.checkpoint import checkpoint
+
+    model = _tiny_bert(tmp_path / "tiny-bert", glue_dir)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["bits"])
+        return checkpoint(*args, **kwargs)
+
+    args = ["--model_name_or_path", str(model), "--task_name", "sst2", "--glue_dir", str(glue_dir),
+            "--max_train_samples", "32", "--max_eval_samples", "32", "--max_seq_length", "32",
+            "--pad_to_max_length", "False", "--per_device_train_batch_size", "16", "--metric_backend", "local",
+            "--gradient_checkpointing", "--act_compress", "--act_bits", "3", "--act_checkpoint_bits", "4",
+            *_common(tmp_path / "out")]
+    with unittest.mock.patch("act_hf.checkpoint.checkpoint", spy):
+        results = run_glue.main(args)
+    assert math.isfinite(results["train_loss"]) and "eval_accuracy" in results
+    assert calls and set(calls) == {4}
 
 
 def test_run_glue_help(run_glue, capsys):

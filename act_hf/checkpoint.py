@@ -1,0 +1,278 @@
+"""Gradient checkpointing whose kept layer inputs are packed at a few bits (GACT's CB1 combination).
+
+Gradient checkpointing keeps only each checkpointed layer's inputs and recomputes the layer in backward. With
+act_hf on top, the recomputed layer's own context is packed already; what is left is the inputs, one hidden
+state per layer, kept at full width (fp32 for BERT-style models under autocast, whose LayerNorm outputs are
+fp32). :func:`checkpoint` keeps them packed instead, and backward recomputes the layer on the dequantized
+input ``Q(x)``::
+
+    y = act_hf.checkpoint.checkpoint(layer, x, bits=4)   # like torch.utils.checkpoint.checkpoint(layer, x)
+
+or, for a Hugging Face model, ``act_hf.patch(model, bits=3, checkpoint_bits=4)`` and HF gradient checkpointing
+(``model.gradient_checkpointing_enable()`` or ``TrainingArguments(gradient_checkpointing=True)``, before or
+after the patch).
+
+Contract:
+    - The forward output is exactly the uncheckpointed one (forward runs on ``x`` itself).
+    - The gradient is **not** unbiased: backward differentiates the layer at ``Q(x)``, and ``E[f'(Q(x))]``
+      differs from ``f'(x)`` for a nonlinear layer (a second-order effect of the rounding variance; GACT used
+      4 bits and reports unchanged BERT-large accuracy). This is why it is opt-in (``checkpoint_bits=None``
+      keeps the inputs exact, the default). ``bits=None`` here keeps them exact too (then this is a reentrant
+      checkpoint, tested equal to an uncheckpointed backward).
+    - Compressed: every floating positional argument that requires grad (the hidden state, a cross-attention
+      source). Kept as they are: tensors that need no grad (masks, rotary tables) and keyword arguments
+      (HF passes those inside ``function``, a ``functools.partial``); top-level keyword tensors that require
+      grad still receive their gradient.
+    - Dropout and other draws replay the forward's (the CPU and device RNG states are restored, as in
+      ``torch.utils.checkpoint`` with ``preserve_rng_state=True``); autocast is replayed as it was in forward.
+    - Backward must be ``loss.backward()`` (or ``torch.autograd.backward``), not ``torch.autograd.grad``, as
+      with torch's reentrant checkpoint: the recomputed layer accumulates its parameters' gradients itself.
+      While act_hf's adaptive allocator probes (a few samples), layers run uncheckpointed, since the probe
+      uses ``torch.autograd.grad``.
+    - The packed inputs go through ``ctx.save_for_backward``: :func:`act_hf.track_saved` counts them and
+      ``swap=True`` moves them to host memory like any other packed context.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+from .compress import check_bits, check_group_size, dequantize
+from .compress.packed import PackedTensor
+from .context import store
+from .errors import ActHFRuntimeError
+from .ops._saving import load_context, save_context
+
+__all__ = ["checkpoint", "enable_hf_checkpoint_compression"]
+
+_TORCH_CHECKPOINT = torch.utils.checkpoint.checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
+            "cache_enabled": torch.is_autocast_cache_enabled()}
+
+
+class _Call:
+    """How to rebuild ``function(*args, **kwargs)`` from the tensors handed to autograd.
+
+    ``positions[i]`` says where tensor ``i`` goes: ``("arg", j)`` (positional ``j``) or ``("kw", name)``.
+    """
+
+    def __init__(self, function: Callable, args: tuple, kwargs: dict) -> None:
+        self.function, self.args, self.kwargs = function, list(args), dict(kwargs)
+        self.positions: list[tuple[str, Any]] = [("arg", j) for j, a in enumerate(args) if isinstance(a, Tensor)]
+        self.positions += [("kw", k) for k, v in kwargs.items() if isinstance(v, Tensor) and v.requires_grad]
+
+    def tensors(self) -> list[Tensor]:
+        return [self.args[j] if where == "arg" else self.kwargs[j] for where, j in self.positions]
+
+    def compressible(self) -> list[bool]:
+        return [where == "arg" and t.is_floating_point() and t.requires_grad
+                for (where, _), t in zip(self.positions, self.tensors())]
+
+    def __call__(self, tensors: list[Tensor]) -> Any:
+        args, kwargs = list(self.args), dict(self.kwargs)
+        for (where, j), t in zip(self.positions, tensors):
+            (args if where == "arg" else kwargs)[j] = t
+        return self.function(*args, **kwargs)
+
+    def release(self) -> None:
+        """Drop the references to the original tensors (backward rebuilds them from the saved context)."""
+        for where, j in self.positions:
+            (self.args if where == "arg" else self.kwargs)[j] = None
+
+
+class _CompressedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _Call, bits: int | None, group_size: int, swap: bool, slot: str,
+                preserve_rng_state: bool, *tensors: Tensor) -> Any:
+        ctx.call, ctx.preserve_rng_state = call, preserve_rng_state
+        ctx.device_type = next((t.device.type for t in tensors if t.device.type not in ("cpu", "meta")), "cpu")
+        ctx.autocast = _autocast_state(ctx.device_type)
+        ctx.cpu_autocast = _autocast_state("cpu")
+        if preserve_rng_state:
+            ctx.cpu_rng_state = torch.get_rng_state()
+            ctx.device_ids, ctx.device_states = get_device_states(*tensors) if ctx.device_type != "cpu" else ([], [])
+        compress = call.compressible() if bits is not None else [False] * len(tensors)
+        ctx.inputs_need_grad = [t.requires_grad for t in tensors]
+        ctx.channels_last = [t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+                             for t in tensors]
+        items = [store.compress(t, slot=slot, bits=bits, group_size=group_size, swap=swap) if c else t
+                 for t, c in zip(tensors, compress)]
+        # ``call`` must not keep the originals alive: the packed copies stand for them from here on
+        call.release()
+        outputs = call(list(tensors))
+        save_context(ctx, *items)
+        if isinstance(outputs, Tensor):
+            return outputs
+        if not isinstance(outputs, tuple):
+            raise ActHFRuntimeError(f"act_hf.checkpoint: the checkpointed function returned a "
+                                    f"{type(outputs).__name__}; it must return a tensor or a tuple (use "
+                                    f"checkpoint_bits=None to keep torch's checkpoint)")
+        ctx.mark_non_differentiable(*[o for o in outputs if isinstance(o, Tensor) and not o.is_floating_point()])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: Tensor | None) -> tuple:
+        is_valid = getattr(torch.autograd, "_is_checkpoint_valid", lambda: True)
+        if not is_valid():
+            raise ActHFRuntimeError("act_hf.checkpoint does not support torch.autograd.grad or backward(inputs=...); "
+                                    "call loss.backward()")
+        inputs = []
+        for item, needs_grad, channels_last in zip(load_context(ctx), ctx.inputs_need_grad, ctx.channels_last):
+            if isinstance(item, PackedTensor):
+                item = dequantize(item)
+                if channels_last:
+                    item = item.contiguous(memory_format=torch.channels_last)
+            inputs.append(item.detach().requires_grad_(needs_grad))
+        devices = ctx.device_ids if ctx.preserve_rng_state else []
+        with torch.random.fork_rng(devices=devices, enabled=ctx.preserve_rng_state, device_type=ctx.device_type):
+            if ctx.preserve_rng_state:
+                torch.set_rng_state(ctx.cpu_rng_state)
+                if devices:
+                    set_device_states(ctx.device_ids, ctx.device_states, device_type=ctx.device_type)
+            with torch.enable_grad(), torch.autocast(ctx.device_type, **ctx.autocast), \
+                    torch.autocast("cpu", **ctx.cpu_autocast):
+                outputs = ctx.call(inputs)
+        outputs = (outputs,) if isinstance(outputs, Tensor) else outputs
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
+                 if isinstance(o, Tensor) and o.requires_grad and g is not None]
+        if not pairs:
+            raise ActHFRuntimeError("act_hf.checkpoint: none of the checkpointed function's outputs requires grad")
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = tuple(t.grad if needs_grad else None for t, needs_grad in zip(inputs, ctx.inputs_need_grad))
+        return (None,) * 6 + grads
+
+
+def _holds_grad_tensor(obj: Any) -> bool:
+    """Whether the container ``obj`` (list, tuple, dict, at any depth) holds a tensor that requires grad."""
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return any(isinstance(o, Tensor) and o.requires_grad or _holds_grad_tensor(o) for o in items)
+
+
+def checkpoint(function: Callable, *args: Any, bits: int | None = 4, group_size: int = 256, swap: bool = False,
+               slot: str = "checkpoint", preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+    """Run ``function(*args, **kwargs)`` keeping only its inputs, packed at ``bits``; recompute it in backward.
+
+    Args:
+        function: the layer (any callable returning a tensor or a tuple); a ``functools.partial`` has its
+            keyword tensors that require grad taken out as inputs, so they receive their gradients.
+        *args: positional inputs; the floating ones that require grad are packed.
+        bits: code width 1..8 of the packed inputs; ``None`` keeps them exact.
+        group_size: quantization group size (a positive multiple of 8).
+        swap: move the packed inputs to pinned host memory (CUDA inputs only; see :mod:`act_hf.swap`).
+        slot: the name :func:`act_hf.track_saved` lists the packed inputs under.
+        preserve_rng_state: replay the forward's RNG state in the recomputation (dropout masks stay the same).
+        **kwargs: keyword inputs, kept as they are.
+
+    Returns:
+        What ``function`` returns (exactly: forward runs on the original inputs).
+
+    With grad mode off or while act_hf's adaptive allocator probes, ``function`` simply runs. When no input
+    tensor requires grad (only the layer's parameters do), or a tensor that requires grad is nested inside
+    ``args`` or ``kwargs`` (this checkpoint could not hand it its gradient), it falls back to
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with exact inputs.
+    """
+    if bits is not None:
+        check_bits(bits, "bits")
+    check_group_size(group_size)
+    if isinstance(function, functools.partial):
+        function, args, kwargs = function.func, (*function.args, *args), {**function.keywords, **kwargs}
+    if not torch.is_grad_enabled() or store.uncheckpointed:
+        return function(*args, **kwargs)
+    call = _Call(function, args, kwargs)
+    tensors = call.tensors()
+    if any(map(_holds_grad_tensor, (*args, *kwargs.values()))) or not any(t.requires_grad for t in tensors):
+        return _TORCH_CHECKPOINT(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+    return _CompressedCheckpoint.apply(call, bits, group_size, swap, slot, preserve_rng_state, *tensors)
+
+
+def _layer_of(function: Callable) -> nn.Module | None:
+    """The module an HF checkpointing call runs: ``partial(forward, self, ...)`` (transformers >= 5) or
+    ``partial(module.__call__, ...)`` (earlier)."""
+    if isinstance(function, functools.partial):
+        if function.args and isinstance(function.args[0], nn.Module):
+            return function.args[0]
+        function = function.func
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size: int = 256,
+                                     swap: bool = False) -> Callable[[], None]:
+    """Make HF gradient checkpointing in ``model`` keep its layer inputs packed at ``bits``.
+
+    Works whether checkpointing is switched on before or after this call: the checkpoint function HF has set
+    is replaced now, and ``model._set_gradient_checkpointing`` (which ``gradient_checkpointing_enable`` calls)
+    is wrapped for later. Only torch's own ``checkpoint`` is replaced (with any keyword arguments); another
+    function (HF's ``offload=True`` wrapper, a user's) is left in place, with a warning.
+
+    Returns:
+        A function that restores torch's checkpoint and the original ``_set_gradient_checkpointing``.
+    """
+    paths = {id(m): p or "model" for p, m in model.named_modules()}
+
+    def compressed(function: Callable, *args: Any, **kwargs: Any) -> Any:
+        layer = _layer_of(function)
+        slot = f"{paths.get(id(layer), type(layer).__name__)}:checkpoint_input" if layer is not None \
+            else "checkpoint_input"
+        return checkpoint(function, *args, bits=bits, group_size=group_size, swap=swap, slot=slot,
+                          preserve_rng_state=kwargs.get("preserve_rng_state", True))
+
+    def convert(func: Callable) -> Callable:
+        if getattr(func, "act_hf_compressed", False):
+            return func
+        base = func.func if isinstance(func, functools.partial) else func
+        if base is not _TORCH_CHECKPOINT:
+            logger.warning("act_hf: checkpoint_bits=%d has no effect: the model's checkpoint function is %r, not "
+                           "torch.utils.checkpoint.checkpoint; its layer inputs stay exact", bits, func)
+            return func
+        keywords = dict(func.keywords) if isinstance(func, functools.partial) else {}
+
+        def wrapped(function: Callable, *args: Any) -> Any:
+            return compressed(function, *args, **keywords)
+
+        wrapped.act_hf_compressed = True
+        wrapped.act_hf_original = func
+        return wrapped
+
+    converted: list[nn.Module] = []
+    for module in model.modules():
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if func is not None:
+            module._gradient_checkpointing_func = convert(func)
+            converted.append(module)
+
+    original_set = model._set_gradient_checkpointing if hasattr(model, "_set_gradient_checkpointing") else None
+    if original_set is not None:
+        import inspect
+
+        if "gradient_checkpointing_func" in inspect.signature(original_set).parameters:
+            def set_gradient_checkpointing(enable: bool = True, gradient_checkpointing_func: Callable = _TORCH_CHECKPOINT,
+                                           **kw: Any) -> None:
+                original_set(enable=enable, gradient_checkpointing_func=convert(gradient_checkpointing_func), **kw)
+                converted.extend(m for m in model.modules() if "_gradient_checkpointing_func" in m.__dict__)
+
+            model._set_gradient_checkpointing = set_gradient_checkpointing
+        else:
+            logger.warning("act_hf: %s uses the pre-4.35 checkpointing format; checkpoint_bits applies only if "
+                           "checkpointing is on when act_hf.patch runs", type(model).__name__)
+
+    def restore() -> None:
+        model.__dict__.pop("_set_gradient_checkpointing", None)
+        for module in converted:
+            func = module.__dict__.get("_gradient_checkpointing_func")
+            if getattr(func, "act_hf_compressed", False):
+                module._gradient_checkpointing_func = func.act_hf_original
+
+    return restore

@@ -1,0 +1,247 @@
+"""act_hf.checkpoint: gradient checkpointing whose kept inputs are packed (GACT's CB1), alone and in HF models."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import act_hf
+from act_hf.checkpoint import checkpoint
+from act_hf.compress import dequantize, quantize
+from tests.patches.models import bert, llama
+from tests.utils import assert_grads_match
+
+torch_checkpoint = torch.utils.checkpoint.checkpoint
+
+
+def _layer():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 16)).double()
+
+
+def _grads(layer, x, run):
+    """Output, input gradient and parameter gradients of ``run(layer, x)`` under a fixed dropout seed."""
+    layer.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(1)
+    y = run(layer, x * 2)
+    (y ** 2).sum().backward()
+    return y.detach(), x.grad, [p.grad.clone() for p in layer.parameters()]
+
+
+def test_exact_inputs_give_the_uncheckpointed_gradient():
+    """bits=None keeps the inputs: the same output and gradients as no checkpoint, dropout replayed."""
+    layer, x = _layer(), torch.randn(4, 8, 16, dtype=torch.float64)
+    y0, gx0, gp0 = _grads(layer, x, lambda m, h: m(h))
+    y1, gx1, gp1 = _grads(layer, x, lambda m, h: checkpoint(m, h, bits=None))
+    assert torch.equal(y1, y0)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-12, atol=1e-12)
+    for a, b in zip(gp1, gp0):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_packed_inputs_recompute_on_the_dequantized_input(bits):
+    """Forward is exact; backward is exact autograd of the layer at Q(x) (the draw quantize() makes) applied
+    to the gradient of the exact output."""
+    layer, x = _layer(), torch.randn(4, 8, 16, dtype=torch.float64)
+    y0, _, _ = _grads(layer, x, lambda m, h: m(h))
+    act_hf.manual_seed(7)
+    y1, gx1, gp1 = _grads(layer, x, lambda m, h: checkpoint(m, h, bits=bits, group_size=64))
+    assert torch.equal(y1, y0)
+
+    act_hf.manual_seed(7)
+    q = dequantize(quantize((x * 2).detach(), bits, 64)).requires_grad_()
+    layer.zero_grad()
+    torch.manual_seed(1)
+    layer(q).backward(2 * y0)
+    torch.testing.assert_close(gx1, 2 * q.grad, rtol=1e-12, atol=1e-12)
+    for a, p in zip(gp1, layer.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_the_packed_input_is_all_that_is_kept():
+    layer, x = _layer().float(), torch.randn(4, 8, 64, requires_grad=True)
+    layer[0] = nn.Linear(64, 32)
+    with act_hf.track_saved() as saved:
+        y = checkpoint(layer, x * 1, bits=4, group_size=128, slot="block")
+    numel = x.numel()
+    assert saved.by_slot == {"block": math.ceil(numel * 4 / 8) + 4 * math.ceil(numel / 128)}
+    y.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in layer.parameters())
+
+
+def test_keyword_tensors_of_a_partial_get_their_gradients():
+    """HF calls ``checkpoint(partial(forward, self, **kwargs), *args)``: a keyword tensor that requires grad
+    still receives its gradient, and a mask keyword is passed through untouched."""
+    lin = nn.Linear(8, 8).double()
+
+    def block(module, x, *, other, mask):
+        return module(x) * other + mask
+
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    other = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(3, 8, dtype=torch.float64)
+    y = checkpoint(functools.partial(block, lin, other=other, mask=mask), x, bits=None)
+    y.sum().backward()
+    gx, go, gw = x.grad.clone(), other.grad.clone(), lin.weight.grad.clone()
+    for t in (x, other, lin.weight):
+        t.grad = None
+    block(lin, x, other=other, mask=mask).sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(go, other.grad)
+    torch.testing.assert_close(gw, lin.weight.grad)
+
+
+def test_an_input_without_grad_still_trains_the_parameters():
+    layer = _layer()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    checkpoint(layer, x, bits=4).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+def test_misuse_is_refused_clearly():
+    layer = _layer()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="autograd.grad"):
+        torch.autograd.grad(checkpoint(layer, x, bits=4).sum(), x)
+    with pytest.raises(RuntimeError, match="must return a tensor or a tuple"):
+        checkpoint(lambda h: {"out": layer(h)}, x, bits=4)
+    with pytest.raises(ValueError, match="bits must be an integer from 1 to 8"):
+        checkpoint(layer, x, bits=9)
+
+
+@pytest.mark.parametrize("value", [0, 9, True, 2.5, "4"])
+def test_config_rejects_bad_checkpoint_bits(value):
+    with pytest.raises((ValueError, TypeError), match="checkpoint_bits"):
+        act_hf.ActConfig(checkpoint_bits=value)
+
+
+# ------------------------------------------------------------------------------------------------ HF models
+
+
+def _step(model, inputs):
+    model.zero_grad()
+    with act_hf.track_saved() as saved:
+        loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), saved
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_hf_checkpointing_keeps_packed_layer_inputs(order):
+    """Checkpointing switched on before or after the patch: the loss is the uncheckpointed one, gradients
+    agree at 8 bits, the layer inputs are packed, and unpatch restores torch's checkpoint. Layer 0's input is
+    the embedding LayerNorm's output, which that LayerNorm has packed at the same width already: it is shared,
+    not packed twice."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    model, inputs = bert()
+    model.train()
+    reference = copy.deepcopy(model)
+    act_hf.patch(reference, bits=8)
+    if order == "before":
+        model.gradient_checkpointing_enable()
+    act_hf.patch(model, bits=8, checkpoint_bits=8)
+    if order == "after":
+        model.gradient_checkpointing_enable()
+
+    ref_loss, _ = _step(reference, inputs)
+    loss, saved = _step(model, inputs)
+    assert torch.equal(loss, ref_loss)
+    assert_grads_match(reference, model, cos=0.999)
+    hidden = inputs["input_ids"].numel() * 32  # elements of one hidden state
+    assert {s: n for s, n in saved.by_slot.items() if s.endswith(":checkpoint_input")} == \
+        {"bert.encoder.layer.1:checkpoint_input": hidden + 4 * math.ceil(hidden / 256)}
+    assert "bert.embeddings.LayerNorm:output" in saved.by_slot
+
+    act_hf.unpatch(model)
+    func = model.bert.encoder.layer[0]._gradient_checkpointing_func
+    assert isinstance(func, functools.partial) and func.func is torch_checkpoint
+    assert func.keywords == {"use_reentrant": False}
+    assert "_set_gradient_checkpointing" not in model.__dict__
+
+
+def test_decoder_with_rotary_tables_and_dropout():
+    """LLaMA passes its rotary tables as keyword tensors: the checkpointed, packed model trains like the
+    uncheckpointed one (loss exact, gradients agree at 8 bits) with dropout replayed."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    model, inputs = llama(dropout=0.1)
+    model.train()
+    reference = copy.deepcopy(model)
+    act_hf.patch(reference, bits=8)
+    model.gradient_checkpointing_enable()
+    act_hf.patch(model, bits=8, checkpoint_bits=8)
+    torch.manual_seed(5)
+    ref_loss, _ = _step(reference, inputs)
+    torch.manual_seed(5)
+    loss, saved = _step(model, inputs)
+    assert torch.equal(loss, ref_loss)
+    assert_grads_match(reference, model, cos=0.99)
+    assert any(s.endswith(":checkpoint_input") for s in saved.by_slot)
+
+
+def test_adaptive_bits_probe_runs_uncheckpointed():
+    """The allocator's probe uses autograd.grad; layers run uncheckpointed during it, and training goes on."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    model, inputs = bert()
+    model.train()
+    model.gradient_checkpointing_enable()
+    act_hf.patch(model, bits=2.5, adapt_samples=2, variance_alarm=0, checkpoint_bits=4)
+    for _ in range(2):
+        loss, saved = _step(model, inputs)
+        assert torch.isfinite(loss)
+    assert model.act_hf_allocator.updates == 1
+    assert model.act_hf_allocator.average_bits() <= 2.5
+    assert any(s.endswith(":checkpoint_input") for s in saved.by_slot)
+
+
+@pytest.mark.filterwarnings("ignore:act_hf has no family")
+def test_a_model_without_hf_checkpointing_warns():
+    with pytest.warns(act_hf.ActHFWarning, match="checkpoint_bits=4 has no effect"):
+        act_hf.patch(nn.Sequential(nn.Linear(4, 4)), bits=3, checkpoint_bits=4)
+
+
+@pytest.mark.cuda
+def test_packed_checkpoint_frees_the_layer_inputs_on_cuda():
+    """BERT (6 x 512) at batch 64 x 128 under bf16 autocast, checkpointed: with checkpoint_bits=4 the memory
+    held after forward drops by about the six full-width layer inputs less their packed copies; swapping
+    the packed inputs to the host changes no gradient."""
+    import transformers as tf
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    cfg = tf.BertConfig(vocab_size=1000, hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+                        intermediate_size=2048, attention_probs_dropout_prob=0.0, num_labels=2)
+    torch.manual_seed(0)
+    base = tf.BertForSequenceClassification(cfg).cuda().train()
+    base.gradient_checkpointing_enable()
+    inputs = {"input_ids": torch.randint(0, 1000, (64, 128), device="cuda"),
+              "labels": torch.zeros(64, dtype=torch.long, device="cuda")}
+    dtypes = []
+    base.bert.encoder.layer[1].register_forward_pre_hook(lambda m, args: dtypes.append(args[0].dtype))
+    held, grads = {}, {}
+    for name, options in {"exact": {}, "packed": {"checkpoint_bits": 4},
+                          "swapped": {"checkpoint_bits": 4, "swap": True}}.items():
+        model = act_hf.patch(copy.deepcopy(base), bits=3, **options)
+        act_hf.manual_seed(0)
+        torch.manual_seed(0)
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")
+        held[name] = torch.cuda.memory_allocated() - start
+        loss.backward()
+        grads[name] = [p.grad for p in model.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads[name])
+        del model, loss
+    hidden = 64 * 128 * 512
+    full, packed = hidden * torch.empty(0, dtype=dtypes[0]).element_size(), hidden // 2 + 4 * hidden // 256
+    assert held["exact"] - held["packed"] >= 0.9 * 6 * (full - packed)
+    assert all(torch.equal(a, b) for a, b in zip(grads["packed"], grads["swapped"]))
