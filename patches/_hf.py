@@ -10,6 +10,7 @@ import logging
 
 import transformers
 from packaging import version
+import torch
 from torch import nn
 from transformers import activations as hf_act
 from transformers.pytorch_utils import Conv1D
@@ -114,6 +115,27 @@ def _enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
     add_cleanup(model, restore)
 
 
+def _copy_of_view(module: nn.Module, args: tuple) -> tuple | None:
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.requires_grad \
+            and x.untyped_storage().nbytes() > 2 * x.numel() * x.element_size():
+        return (x.clone(), *args[1:])
+    return None
+
+
+def _compact_head_inputs(model: nn.Module, head_paths: list[str]) -> None:
+    """The uncompressed head's Linears save a copy of an input that is a small view of a larger tensor.
+
+    BERT's pooler reads ``hidden_states[:, 0]``: the view its Linear saves keeps the whole last hidden state
+    alive until backward (``seq`` times the bytes the Linear needs; with checkpointing and packed layer inputs
+    it was a quarter of BERT-large's saved memory). The copy has the same values, so the gradient is unchanged.
+    """
+    handles = [m.register_forward_pre_hook(_copy_of_view) for path, m in model.named_modules()
+               if isinstance(m, nn.Linear) and any(path == h or path.startswith(h + ".") for h in head_paths)]
+    if handles:
+        add_cleanup(model, lambda: [h.remove() for h in handles])
+
+
 def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), attention: bool = True,
              head_paths: list[str] | None = None) -> list[str]:
     """Patch an HF model: family ``rules``, then the HF and generic rules, then attention.
@@ -131,4 +153,6 @@ def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), att
     if attention and "attention" in config.kinds:
         patched += _enable_attention(model, config, heads)
     _enable_lm_loss(model, config)
+    if config.exclude_head:
+        _compact_head_inputs(model, heads)
     return patched

