@@ -124,3 +124,30 @@ def test_search_under_a_cap_on_the_gpu(tmp_path):
     assert all(r["max_batch"] > 0 and r["first_failing_batch"] for r in rows)
     assert rows[1]["max_batch"] > rows[0]["max_batch"]
     assert rows[0]["equal_batch"]["peak_bytes"] > rows[1]["equal_batch"]["peak_bytes"]
+
+
+checkpoint_memory = _load("benchmark_checkpoint_memory")
+
+
+def test_checkpoint_memory_settings_and_measurement():
+    """AM1/AM2 on a tiny BERT: checkpointing keeps less than no checkpointing, packed layer inputs less than
+    exact ones, and re-forwarding a layer adds its context (AM2 > AM1) only under checkpointing."""
+    from tests.patches.models import bert
+
+    parse = checkpoint_memory.parse_setting
+    assert parse("unpatched") == (False, None, None) and parse("ckpt") == (True, None, None)
+    assert parse("bits3") == (False, None, 3) and parse("ckpt+bits3") == (True, None, 3)
+    assert parse("ckpt4+bits2") == (True, 4, 2)
+    for bad in ("ckpt4", "ckpt9+bits3", "bits0", "swap+bits3"):
+        with pytest.raises(SystemExit, match="--settings"):
+            parse(bad)
+    torch.manual_seed(0)
+    model, inputs = bert()
+    inputs = {**inputs, "input_ids": inputs["input_ids"].repeat(4, 4), "attention_mask": None,
+              "labels": inputs["labels"].repeat(4)}
+    got = {s: checkpoint_memory.measure(model, inputs, s, None)
+           for s in ("unpatched", "ckpt", "bits3", "ckpt+bits3", "ckpt4+bits3")}
+    assert got["unpatched"]["am2"] == got["unpatched"]["am1"] and got["bits3"]["am2"] == got["bits3"]["am1"]
+    assert got["ckpt"]["am2"] > got["ckpt"]["am1"] and got["ckpt4+bits3"]["am2"] > got["ckpt4+bits3"]["am1"]
+    assert got["ckpt4+bits3"]["am1"] < got["ckpt+bits3"]["am1"] < got["unpatched"]["am1"]
+    assert got["ckpt4+bits3"]["am2"] < got["ckpt"]["am2"] < got["unpatched"]["am2"]
