@@ -138,11 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "checkpoint_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [
-        f"Activation memory per sample (MiB) with HF gradient checkpointing, {args.dtype}, seq {args.seq}, batch "
-        f"{args.batch}. AM1: kept after forward; AM2: AM1 plus one re-forwarded layer's context (GACT's Table 7). "
-        f"Ratios against unpatched without checkpointing. Bytes kept for backward, not device peaks. "
-        f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, act_hf {meta['act_hf']} "
-        f"@ {meta['commit']}.",
+        (f"Activation memory per sample (MiB) with HF gradient checkpointing, {args.dtype}, seq {args.seq}, batch "
+         f"{args.batch}. AM1: kept after forward; AM2: AM1 plus one re-forwarded layer's context (GACT's Table 7). "
+         f"Ratios against unpatched without checkpointing. Bytes kept for backward, not device peaks. "
+         f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, act_hf {meta['act_hf']} "
+         f"@ {meta['commit']}."),
         "",
         "| model | setting | AM1 | AM2 | AM2 vs unpatched |",
         "|---|---|---|---|---|",

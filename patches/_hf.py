@@ -8,9 +8,9 @@ import functools
 import inspect
 import logging
 
+import torch
 import transformers
 from packaging import version
-import torch
 from torch import nn
 from transformers import activations as hf_act
 from transformers.pytorch_utils import Conv1D
