@@ -208,6 +208,52 @@ def _layer_of(function: Callable) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
+def _compressing(func: Callable, bits: int, group_size: int, swap: bool) -> Callable:
+    """``func`` (torch's checkpoint, possibly a ``functools.partial`` with keywords) as act_hf's packed one;
+    any other function is returned as it is, with a warning."""
+    if getattr(func, "act_hf_compressed", False):
+        return func
+    base = func.func if isinstance(func, functools.partial) else func
+    if base is not _TORCH_CHECKPOINT:
+        logger.warning("act_hf: checkpoint_bits=%d has no effect: the model's checkpoint function is %r, not "
+                       "torch.utils.checkpoint.checkpoint; its layer inputs stay exact", bits, func)
+        return func
+    preserve_rng_state = func.keywords.get("preserve_rng_state", True) if isinstance(func, functools.partial) \
+        else True
+
+    def compressed(function: Callable, *args: Any) -> Any:
+        layer = _layer_of(function)
+        slot = getattr(layer, "act_hf_checkpoint_slot", None) or \
+            (f"{type(layer).__name__}:checkpoint_input" if layer is not None else "checkpoint_input")
+        return checkpoint(function, *args, bits=bits, group_size=group_size, swap=swap, slot=slot,
+                          preserve_rng_state=preserve_rng_state)
+
+    compressed.act_hf_compressed = True
+    compressed.act_hf_original = func
+    return compressed
+
+
+def _convert_modules(model: nn.Module, bits: int, group_size: int, swap: bool) -> None:
+    for path, module in model.named_modules():
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if func is not None:
+            module._gradient_checkpointing_func = _compressing(func, bits, group_size, swap)
+            module.act_hf_checkpoint_slot = f"{path or 'model'}:checkpoint_input"
+
+
+def _set_gradient_checkpointing(self: nn.Module, enable: bool = True,
+                                gradient_checkpointing_func: Callable = _TORCH_CHECKPOINT, **kwargs: Any) -> None:
+    """HF's ``_set_gradient_checkpointing``, then act_hf's packed checkpoint in place of the function it set.
+
+    Bound to the model as an instance attribute (a bound method: ``copy.deepcopy`` rebinds it to the copy);
+    the bits come from the model's ``act_hf_checkpoint``."""
+    type(self)._set_gradient_checkpointing(self, enable=enable, gradient_checkpointing_func=gradient_checkpointing_func,
+                                           **kwargs)
+    options = self.__dict__.get("act_hf_checkpoint")
+    if options is not None:
+        _convert_modules(self, **options)
+
+
 def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size: int = 256,
                                      swap: bool = False) -> Callable[[], None]:
     """Make HF gradient checkpointing in ``model`` keep its layer inputs packed at ``bits``.
@@ -220,59 +266,25 @@ def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size:
     Returns:
         A function that restores torch's checkpoint and the original ``_set_gradient_checkpointing``.
     """
-    paths = {id(m): p or "model" for p, m in model.named_modules()}
+    import inspect
+    import types
 
-    def compressed(function: Callable, *args: Any, **kwargs: Any) -> Any:
-        layer = _layer_of(function)
-        slot = f"{paths.get(id(layer), type(layer).__name__)}:checkpoint_input" if layer is not None \
-            else "checkpoint_input"
-        return checkpoint(function, *args, bits=bits, group_size=group_size, swap=swap, slot=slot,
-                          preserve_rng_state=kwargs.get("preserve_rng_state", True))
-
-    def convert(func: Callable) -> Callable:
-        if getattr(func, "act_hf_compressed", False):
-            return func
-        base = func.func if isinstance(func, functools.partial) else func
-        if base is not _TORCH_CHECKPOINT:
-            logger.warning("act_hf: checkpoint_bits=%d has no effect: the model's checkpoint function is %r, not "
-                           "torch.utils.checkpoint.checkpoint; its layer inputs stay exact", bits, func)
-            return func
-        keywords = dict(func.keywords) if isinstance(func, functools.partial) else {}
-
-        def wrapped(function: Callable, *args: Any) -> Any:
-            return compressed(function, *args, **keywords)
-
-        wrapped.act_hf_compressed = True
-        wrapped.act_hf_original = func
-        return wrapped
-
-    converted: list[nn.Module] = []
-    for module in model.modules():
-        func = module.__dict__.get("_gradient_checkpointing_func")
-        if func is not None:
-            module._gradient_checkpointing_func = convert(func)
-            converted.append(module)
-
-    original_set = model._set_gradient_checkpointing if hasattr(model, "_set_gradient_checkpointing") else None
-    if original_set is not None:
-        import inspect
-
-        if "gradient_checkpointing_func" in inspect.signature(original_set).parameters:
-            def set_gradient_checkpointing(enable: bool = True, gradient_checkpointing_func: Callable = _TORCH_CHECKPOINT,
-                                           **kw: Any) -> None:
-                original_set(enable=enable, gradient_checkpointing_func=convert(gradient_checkpointing_func), **kw)
-                converted.extend(m for m in model.modules() if "_gradient_checkpointing_func" in m.__dict__)
-
-            model._set_gradient_checkpointing = set_gradient_checkpointing
-        else:
-            logger.warning("act_hf: %s uses the pre-4.35 checkpointing format; checkpoint_bits applies only if "
-                           "checkpointing is on when act_hf.patch runs", type(model).__name__)
+    options = {"bits": bits, "group_size": group_size, "swap": swap}
+    model.act_hf_checkpoint = options
+    _convert_modules(model, **options)
+    if "gradient_checkpointing_func" in inspect.signature(model._set_gradient_checkpointing).parameters:
+        model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
+    else:
+        logger.warning("act_hf: %s uses the pre-4.35 checkpointing format; checkpoint_bits applies only if "
+                       "checkpointing is on when act_hf.patch runs", type(model).__name__)
 
     def restore() -> None:
         model.__dict__.pop("_set_gradient_checkpointing", None)
-        for module in converted:
+        model.__dict__.pop("act_hf_checkpoint", None)
+        for module in model.modules():
             func = module.__dict__.get("_gradient_checkpointing_func")
             if getattr(func, "act_hf_compressed", False):
                 module._gradient_checkpointing_func = func.act_hf_original
+            module.__dict__.pop("act_hf_checkpoint_slot", None)
 
     return restore

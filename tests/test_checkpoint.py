@@ -167,6 +167,22 @@ def test_hf_checkpointing_keeps_packed_layer_inputs(order):
     assert "_set_gradient_checkpointing" not in model.__dict__
 
 
+def test_a_deep_copy_switches_its_own_layers():
+    """``copy.deepcopy`` of a patched model (an EMA or reference copy): switching checkpointing on in the copy
+    converts the copy's layers and leaves the original alone."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    model, inputs = bert()
+    model.train()
+    act_hf.patch(model, bits=8, checkpoint_bits=4)
+    twin = copy.deepcopy(model)
+    twin.gradient_checkpointing_enable()
+    assert not model.bert.encoder.layer[0].gradient_checkpointing
+    assert twin.bert.encoder.layer[0].gradient_checkpointing
+    assert getattr(twin.bert.encoder.layer[0]._gradient_checkpointing_func, "act_hf_compressed", False)
+    _, saved = _step(twin, inputs)
+    assert "bert.encoder.layer.1:checkpoint_input" in saved.by_slot
+
+
 def test_decoder_with_rotary_tables_and_dropout():
     """LLaMA passes its rotary tables as keyword tensors: the checkpointed, packed model trains like the
     uncheckpointed one (loss exact, gradients agree at 8 bits) with dropout replayed."""
