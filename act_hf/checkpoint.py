@@ -278,13 +278,14 @@ def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size:
         logger.warning("act_hf: %s uses the pre-4.35 checkpointing format; checkpoint_bits applies only if "
                        "checkpointing is on when act_hf.patch runs", type(model).__name__)
 
-    def restore() -> None:
-        model.__dict__.pop("_set_gradient_checkpointing", None)
-        model.__dict__.pop("act_hf_checkpoint", None)
-        for module in model.modules():
-            func = module.__dict__.get("_gradient_checkpointing_func")
-            if getattr(func, "act_hf_compressed", False):
-                module._gradient_checkpointing_func = func.act_hf_original
-            module.__dict__.pop("act_hf_checkpoint_slot", None)
+    return functools.partial(_disable_hf_checkpoint_compression, model)
 
-    return restore
+
+def _disable_hf_checkpoint_compression(model: nn.Module) -> None:
+    model.__dict__.pop("_set_gradient_checkpointing", None)
+    model.__dict__.pop("act_hf_checkpoint", None)
+    for module in model.modules():
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if getattr(func, "act_hf_compressed", False):
+            module._gradient_checkpointing_func = func.act_hf_original
+        module.__dict__.pop("act_hf_checkpoint_slot", None)

@@ -324,7 +324,21 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 def add_cleanup(model: nn.Module, fn: Callable[[], None]) -> None:
-    """Run ``fn`` on :func:`unpatch` (restoring an attention implementation, removing hooks, ...)."""
+    """Run ``fn`` on :func:`unpatch` (restoring an attention implementation, removing hooks, ...).
+
+    ``fn`` must reach the model only through what ``copy.deepcopy`` copies: a ``functools.partial`` of a
+    module-level function or a bound method, not a closure. The list of cleanups is copied with the model, and
+    a closure would still act on the original (``unpatch`` of a copy would undo the original's patches).
+    """
+    if getattr(fn, "__closure__", None):
+        raise ActHFTypeError(f"add_cleanup: {fn!r} is a closure; pass a functools.partial or a bound method so that "
+                             "a deep copy of the model gets cleanups of its own")
     if "act_hf_cleanups" not in model.__dict__:
         model.act_hf_cleanups = []
     model.act_hf_cleanups.append(fn)
+
+
+def remove_handles(handles: list) -> None:
+    """A cleanup: remove hook handles (``add_cleanup(model, functools.partial(remove_handles, handles))``)."""
+    for handle in handles:
+        handle.remove()

@@ -17,7 +17,7 @@ from transformers.pytorch_utils import Conv1D
 
 from act_hf.config import ActConfig
 from act_hf.ops.loss import causal_lm_loss, note_head_output
-from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules
+from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules, remove_handles
 
 __all__ = ["HF_ACTIVATIONS", "hf_rules", "patch_hf", "rms_norm_rule"]
 
@@ -84,14 +84,17 @@ def _enable_attention(model: nn.Module, config: ActConfig, head_paths: list[str]
                            swap=config.swap)
         module.act_kind = "attention"
 
-    def restore():
-        _hf_attention.disable(model)
-        for _, module in modules:
-            _hf_attention.unmark(module)
-            module.__dict__.pop("act_kind", None)
-
-    add_cleanup(model, restore)
+    add_cleanup(model, functools.partial(_disable_attention, model, [module for _, module in modules]))
     return [path for path, _ in modules]
+
+
+def _disable_attention(model: nn.Module, modules: list[nn.Module]) -> None:
+    from . import _hf_attention
+
+    _hf_attention.disable(model)
+    for module in modules:
+        _hf_attention.unmark(module)
+        module.__dict__.pop("act_kind", None)
 
 
 def _enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
@@ -107,12 +110,12 @@ def _enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
         return
     handle = head.register_forward_hook(note_head_output)
     model.loss_function = functools.partial(causal_lm_loss, ForCausalLMLoss)
+    add_cleanup(model, functools.partial(_restore_lm_loss, model, handle))
 
-    def restore():
-        handle.remove()
-        model.__dict__.pop("_loss_function", None)
 
-    add_cleanup(model, restore)
+def _restore_lm_loss(model: nn.Module, handle) -> None:
+    handle.remove()
+    model.__dict__.pop("_loss_function", None)
 
 
 def _copy_of_view(module: nn.Module, args: tuple) -> tuple | None:
@@ -133,7 +136,7 @@ def _compact_head_inputs(model: nn.Module, head_paths: list[str]) -> None:
     handles = [m.register_forward_pre_hook(_copy_of_view) for path, m in model.named_modules()
                if isinstance(m, nn.Linear) and any(path == h or path.startswith(h + ".") for h in head_paths)]
     if handles:
-        add_cleanup(model, lambda: [h.remove() for h in handles])
+        add_cleanup(model, functools.partial(remove_handles, handles))
 
 
 def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), attention: bool = True,

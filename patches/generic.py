@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 from torch import nn
@@ -10,7 +11,7 @@ from act_hf.config import ActConfig
 from act_hf.errors import ActHFWarning
 from act_hf.fallback import install_fallback_hooks
 from act_hf.nn._base import ActModule
-from act_hf.patcher import Rule, add_cleanup, patch_modules
+from act_hf.patcher import Rule, add_cleanup, patch_modules, remove_handles
 
 __all__ = ["patch_generic"]
 
@@ -56,6 +57,6 @@ def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
     if hooks:
         handles = install_fallback_hooks(model, bits=config.default_bits, group_size=config.group_size,
                                          swap=config.swap)
-        add_cleanup(model, lambda: [h.remove() for h in handles])
+        add_cleanup(model, functools.partial(remove_handles, handles))
         patched.append("<saved-tensor hooks>")
     return patched

@@ -202,6 +202,35 @@ def test_target_and_exclude_modules():
     assert "classifier" not in model.act_hf_patched_modules  # the head stays exact by default
 
 
+@pytest.mark.filterwarnings("ignore:act_hf has no family")
+def test_unpatching_a_deep_copy_leaves_the_original_patched():
+    """``copy.deepcopy`` of a patched model (EMA, a reference copy) then ``unpatch`` of the copy: the copy is
+    restored (attention implementation, hooks, loss) and the original keeps every patch."""
+    from act_hf.patcher import add_cleanup
+    from tests.patches.models import bert, gpt2
+
+    for build, options in ((bert, {"bits": 3}), (gpt2, {"bits": 2.5, "checkpoint_bits": 4})):
+        model, _ = build()
+        model.train()
+        act_hf.patch(model, **options)
+        before = (model.config._attn_implementation, len(model._forward_pre_hooks), "_loss_function" in model.__dict__)
+        twin = copy.deepcopy(model)
+        act_hf.unpatch(twin)
+        assert (model.config._attn_implementation, len(model._forward_pre_hooks),
+                "_loss_function" in model.__dict__) == before
+        assert before[0].startswith("act_hf_") and twin.config._attn_implementation == "sdpa"
+        assert len(twin._forward_pre_hooks) == 0 and "_loss_function" not in twin.__dict__
+        assert not any(isinstance(m, ActModule) for m in twin.modules())
+        assert any(isinstance(m, ActModule) for m in model.modules())
+    generic = act_hf.patch(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()), bits=3)
+    twin = copy.deepcopy(generic)
+    act_hf.unpatch(twin)
+    assert len(generic._forward_pre_hooks) == 1 and len(twin._forward_pre_hooks) == 0
+    handles = []
+    with pytest.raises(TypeError, match="closure"):
+        add_cleanup(generic, lambda: handles.clear())
+
+
 def test_the_exact_pooler_keeps_its_token_not_the_whole_hidden_state():
     """BERT's pooler reads hidden_states[:, 0]; the uncompressed head saves a copy of that row, not a view that
     would keep the whole last hidden state alive (fp32 training), and the gradients stay exactly unpatched."""
