@@ -245,8 +245,8 @@ def _set_gradient_checkpointing(self: nn.Module, enable: bool = True,
                                 gradient_checkpointing_func: Callable = _TORCH_CHECKPOINT, **kwargs: Any) -> None:
     """HF's ``_set_gradient_checkpointing``, then act_hf's packed checkpoint in place of the function it set.
 
-    Bound to the model as an instance attribute (a bound method: ``copy.deepcopy`` rebinds it to the copy);
-    the bits come from the model's ``act_hf_checkpoint``."""
+    Set on the model as ``functools.partial(_set_gradient_checkpointing, model)``, which ``copy.deepcopy`` and
+    pickling rebind to the copy; the bits come from the model's ``act_hf_checkpoint``."""
     type(self)._set_gradient_checkpointing(self, enable=enable, gradient_checkpointing_func=gradient_checkpointing_func,
                                            **kwargs)
     options = self.__dict__.get("act_hf_checkpoint")
@@ -267,13 +267,12 @@ def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size:
         A function that restores torch's checkpoint and the original ``_set_gradient_checkpointing``.
     """
     import inspect
-    import types
 
     options = {"bits": bits, "group_size": group_size, "swap": swap}
     model.act_hf_checkpoint = options
     _convert_modules(model, **options)
     if "gradient_checkpointing_func" in inspect.signature(model._set_gradient_checkpointing).parameters:
-        model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
+        model._set_gradient_checkpointing = functools.partial(_set_gradient_checkpointing, model)
     else:
         logger.warning("act_hf: %s uses the pre-4.35 checkpointing format; checkpoint_bits applies only if "
                        "checkpointing is on when act_hf.patch runs", type(model).__name__)

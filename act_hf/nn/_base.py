@@ -53,6 +53,15 @@ class ActModule:
         return OpSettings(slot=slot, bits=store.bits_for(slot, self.act_bits), group_size=self.act_group_size,
                           swap=self.act_swap)
 
+    def __reduce_ex__(self, protocol):
+        """Pickling (``torch.save(model)``, ``copy.deepcopy``) names a class made at run time by the pair it was
+        made from (:func:`act_class_for`), since it cannot be imported by name."""
+        reduced = super().__reduce_ex__(protocol)
+        mixin = type(self).__dict__.get("act_mixin")
+        if mixin is None or not isinstance(reduced, tuple):  # a predefined class: importable as it is
+            return reduced
+        return (_new_act_module, (type(self).act_original_class, mixin), *reduced[2:])
+
     def act_enabled(self, *inputs: torch.Tensor | None) -> bool:
         """Compress only when training with autograd recording something this module must save for."""
         if not self.training or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
@@ -77,9 +86,15 @@ def act_class_for(original: type, mixin: type) -> type:
     cls = _CLASS_CACHE.get(key)
     if cls is None:
         cls = type(f"Act{original.__name__}", (mixin, original), {"__module__": mixin.__module__,
-                                                                   "act_original_class": original})
+                                                                   "act_original_class": original, "act_mixin": mixin})
         _CLASS_CACHE[key] = cls
     return cls
+
+
+def _new_act_module(original: type, mixin: type) -> nn.Module:
+    """An uninitialised instance of ``act_class_for(original, mixin)`` (the unpickler sets its state)."""
+    cls = act_class_for(original, mixin)
+    return cls.__new__(cls)
 
 
 def convert(module: nn.Module, mixin: type, *, slot: str = "", bits: int = 3, group_size: int = 256,

@@ -111,6 +111,26 @@ def test_save_pretrained_round_trip(case, tmp_path):
     assert any(isinstance(m, ActModule) for m in again.modules())
 
 
+@pytest.mark.parametrize("case", ALL_CASES, ids=IDS)
+def test_a_patched_model_pickles_whole(case, tmp_path):
+    """``torch.save(model)`` / ``torch.load`` of a patched model (act_hf's classes are made at run time): the
+    loaded model is still patched and trains exactly like the saved one (same draws, same gradients)."""
+    _, model, inputs = _build(case, bits=3)
+    model.train()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+    grads = []
+    for m in (model, loaded):
+        act_hf.manual_seed(0)
+        torch.manual_seed(0)
+        loss_of(case, m, inputs).backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    act_hf.unpatch(loaded)
+    assert not any(isinstance(m, ActModule) for m in loaded.modules())
+
+
 def test_patching_twice_is_a_no_op_and_errors_are_clear():
     from tests.patches.models import bert
 
