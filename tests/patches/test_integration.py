@@ -140,14 +140,17 @@ def _ddp_worker(rank: int, world: int, port: int, results):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model, inputs = bert()
-    act_hf.patch(model, bits=4)
-    ddp = DDP(model)
-    # each rank sees a different half of the batch
-    shard = {k: v[rank : rank + 1] for k, v in inputs.items()}
-    ddp(**shard).loss.backward()
-    results[rank] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    for name, options in (("plain", {}), ("packed checkpoint", {"checkpoint_bits": 4})):
+        torch.manual_seed(0)
+        model, inputs = bert()
+        if options:
+            model.gradient_checkpointing_enable()
+        act_hf.patch(model, bits=4, **options)
+        ddp = DDP(model)
+        # each rank sees a different half of the batch
+        shard = {k: v[rank : rank + 1] for k, v in inputs.items()}
+        ddp(**shard).loss.backward()
+        results[(name, rank)] = [p.grad for p in model.parameters()]
     dist.destroy_process_group()
 
 
@@ -160,7 +163,10 @@ def test_distributed_data_parallel_gloo_two_processes():
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(_ddp_worker, args=(2, port, results), nprocs=2, join=True)
-    assert torch.equal(results[0], results[1])  # allreduced gradients are identical across ranks
+    for name in ("plain", "packed checkpoint"):  # with act_hf's reentrant packed checkpoint too
+        grads = [results[(name, rank)] for rank in (0, 1)]
+        assert all(g is not None for g in grads[0]), name  # every parameter received its gradient
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), name  # allreduced: identical across ranks
 
 
 def test_torch_compile_trains():
