@@ -40,10 +40,14 @@ __all__ = [
     "lo_dtype_for",
     "metadata_to_float",
     "pack_bits",
+    "pack_bits_chunked",
     "quantize_pack",
+    "quantize_pack_chunked",
     "uniform_from_hash",
     "unpack_bits",
+    "unpack_bits_chunked",
     "unpack_dequantize",
+    "unpack_dequantize_chunked",
 ]
 
 BF16_NAN_BITS = 0x7FC0
@@ -66,14 +70,15 @@ def _xor_lsr_(z: torch.Tensor, k: int, tmp: torch.Tensor) -> torch.Tensor:
     return z.bitwise_xor_(tmp)
 
 
-def uniform_from_hash(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The uniforms of stochastic rounding: ``splitmix64(seed + i * golden) >> 40`` scaled to ``[0, 1)``.
+def uniform_from_hash(seed: int, numel: int, device: torch.device | str = "cpu", start: int = 0) -> torch.Tensor:
+    """The uniforms of stochastic rounding: ``splitmix64(seed + i * golden) >> 40`` scaled to ``[0, 1)``, for
+    elements ``i`` in ``[start, start + numel)``.
 
     Counter based: element ``i`` of a tensor always gets the same draw for the same seed, on any device, in
     any kernel launch configuration. 24 bits are kept, so every value is exactly representable in fp32.
     In-place int64 arithmetic (two buffers) keeps the CPU cost of this reference low.
     """
-    z = torch.arange(numel, dtype=torch.int64, device=device)
+    z = torch.arange(start, start + numel, dtype=torch.int64, device=device)
     tmp = torch.empty_like(z)
     z.mul_(_GOLDEN).add_(_signed64(seed & ((1 << 64) - 1)))
     _xor_lsr_(z, 30, tmp).mul_(_MIX1)
@@ -106,7 +111,7 @@ def _bf16_bits_round_up(t: torch.Tensor) -> torch.Tensor:
     return ((bits >> 16) + ((bits & 0xFFFF) != 0).to(torch.int32)).to(torch.int16)
 
 
-def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tuple[torch.Tensor, ...]:
+def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int, *, start: int = 0) -> tuple[torch.Tensor, ...]:
     """Quantize a flat tensor and pack it (see the module docstring for the format).
 
     Args:
@@ -114,6 +119,8 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tup
         bits: 1..8.
         group_size: positive multiple of 8.
         seed: 63-bit seed of the rounding stream.
+        start: index of ``x``'s first element in the whole tensor (the uniforms are drawn for the whole
+            tensor's indices: :func:`quantize_pack_chunked` passes the chunk's offset).
 
     Returns:
         ``(payload uint8[ceil(n*bits/8)], lo int16[n_groups], scale int16[n_groups])``.
@@ -150,7 +157,7 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int) -> tup
     has_scale = (scale > 0)[:, None]  # False for zero-range and NaN groups: their codes are 0
     safe_scale = torch.where(has_scale, scale[:, None], torch.ones_like(scale[:, None]))
     v = torch.where(has_scale, (groups - lo[:, None]) / safe_scale, torch.zeros_like(groups))
-    u = uniform_from_hash(seed, n_groups * group_size, x.device).view(n_groups, group_size)
+    u = uniform_from_hash(seed, n_groups * group_size, x.device, start).view(n_groups, group_size)
     codes = torch.floor(v + u).clamp_(0, levels).to(torch.uint8).view(-1)[:n]
     return pack_bits(codes, bits), lo_bits, scale_bits
 
@@ -176,6 +183,77 @@ def unpack_dequantize(
     scale_f = metadata_to_float(scale, torch.bfloat16)[:, None]
     out = lo_f + codes.view(n_groups, group_size) * scale_f
     return out.view(-1)[:numel].to(dtype)
+
+
+def _chunk_elements(group_size: int, chunk: int) -> int:
+    return max(1, chunk // group_size) * group_size  # whole groups, hence a multiple of 8 elements: whole bytes
+
+
+def quantize_pack_chunked(x: torch.Tensor, bits: int, group_size: int, seed: int,
+                          chunk: int = 1 << 18) -> tuple[torch.Tensor, ...]:
+    """:func:`quantize_pack` run over runs of about ``chunk`` elements (whole groups): the same bits, with
+    temporaries (about 30 bytes an element: fp32 copies, the int64 hash buffers, the packing words) bounded
+    by the chunk instead of the tensor. The CPU kernel."""
+    n = x.numel()
+    step = _chunk_elements(group_size, chunk)
+    if n <= step:
+        return quantize_pack(x, bits, group_size, seed)
+    n_groups = -(-n // group_size)
+    payload = torch.empty(math.ceil(n * bits / 8), dtype=torch.uint8, device=x.device)
+    lo = torch.empty(n_groups, dtype=torch.int16, device=x.device)
+    scale = torch.empty_like(lo)
+    for start in range(0, n, step):
+        p, lo_part, scale_part = quantize_pack(x[start : start + step], bits, group_size, seed, start=start)
+        first_byte, first_group = start * bits // 8, start // group_size
+        payload[first_byte : first_byte + p.numel()] = p
+        lo[first_group : first_group + lo_part.numel()] = lo_part
+        scale[first_group : first_group + scale_part.numel()] = scale_part
+    return payload, lo, scale
+
+
+def unpack_dequantize_chunked(payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
+                              group_size: int, numel: int, dtype: torch.dtype, chunk: int = 1 << 18) -> torch.Tensor:
+    """:func:`unpack_dequantize` over runs of whole groups (same values, temporaries bounded by the chunk)."""
+    step = _chunk_elements(group_size, chunk)
+    if numel <= step:
+        return unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype)
+    out = torch.empty(numel, dtype=dtype, device=payload.device)
+    for start in range(0, numel, step):
+        count = min(step, numel - start)
+        first_byte, first_group = start * bits // 8, start // group_size
+        groups = -(-count // group_size)
+        out[start : start + count] = unpack_dequantize(
+            payload[first_byte : first_byte + math.ceil(count * bits / 8)], lo[first_group : first_group + groups],
+            scale[first_group : first_group + groups], bits, group_size, count, dtype)
+    return out
+
+
+def pack_bits_chunked(codes: torch.Tensor, bits: int, chunk: int = 1 << 18) -> torch.Tensor:
+    """:func:`pack_bits` over runs of ``chunk`` codes (a multiple of 8: whole bytes); the same stream, with the
+    int64 temporaries bounded by the chunk. The CPU kernel."""
+    n = codes.numel()
+    step = max(8, chunk // 8 * 8)
+    if n <= step or bits == 8:
+        return pack_bits(codes, bits)
+    codes = codes.reshape(-1)
+    out = torch.empty(math.ceil(n * bits / 8), dtype=torch.uint8, device=codes.device)
+    for start in range(0, n, step):
+        part = pack_bits(codes[start : start + step], bits)
+        out[start * bits // 8 : start * bits // 8 + part.numel()] = part
+    return out
+
+
+def unpack_bits_chunked(payload: torch.Tensor, bits: int, numel: int, chunk: int = 1 << 18) -> torch.Tensor:
+    """:func:`unpack_bits` over runs of ``chunk`` codes (same codes, temporaries bounded by the chunk)."""
+    step = max(8, chunk // 8 * 8)
+    if numel <= step or bits == 8:
+        return unpack_bits(payload, bits, numel)
+    out = torch.empty(numel, dtype=torch.uint8, device=payload.device)
+    for start in range(0, numel, step):
+        count = min(step, numel - start)
+        first = start * bits // 8
+        out[start : start + count] = unpack_bits(payload[first : first + math.ceil(count * bits / 8)], bits, count)
+    return out
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -44,8 +44,11 @@ def _ceil_div(a: int, b: int) -> int:
 
 @torch.library.custom_op("act_hf::quantize_pack", mutates_args=())
 def quantize_pack(x: Tensor, bits: int, group_size: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Flat ``x`` -> ``(payload uint8, lo int16, scale int16)``; see ``act_hf.compress.reference``."""
-    payload, lo, scale = reference.quantize_pack(x, bits, group_size, seed)
+    """Flat ``x`` -> ``(payload uint8, lo int16, scale int16)``; see ``act_hf.compress.reference``.
+
+    Without the CUDA extension (on the CPU, say) this is the reference run chunk by chunk, so its temporaries
+    stay small instead of about 30 bytes per element of ``x``."""
+    payload, lo, scale = reference.quantize_pack_chunked(x, bits, group_size, seed)
     return payload, lo, scale
 
 
@@ -53,7 +56,7 @@ def quantize_pack(x: Tensor, bits: int, group_size: int, seed: int) -> tuple[Ten
 def _(x: Tensor, bits: int, group_size: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     module = _cuda_ext()
     if module is None:
-        return reference.quantize_pack(x, bits, group_size, seed)
+        return reference.quantize_pack_chunked(x, bits, group_size, seed)
     payload, lo, scale = module.quantize_pack(x, bits, group_size, seed)
     return payload, lo, scale
 
@@ -74,15 +77,15 @@ def _(x: Tensor, bits: int, group_size: int, seed: int) -> tuple[Tensor, Tensor,
 def unpack_dequantize(
     payload: Tensor, lo: Tensor, scale: Tensor, bits: int, group_size: int, numel: int, dtype: torch.dtype
 ) -> Tensor:
-    """Inverse of ``quantize_pack``: a flat tensor of ``numel`` elements of ``dtype``."""
-    return reference.unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype)
+    """Inverse of ``quantize_pack``: a flat tensor of ``numel`` elements of ``dtype`` (chunked like it)."""
+    return reference.unpack_dequantize_chunked(payload, lo, scale, bits, group_size, numel, dtype)
 
 
 @unpack_dequantize.register_kernel("cuda")
 def _(payload, lo, scale, bits, group_size, numel, dtype):
     module = _cuda_ext()
     if module is None:
-        return reference.unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype)
+        return reference.unpack_dequantize_chunked(payload, lo, scale, bits, group_size, numel, dtype)
     return module.unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype)
 
 
@@ -94,15 +97,16 @@ def _(payload, lo, scale, bits, group_size, numel, dtype):
 
 @torch.library.custom_op("act_hf::pack_bits", mutates_args=())
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
-    """``uint8`` codes (< 2**bits) -> dense bit stream of ``ceil(n*bits/8)`` bytes."""
-    return reference.pack_bits(codes, bits)
+    """``uint8`` codes (< 2**bits) -> dense bit stream of ``ceil(n*bits/8)`` bytes (chunked without the
+    extension)."""
+    return reference.pack_bits_chunked(codes, bits)
 
 
 @pack_bits.register_kernel("cuda")
 def _(codes: Tensor, bits: int) -> Tensor:
     module = _cuda_ext()
     if module is None:
-        return reference.pack_bits(codes, bits)
+        return reference.pack_bits_chunked(codes, bits)
     return module.pack_bits(codes, bits)
 
 
@@ -113,15 +117,15 @@ def _(codes: Tensor, bits: int) -> Tensor:
 
 @torch.library.custom_op("act_hf::unpack_bits", mutates_args=())
 def unpack_bits(payload: Tensor, bits: int, numel: int) -> Tensor:
-    """Inverse of ``pack_bits``: ``numel`` ``uint8`` codes."""
-    return reference.unpack_bits(payload, bits, numel)
+    """Inverse of ``pack_bits``: ``numel`` ``uint8`` codes (chunked without the extension)."""
+    return reference.unpack_bits_chunked(payload, bits, numel)
 
 
 @unpack_bits.register_kernel("cuda")
 def _(payload: Tensor, bits: int, numel: int) -> Tensor:
     module = _cuda_ext()
     if module is None:
-        return reference.unpack_bits(payload, bits, numel)
+        return reference.unpack_bits_chunked(payload, bits, numel)
     return module.unpack_bits(payload, bits, numel)
 
 

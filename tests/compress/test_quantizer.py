@@ -268,3 +268,34 @@ def test_rounding_uniforms_are_splitmix64():
     for seed in (0, 12345, (1 << 63) - 1):
         got = R.uniform_from_hash(seed, 50).tolist()
         assert got == [splitmix(seed, i) for i in range(50)]
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_chunked_kernels_give_the_reference_bits(bits, dtype):
+    """The CPU kernels run the reference over runs of whole groups: every payload byte, zero point, scale and
+    decoded value equals the one-pass reference, partial last group and non-finite groups included."""
+    n, group_size = 3 * 4096 + 1000, 64
+    x = torch.randn(n, generator=torch.Generator().manual_seed(bits)).to(dtype)
+    x[5000] = float("inf")
+    whole = R.quantize_pack(x, bits, group_size, 99)
+    chunked = R.quantize_pack_chunked(x, bits, group_size, 99, chunk=4096 + 8)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    ref = R.unpack_dequantize(*whole, bits, group_size, n, dtype)
+    got = R.unpack_dequantize_chunked(*whole, bits, group_size, n, dtype, chunk=4096 + 8)
+    assert torch.equal(ref.isnan(), got.isnan()) and torch.equal(ref.nan_to_num(), got.nan_to_num())
+    # the registered CPU op is the chunked one, at its default chunk
+    big = torch.randn((1 << 18) + 333)
+    assert all(torch.equal(a, b) for a, b in zip(torch.ops.act_hf.quantize_pack(big, bits, 256, 7),
+                                                 R.quantize_pack(big, bits, 256, 7)))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 5, 8])
+def test_chunked_bit_packing_gives_the_reference_stream(bits):
+    n = 5 * 1024 + 3
+    codes = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    stream = R.pack_bits(codes, bits)
+    assert torch.equal(R.pack_bits_chunked(codes, bits, chunk=1000), stream)
+    assert torch.equal(R.unpack_bits_chunked(stream, bits, n, chunk=1000), codes)
+    big = torch.randint(0, 1 << bits, ((1 << 18) + 5,), dtype=torch.uint8)
+    assert torch.equal(torch.ops.act_hf.pack_bits(big, bits), R.pack_bits(big, bits))
