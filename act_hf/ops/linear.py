@@ -62,17 +62,20 @@ class ActLinearFunction(torch.autograd.Function):
         packed, weight = load_context(ctx)
         dtype = grad_out.dtype
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            w = weight.to(dtype)
-            grad_x = grad_out.matmul(w.t() if ctx.transposed else w)
+        # the weight gradient first: the dequantized input is freed before the input gradient is allocated,
+        # so the two full-size buffers are never alive together
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             g2d = grad_out.reshape(-1, grad_out.shape[-1])
             if ctx.needs_input_grad[1]:
                 x2d = input_values(packed).to(dtype)
                 x2d = x2d.reshape(-1, x2d.shape[-1])
                 grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
+                del x2d
             if ctx.needs_input_grad[2]:
                 grad_b = g2d.sum(0)
+        if ctx.needs_input_grad[0]:
+            w = weight.to(dtype)
+            grad_x = grad_out.matmul(w.t() if ctx.transposed else w)
         return grad_x, grad_w, grad_b, None, None
 
 
