@@ -151,3 +151,16 @@ def test_checkpoint_memory_settings_and_measurement():
     assert got["ckpt"]["am2"] > got["ckpt"]["am1"] and got["ckpt4+bits3"]["am2"] > got["ckpt4+bits3"]["am1"]
     assert got["ckpt4+bits3"]["am1"] < got["ckpt+bits3"]["am1"] < got["unpatched"]["am1"]
     assert got["ckpt4+bits3"]["am2"] < got["ckpt"]["am2"] < got["unpatched"]["am2"]
+
+
+cpu_peak = _load("benchmark_cpu_peak")
+
+
+def test_cpu_peak_refuses_bad_arguments():
+    with pytest.raises(SystemExit):
+        cpu_peak.main(["--batches", "1", "4"])  # the warm-up step runs at batch 1
+    with pytest.raises(SystemExit):
+        cpu_peak.main(["--batches", "4", "4"])
+    with pytest.raises(SystemExit, match="--settings"):
+        cpu_peak.main(["--settings", "bits3", "zip"])
+    assert cpu_peak._rss() > 0
