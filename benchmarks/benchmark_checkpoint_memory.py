@@ -37,7 +37,7 @@ import torch
 import act_hf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from benchmark_saved_memory import MODELS, _meta, make_inputs
+from benchmark_saved_memory import MODELS, _meta, make_inputs, save_log_plot
 
 DEFAULT_SETTINGS = ["unpatched", "ckpt", "bits3", "ckpt+bits3", "ckpt4+bits3", "ckpt2+bits3", "ckpt4+bits2"]
 
@@ -168,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             ax.scatter(xs, [r["am1_mib"][s] for s in args.settings], color="black", s=12, zorder=3,
                        label="AM1" if i == 0 else None)
         ax.set_xticks(range(len(args.settings)), args.settings, rotation=30)
-        ax.set_yscale("log")
-        ax.set_ylabel("MiB per sample (log)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.out / "checkpoint_memory.png", dpi=120)
+        save_log_plot(fig, ax, args.out / "checkpoint_memory.png")
     except ImportError:
         print("matplotlib not installed: no plot (pip install act-hf[bench])")
     return 0

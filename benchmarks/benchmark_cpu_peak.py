@@ -41,7 +41,7 @@ import act_hf
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_checkpoint_memory import parse_setting
-from benchmark_saved_memory import MODELS, _meta, make_inputs
+from benchmark_saved_memory import MODELS, _meta, make_inputs, save_log_plot
 
 TEXT_MODELS = ["bert-base", "bert-large", "roberta-base", "gpt2", "llama-style"]
 DEFAULT_SETTINGS = ["unpatched", "bits3", "bits2", "ckpt", "ckpt+bits3", "ckpt4+bits3"]
@@ -161,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.bar(range(len(rows)), [r["peak_mib_per_sample"] for r in rows], label="step peak")
         ax.bar(range(len(rows)), [r["saved_mib_per_sample"] for r in rows], width=0.4, label="saved for backward")
         ax.set_xticks(range(len(rows)), labels, rotation=30, fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("MiB per sample (log)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.out / "cpu_peak.png", dpi=120)
+        save_log_plot(fig, ax, args.out / "cpu_peak.png")
     except ImportError:
         print("matplotlib not installed: no plot (pip install act-hf[bench])")
     return 0

@@ -148,6 +148,15 @@ def _meta(device) -> dict:
     }
 
 
+def save_log_plot(fig, ax, path: Path) -> None:
+    """Finish a per-sample memory plot (log y axis in MiB per sample, legend) and save it at 120 dpi."""
+    ax.set_yscale("log")
+    ax.set_ylabel("MiB per sample (log)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
