@@ -220,17 +220,20 @@ def _compressing(func: Callable, bits: int, group_size: int, swap: bool) -> Call
         return func
     preserve_rng_state = func.keywords.get("preserve_rng_state", True) if isinstance(func, functools.partial) \
         else True
-
-    def compressed(function: Callable, *args: Any) -> Any:
-        layer = _layer_of(function)
-        slot = getattr(layer, "act_hf_checkpoint_slot", None) or \
-            (f"{type(layer).__name__}:checkpoint_input" if layer is not None else "checkpoint_input")
-        return checkpoint(function, *args, bits=bits, group_size=group_size, swap=swap, slot=slot,
-                          preserve_rng_state=preserve_rng_state)
-
+    # a partial of a module-level function (not a closure), so a patched model still pickles
+    compressed = functools.partial(_packed_layer_call, {"bits": bits, "group_size": group_size, "swap": swap,
+                                                        "preserve_rng_state": preserve_rng_state})
     compressed.act_hf_compressed = True
     compressed.act_hf_original = func
     return compressed
+
+
+def _packed_layer_call(options: dict, function: Callable, *args: Any) -> Any:
+    """HF's ``_gradient_checkpointing_func(function, *args)`` as :func:`checkpoint`, slot named after the layer."""
+    layer = _layer_of(function)
+    slot = getattr(layer, "act_hf_checkpoint_slot", None) or \
+        (f"{type(layer).__name__}:checkpoint_input" if layer is not None else "checkpoint_input")
+    return checkpoint(function, *args, slot=slot, **options)
 
 
 def _convert_modules(model: nn.Module, bits: int, group_size: int, swap: bool) -> None:

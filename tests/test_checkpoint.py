@@ -183,6 +183,30 @@ def test_a_deep_copy_switches_its_own_layers():
     assert "bert.encoder.layer.1:checkpoint_input" in saved.by_slot
 
 
+def test_packed_checkpoint_layers_pickle(tmp_path):
+    """The checkpoint function act_hf puts on each layer pickles (HF's own input-grad hook does not, so the
+    encoder is saved, not the whole model): the loaded encoder keeps its inputs packed and computes the same
+    gradients."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    model, _ = bert()
+    model.train()
+    model.gradient_checkpointing_enable()
+    act_hf.patch(model, bits=4, checkpoint_bits=4)
+    torch.save(model.bert.encoder, tmp_path / "encoder.pt")
+    loaded = torch.load(tmp_path / "encoder.pt", weights_only=False)
+    assert getattr(loaded.layer[0]._gradient_checkpointing_func, "act_hf_compressed", False)
+    grads = []
+    for encoder in (model.bert.encoder, loaded):
+        x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        act_hf.manual_seed(0)
+        with act_hf.track_saved() as saved:
+            out = encoder(x).last_hidden_state
+        out.pow(2).sum().backward()
+        assert "bert.encoder.layer.1:checkpoint_input" in saved.by_slot
+        grads.append([x.grad, *(p.grad for p in encoder.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_decoder_with_rotary_tables_and_dropout():
     """LLaMA passes its rotary tables as keyword tensors: the checkpointed, packed model trains like the
     uncheckpointed one (loss exact, gradients agree at 8 bits) with dropout replayed."""
