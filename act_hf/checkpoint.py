@@ -36,6 +36,7 @@ Contract:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -48,18 +49,13 @@ from .compress import check_bits, check_group_size, dequantize
 from .compress.packed import PackedTensor
 from .context import store
 from .errors import ActHFRuntimeError
-from .ops._saving import load_context, save_context
+from .ops._saving import autocast_state, load_context, save_context
 
 __all__ = ["checkpoint", "enable_hf_checkpoint_compression"]
 
 _TORCH_CHECKPOINT = torch.utils.checkpoint.checkpoint
 
 logger = logging.getLogger(__name__)
-
-
-def _autocast_state(device_type: str) -> dict[str, Any]:
-    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
-            "cache_enabled": torch.is_autocast_cache_enabled()}
 
 
 class _Call:
@@ -98,8 +94,8 @@ class _CompressedCheckpoint(torch.autograd.Function):
                 preserve_rng_state: bool, *tensors: Tensor) -> Any:
         ctx.call, ctx.preserve_rng_state = call, preserve_rng_state
         ctx.device_type = next((t.device.type for t in tensors if t.device.type not in ("cpu", "meta")), "cpu")
-        ctx.autocast = _autocast_state(ctx.device_type)
-        ctx.cpu_autocast = _autocast_state("cpu")
+        ctx.autocast = autocast_state(ctx.device_type)
+        ctx.cpu_autocast = autocast_state("cpu")
         if preserve_rng_state:
             ctx.cpu_rng_state = torch.get_rng_state()
             ctx.device_ids, ctx.device_states = get_device_states(*tensors) if ctx.device_type != "cpu" else ([], [])
@@ -269,8 +265,6 @@ def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size:
     Returns:
         A function that restores torch's checkpoint and the original ``_set_gradient_checkpointing``.
     """
-    import inspect
-
     options = {"bits": bits, "group_size": group_size, "swap": swap}
     model.act_hf_checkpoint = options
     _convert_modules(model, **options)

@@ -15,7 +15,7 @@ from ..compress import PackedTensor
 from ..context import store
 from ..derived import RectifiedAffine
 
-__all__ = ["OpSettings", "load_context", "save_context"]
+__all__ = ["OpSettings", "autocast_state", "load_context", "save_context"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,13 @@ class OpSettings:
     bits: int
     group_size: int = 256
     swap: bool = False
+
+
+def autocast_state(device_type: str) -> dict[str, Any]:
+    """The autocast settings in force for ``device_type``, as ``torch.autocast(device_type, **state)`` keyword
+    arguments: what a backward that recomputes part of the forward records, to recompute under the same ones."""
+    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
+            "cache_enabled": torch.is_autocast_cache_enabled()}
 
 
 def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine | None) -> None:

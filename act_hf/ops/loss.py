@@ -24,11 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..derived import recall, remember
+from ._saving import autocast_state
 
 __all__ = ["HeadCrossEntropyFunction", "causal_lm_loss", "note_head_output"]
 
 #: Bytes of fp32 logits one backward chunk may hold.
 CHUNK_BYTES = 128 * 2**20
+
 
 def note_head_output(module: nn.Module, args: tuple, output: Tensor) -> None:
     """Forward hook of an LM head (``nn.Linear``): remember that ``output = linear(args[0], weight, bias)``
@@ -52,9 +54,7 @@ class HeadCrossEntropyFunction(torch.autograd.Function):
         loss = F.cross_entropy(logits.float().view(-1, vocab), targets, ignore_index=ignore_index,
                                reduction=reduction)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        device = logits.device.type
-        autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
-        ctx.meta = (logits.shape, logits.dtype, ignore_index, reduction, autocast)
+        ctx.meta = (logits.shape, logits.dtype, ignore_index, reduction, autocast_state(logits.device.type))
         return loss
 
     @staticmethod
@@ -69,9 +69,7 @@ class HeadCrossEntropyFunction(torch.autograd.Function):
             scale = scale / keep.sum()
         grad = torch.empty(rows.shape[0], vocab, dtype=dtype, device=grad_loss.device)
         step = max(1, CHUNK_BYTES // (4 * vocab))
-        context = torch.autocast(autocast[0], dtype=autocast[1]) if autocast else torch.autocast(
-            grad_loss.device.type, enabled=False)
-        with torch.no_grad(), context:
+        with torch.no_grad(), torch.autocast(grad_loss.device.type, **autocast):
             for start in range(0, rows.shape[0], step):
                 end = min(start + step, rows.shape[0])
                 probs = torch.softmax(F.linear(rows[start:end], weight, bias).float(), dim=-1)
