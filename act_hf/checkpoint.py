@@ -43,13 +43,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .compress import check_bits, check_group_size, dequantize
 from .compress.packed import PackedTensor
 from .context import store
 from .errors import ActHFRuntimeError
-from .ops._saving import autocast_state, load_context, save_context
+from .ops._saving import autocast_state, load_context, replayed_rng, rng_state, save_context
 
 __all__ = ["checkpoint", "enable_hf_checkpoint_compression"]
 
@@ -92,13 +91,11 @@ class _CompressedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, bits: int | None, group_size: int, swap: bool, slot: str,
                 preserve_rng_state: bool, *tensors: Tensor) -> Any:
-        ctx.call, ctx.preserve_rng_state = call, preserve_rng_state
+        ctx.call = call
         ctx.device_type = next((t.device.type for t in tensors if t.device.type not in ("cpu", "meta")), "cpu")
         ctx.autocast = autocast_state(ctx.device_type)
         ctx.cpu_autocast = autocast_state("cpu")
-        if preserve_rng_state:
-            ctx.cpu_rng_state = torch.get_rng_state()
-            ctx.device_ids, ctx.device_states = get_device_states(*tensors) if ctx.device_type != "cpu" else ([], [])
+        ctx.rng = rng_state(*tensors) if preserve_rng_state else None
         compress = call.compressible() if bits is not None else [False] * len(tensors)
         ctx.inputs_need_grad = [t.requires_grad for t in tensors]
         ctx.channels_last = [t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
@@ -131,15 +128,9 @@ class _CompressedCheckpoint(torch.autograd.Function):
                 if channels_last:
                     item = item.contiguous(memory_format=torch.channels_last)
             inputs.append(item.detach().requires_grad_(needs_grad))
-        devices = ctx.device_ids if ctx.preserve_rng_state else []
-        with torch.random.fork_rng(devices=devices, enabled=ctx.preserve_rng_state, device_type=ctx.device_type):
-            if ctx.preserve_rng_state:
-                torch.set_rng_state(ctx.cpu_rng_state)
-                if devices:
-                    set_device_states(ctx.device_ids, ctx.device_states, device_type=ctx.device_type)
-            with torch.enable_grad(), torch.autocast(ctx.device_type, **ctx.autocast), \
-                    torch.autocast("cpu", **ctx.cpu_autocast):
-                outputs = ctx.call(inputs)
+        with replayed_rng(ctx.rng), torch.enable_grad(), torch.autocast(ctx.device_type, **ctx.autocast), \
+                torch.autocast("cpu", **ctx.cpu_autocast):
+            outputs = ctx.call(inputs)
         outputs = (outputs,) if isinstance(outputs, Tensor) else outputs
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
                  if isinstance(o, Tensor) and o.requires_grad and g is not None]

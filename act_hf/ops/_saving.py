@@ -6,16 +6,19 @@ saved-tensor hooks, ``torch.utils.checkpoint`` and :func:`act_hf.track_saved` se
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..compress import PackedTensor
 from ..context import store
 from ..derived import RectifiedAffine
 
-__all__ = ["OpSettings", "autocast_state", "load_context", "save_context"]
+__all__ = ["OpSettings", "RngState", "autocast_state", "load_context", "replayed_rng", "rng_state", "save_context"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,39 @@ def autocast_state(device_type: str) -> dict[str, Any]:
     arguments: what a backward that recomputes part of the forward records, to recompute under the same ones."""
     return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
             "cache_enabled": torch.is_autocast_cache_enabled()}
+
+
+@dataclass(frozen=True)
+class RngState:
+    """The CPU generator's state and those of the accelerators some tensors live on (:func:`rng_state`)."""
+
+    cpu: torch.Tensor
+    device_type: str
+    device_ids: list[int]
+    device_states: list[torch.Tensor]
+
+
+def rng_state(*tensors: torch.Tensor) -> RngState:
+    """Capture the RNG states a recomputation of an op on ``tensors`` must restore to draw the same dropout
+    masks: the CPU generator's, and the default generator's of each accelerator among the tensors' devices (as
+    ``torch.utils.checkpoint`` does with ``preserve_rng_state=True``)."""
+    device_type = next((t.device.type for t in tensors if t.device.type not in ("cpu", "meta")), "cpu")
+    ids, states = get_device_states(*tensors) if device_type != "cpu" else ([], [])
+    return RngState(torch.get_rng_state(), device_type, ids, states)
+
+
+@contextmanager
+def replayed_rng(state: RngState | None) -> Iterator[None]:
+    """Run the block with the generators set to ``state``; on exit they are back where they were, so the
+    recomputation consumes nothing of the caller's random stream. ``None`` runs the block as it is."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=state.device_ids, device_type=state.device_type):
+        torch.set_rng_state(state.cpu)
+        if state.device_ids:
+            set_device_states(state.device_ids, state.device_states, device_type=state.device_type)
+        yield
 
 
 def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine | None) -> None:

@@ -7,14 +7,15 @@ transformers / timm write it. The context kept for backward is only
 * ``q``, ``k``, ``v`` quantized through the context store, one slot each: ``<base>:q``, ``<base>:k``,
   ``<base>:v`` (``<base>`` is ``settings.slot``, e.g. ``bert.encoder.layer.0.attention.self``), each at the
   bits the allocator gave that slot (``store.bits_for``, default ``settings.bits``);
-* with dropout, the keep mask at 1 bit per attention-matrix element (``act_hf.compress.pack_bits``);
 * the attention mask / bias as given (not compressed: HF passes one mask tensor shared by every layer, so it is
   stored once; timm's Swin passes a small ``(1, heads, N, N)`` bias);
+* for SDPA with dropout, no mask at all: the state of the generators the forward drew it from (a few KiB of
+  host memory) and the backend that drew it;
 
 and backward *recomputes* attention from the dequantized ``q``, ``k``, ``v`` and applies the exact
-softmax/matmul backward (through autograd on the recomputation: ``F.scaled_dot_product_attention`` itself
-without dropout, so CUDA backward uses the fused memory-efficient kernels; an explicit fp32 math path with the
-saved keep mask otherwise).
+softmax/matmul backward (through autograd on the recomputation: ``F.scaled_dot_product_attention`` itself, so
+CUDA backward uses the fused kernels; for eager attention with dropout, an explicit fp32 math path with the keep
+mask, which eager attention saves at 1 bit per attention-matrix element).
 
 Why recompute and not the fused SDPA backward ops
 -------------------------------------------------
@@ -37,42 +38,38 @@ Saved bytes for that shape (q, k, v are 1 MiB each in fp32): recompute 208,896 /
 798,720 at 2 / 3 / 4 / 8 bits; fused backward with the exact fp32 output and log-sum-exp 1,273,856 /
 1,372,160 / 1,470,464 / 1,863,680; with the output quantized too 294,912 / 425,984 / 557,056 / 1,081,344.
 Recompute is both smaller and more accurate at every width, so it is the only backward here. Its cost is one
-extra attention forward in backward (the math path, used with dropout, materialises the ``S x S`` scores of
-one layer at a time in backward, as the unpatched math path does in forward).
+extra attention forward in backward, by the kernel the forward ran (on the CPU with dropout, SDPA's math path,
+which materialises the ``S x S`` scores of one layer at a time, as it does in the unpatched forward).
 
 Dropout and the RNG
 -------------------
-On CPU ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` dispatches to
-``aten._scaled_dot_product_attention_math`` (flash-for-CPU has no dropout), with a boolean mask first turned
-into an additive ``0 / -inf`` mask in the query dtype. Calling that op directly with the converted mask gives
-``torch.equal`` outputs and consumes the global RNG identically (checked in fp32 and bf16), and it also returns
-the attention probabilities after dropout, from which the keep mask (``attn != 0``) is packed at 1 bit. Where
-a probability is 0 the keep bit is irrelevant for every gradient, so zeros count as dropped.
+SDPA with ``dropout_p > 0`` runs exactly as the unpatched call runs in training: SDPA itself, on stand-ins of
+``q``, ``k``, ``v`` and the mask that require grad as they do, in grad mode (grad mode takes part in SDPA's
+backend choice, and an autograd ``forward`` runs without it), with autocast's cast applied by hand. So the backend
+(math on CPU; flash / memory-efficient / cuDNN on CUDA), the output and the draw from the global generator are
+the unpatched ones. Backward restores the generators to their state before that draw (``torch.random.fork_rng``,
+as ``torch.utils.checkpoint`` does), forces the same backend (``torch.nn.attention.sdpa_kernel``) and recomputes
+SDPA with dropout on the dequantized inputs: every kernel draws its mask from the generator state, the shapes
+and the dropout probability alone, so the recomputation drops exactly what the forward dropped, and the caller's
+random stream is left where it was. On CUDA no ``S x S`` matrix exists in either pass.
 
-On CUDA (and other devices) without dropout the forward *is* ``F.scaled_dot_product_attention``. With
-``dropout_p > 0`` the fused flash / memory-efficient / cuDNN kernels draw their masks with an internal Philox
-stream that cannot be replayed outside the kernel, so act_hf runs the math op instead (same distribution, a
-different draw, math-path numerics and ``S x S`` forward memory) and warns once (:class:`ActHFWarning`). When
-SDPA itself would pick the math path (e.g. a mask that requires grad) there is no difference and no warning.
-
-Fully masked rows follow PyTorch: without dropout the recomputation is SDPA itself; the math path uses
-``aten._safe_softmax`` as SDPA's math path does (rows of ``-inf`` give zeros, and zero gradients).
+Fully masked rows follow PyTorch, since the recomputation is SDPA itself.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..compress import dequantize, pack_bits, unpack_bits
 from ..context import store
-from ..errors import ActHFTypeError, ActHFValueError, ActHFWarning
-from ._saving import OpSettings, load_context, save_context
+from ..errors import ActHFTypeError, ActHFValueError
+from ._saving import OpSettings, RngState, load_context, replayed_rng, rng_state, save_context
 
 __all__ = [
     "ActEagerAttentionFunction",
@@ -82,11 +79,6 @@ __all__ = [
     "repeat_kv",
     "role_settings",
 ]
-
-logger = logging.getLogger(__name__)
-
-_MATH_BACKEND = 0  # int(torch.nn.attention.SDPBackend.MATH)
-_warned_fused_dropout = False
 
 
 def role_settings(settings: OpSettings, role: str) -> OpSettings:
@@ -102,11 +94,6 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
         return x
     batch, heads, slen, dim = x.shape
     return x[:, :, None, :, :].expand(batch, heads, n_rep, slen, dim).reshape(batch, heads * n_rep, slen, dim)
-
-
-def _bool_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """SDPA's ``convert_boolean_attn_mask``: True keeps (0), False masks (-inf), in ``dtype``."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
 
 
 def _compress(t: Tensor, settings: OpSettings, role: str):
@@ -132,15 +119,10 @@ def _add_window_mask(scores: Tensor, window_mask: Tensor) -> Tensor:
 
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, ...], keep: Tensor | None,
-                    dropout_p: float, is_causal: bool, scale: float, safe_softmax: bool,
-                    window_mask: Tensor | None = None) -> Tensor:
-    """Differentiable fp32 reference attention used by the backward recomputation (k, v already repeated)."""
+                    dropout_p: float, scale: float, window_mask: Tensor | None = None) -> Tensor:
+    """Differentiable fp32 eager attention used by the backward recomputation (k, v already repeated)."""
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
-    if is_causal:
-        L, S = scores.shape[-2], scores.shape[-1]
-        causal = torch.ones(L, S, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
     for mask in masks:
         if mask is None:
             continue
@@ -150,18 +132,10 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None,
             scores = scores + mask.to(dtype)
     if window_mask is not None:
         scores = _add_window_mask(scores, window_mask.to(dtype))
-    probs = torch.ops.aten._safe_softmax(scores, -1) if safe_softmax else torch.softmax(scores, -1)
+    probs = torch.softmax(scores, -1)
     if keep is not None:
         probs = probs * keep * (1.0 / (1.0 - dropout_p))
     return torch.matmul(probs, v.to(dtype))
-
-
-def _expand_heads(x: Tensor, q_heads: int, n_rep: int, enable_gqa: bool) -> Tensor:
-    if n_rep > 1:
-        x = repeat_kv(x, n_rep)
-    if enable_gqa and x.shape[-3] != q_heads:
-        x = x.repeat_interleave(q_heads // x.shape[-3], dim=-3)
-    return x
 
 
 def _load_qkv(ctx, pq, pk, pv, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -189,21 +163,19 @@ class ActSDPAFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` with a quantized saved context.
 
     Saves: ``quantize(q)`` and ``quantize(k)`` (when any input needs a gradient), ``quantize(v)`` (only when
-    ``q``, ``k`` or the mask need a gradient: ``dv = P^T dO`` does not read ``v``), ``attn_mask`` as given,
-    and with dropout the keep mask packed at 1 bit per element of the ``(B, H, L, S)`` attention matrix.
-    ``k`` and ``v`` are saved before the ``n_rep`` head repetition.
+    ``q``, ``k`` or the mask need a gradient, or with dropout: ``dv = P^T dO`` does not read ``v``) and
+    ``attn_mask`` as given. ``k`` and ``v`` are saved before the ``n_rep`` head repetition. With dropout, ``ctx``
+    also keeps the RNG state the forward drew its mask from and the SDPA backend it ran (:class:`_DropoutReplay`).
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
                 scale: float | None, enable_gqa: bool, n_rep: int, settings: OpSettings) -> Tensor:
         k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        keep_payload = None
+        ctx.replay = None
         if dropout_p > 0.0:
-            out, attn = _sdpa_math_with_dropout(q, k_full, v_full, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-            keep_payload = _pack_keep(attn, settings)
-            ctx.keep_shape = attn.shape
-            del attn
+            out, ctx.replay = _sdpa_with_replayable_dropout(q, k_full, v_full, attn_mask, dropout_p, is_causal, scale,
+                                                            enable_gqa)
         else:
             out = F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=attn_mask, dropout_p=0.0,
                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -212,7 +184,7 @@ class ActSDPAFunction(torch.autograd.Function):
         pq = _compress(q, settings, "q") if any_grad else None
         pk = _compress(k, settings, "k") if any_grad else None
         pv = _compress(v, settings, "v") if need_q or need_k or need_m else None
-        save_context(ctx, pq, pk, pv, attn_mask if any_grad else None, keep_payload)
+        save_context(ctx, pq, pk, pv, attn_mask if any_grad else None)
         ctx.v_shape = v.shape
         ctx.args = (dropout_p, is_causal, scale, enable_gqa, n_rep)
         return out
@@ -220,50 +192,86 @@ class ActSDPAFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
-        pq, pk, pv, mask, keep_payload = load_context(ctx)
+        pq, pk, pv, mask = load_context(ctx)
         dropout_p, is_causal, scale, enable_gqa, n_rep = ctx.args
         need = ctx.needs_input_grad
+        replay: _DropoutReplay | None = ctx.replay
         q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
         with torch.enable_grad():
             q = q.requires_grad_(need[0])
             k = k.requires_grad_(need[1])
             v = v.requires_grad_(need[2])
             m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
-            k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-            if keep_payload is None:
-                out = F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=m, dropout_p=0.0,
-                                                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            if replay is None:
+                out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=m,
+                                                     dropout_p=0.0, is_causal=is_causal, scale=scale,
+                                                     enable_gqa=enable_gqa)
             else:
-                keep = _unpack_keep(keep_payload, ctx.keep_shape)
-                k_full = _expand_heads(k_full, q.shape[-3], 1, enable_gqa)
-                v_full = _expand_heads(v_full, q.shape[-3], 1, enable_gqa)
-                s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-                out = _math_attention(q, k_full, v_full, (m,), keep, dropout_p, is_causal, s, safe_softmax=True)
+                inputs = [replay.cast(t) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), m)]
+                with replayed_rng(replay.rng), sdpa_kernel(replay.backend), \
+                        torch.autocast(q.device.type, enabled=False):
+                    out = F.scaled_dot_product_attention(*inputs, dropout_p=dropout_p, is_causal=is_causal,
+                                                         scale=scale, enable_gqa=enable_gqa)
             dq, dk, dv, dm = _grads(out, [q, k, v, m], grad_out)
         return dq, dk, dv, dm, None, None, None, None, None, None
 
 
-def _sdpa_math_with_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
-                            is_causal: bool, scale: float | None, enable_gqa: bool) -> tuple[Tensor, Tensor]:
-    """SDPA's math path with dropout: ``(out, attn_after_dropout)``; identical to SDPA where SDPA picks math."""
-    global _warned_fused_dropout
-    choice = torch.ops.aten._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                                               enable_gqa=enable_gqa)
-    if choice != _MATH_BACKEND and not _warned_fused_dropout:
-        _warned_fused_dropout = True
-        warnings.warn(
-            f"act_hf: attention dropout on {q.device.type} with a fused SDPA kernel (backend {choice}): its dropout "
-            "RNG cannot be replayed, so act_hf runs SDPA's math path instead. Outputs have the same distribution "
-            "but not the same dropout draw as the unpatched model; set the attention dropout to 0 for exact "
-            "forward equality.",
-            ActHFWarning,
-            stacklevel=4,
-        )
-        logger.info("attention dropout with fused backend %s: using the math path", choice)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = _bool_to_additive(attn_mask, q.dtype)
-    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
-                                                              scale=scale, enable_gqa=enable_gqa)
+@dataclass(frozen=True)
+class _DropoutReplay:
+    """What redraws an SDPA call's dropout mask: the generators' state before the call, the backend that ran
+    (its kernel decides how the mask is drawn) and the dtype the call computed in (autocast's, if it cast)."""
+
+    rng: RngState
+    backend: SDPBackend
+    dtype: torch.dtype | None
+
+    def cast(self, t: Tensor | None) -> Tensor | None:
+        """``t`` as autocast handed it to SDPA in forward."""
+        return t.to(self.dtype) if self.dtype is not None and t is not None and _autocast_casts(t) else t
+
+
+def _autocast_casts(t: Tensor) -> bool:
+    """Whether autocast's lower-precision policy (SDPA's, on CPU and CUDA) casts ``t``."""
+    return t.is_floating_point() and t.dtype != torch.float64
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _sdpa_with_replayable_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                                  is_causal: bool, scale: float | None,
+                                  enable_gqa: bool) -> tuple[Tensor, _DropoutReplay]:
+    """SDPA with dropout, run exactly as the unpatched call runs in training, and what replays its mask.
+
+    The call is SDPA itself on stand-ins of the inputs that require grad as the inputs do, in grad mode (an
+    autograd ``forward`` runs without it, and grad mode takes part in the backend choice) and with autocast's
+    cast applied by hand, so the backend, the kernel and the draw from the global generator are the unpatched
+    ones. Backward redraws the same mask by restoring the generators and forcing the same backend
+    (``F.scaled_dot_product_attention`` on dequantized inputs), so no mask is stored and fused kernels with
+    their own dropout (CUDA flash / memory-efficient / cuDNN) run in both passes.
+    """
+    device_type = q.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    stand_ins = []
+    for t in (q, k, v, attn_mask):
+        if t is not None:
+            requires_grad = t.requires_grad
+            t = t.detach()
+            t = t.to(dtype) if dtype is not None and _autocast_casts(t) else t
+            t = t.requires_grad_(requires_grad and t.is_floating_point())
+        stand_ins.append(t)
+    # the stand-ins' graph is dropped on return; the identity hooks keep its saves from the caller's saved-tensor
+    # hooks (act_hf.track_saved, torch.utils.checkpoint)
+    with torch.enable_grad(), torch.autocast(device_type, enabled=False), \
+            torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        backend = SDPBackend(torch.ops.aten._fused_sdp_choice(*stand_ins, dropout_p, is_causal, scale=scale,
+                                                               enable_gqa=enable_gqa))
+        rng = rng_state(q)
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(*stand_ins, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                                 enable_gqa=enable_gqa)
+    return out.detach(), _DropoutReplay(rng, backend, dtype)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, n_rep: int) -> None:
@@ -382,8 +390,8 @@ class ActEagerAttentionFunction(torch.autograd.Function):
             v = v.requires_grad_(need[2])
             m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
             e = extra.detach().requires_grad_(True) if extra is not None and need[4] else extra
-            out = _math_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), (m,), keep, dropout_p, False,
-                                  scaling, safe_softmax=False, window_mask=e)
+            out = _math_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), (m,), keep, dropout_p, scaling,
+                                  window_mask=e)
             dq, dk, dv, dm, de = _grads(out, [q, k, v, m, e], grad_out)
         return dq, dk, dv, dm, de, None, None, None, None, None, None, None
 

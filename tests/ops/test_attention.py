@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from act_hf.compress import quantize
+import act_hf
+from act_hf.compress import dequantize, quantize
 from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
 from act_hf.ops._saving import OpSettings
@@ -171,6 +172,50 @@ def test_sdpa_fully_masked_rows_match_pytorch(dropout_p):
     _check_grads(ref_g, g, SQNR_MIN[8])
 
 
+def _dequantized(tensors, bits: int, seed: int = 7) -> list[torch.Tensor]:
+    """``Q(t)`` for each of ``tensors``, drawn as act_hf draws them after ``act_hf.manual_seed(seed)``."""
+    act_hf.manual_seed(seed)
+    return [dequantize(quantize(t.detach(), bits, 256)).requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("case", ["plain", "causal", "bool_padding", "additive_heads"])
+def test_sdpa_dropout_backward_redraws_the_forward_mask(case, bits):
+    """No mask is stored: backward restores the RNG and recomputes SDPA with dropout on Q(q), Q(k), Q(v), so the
+    gradient is exactly SDPA's autograd gradient at the dequantized inputs under the same seed."""
+    kwargs = CASES[case]()
+    q, k, v = _qkv()
+    grad_out = torch.randn(B, H, S, D)
+    act_hf.manual_seed(7)
+    _, g, rng = _run(lambda: act_sdpa(q, k, v, dropout_p=0.3, **kwargs, settings=_settings(bits)), (q, k, v),
+                     grad_out)
+    deq = _dequantized((q, k, v), bits)
+    _, ref_g, ref_rng = _run(lambda: F.scaled_dot_product_attention(*deq, dropout_p=0.3, **kwargs), deq, grad_out)
+    assert torch.equal(ref_rng, rng), "backward must leave the global RNG where the caller had it"
+    for name, r, x in zip(("dq", "dk", "dv"), ref_g, g):
+        assert torch.equal(r, x), f"{name} differs from autograd at the dequantized inputs"
+    _, other_g, _ = _run(lambda: F.scaled_dot_product_attention(*deq, dropout_p=0.3, **kwargs), deq, grad_out,
+                         seed=6)
+    assert not torch.equal(other_g[2], g[2]), "another dropout draw must give another gradient"
+
+
+def test_sdpa_dropout_under_autocast_replays_the_cast():
+    """Under bf16 autocast with fp32 q, k, v (autocast casts SDPA's inputs), forward equals SDPA under autocast and
+    backward is autograd of that at the dequantized inputs, with the same mask."""
+    q, k, v = _qkv()
+    mask = torch.randn(B, 1, S, S, requires_grad=True)
+    grad_out = torch.randn(B, H, S, D, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, _, _ = _run(lambda: F.scaled_dot_product_attention(q, k, v, mask, 0.2), (q, k, v, mask), grad_out)
+        act_hf.manual_seed(7)
+        out, g, _ = _run(lambda: act_sdpa(q, k, v, mask, 0.2, settings=_settings(4)), (q, k, v, mask), grad_out)
+        deq = _dequantized((q, k, v), 4)
+        _, ref_g, _ = _run(lambda: F.scaled_dot_product_attention(*deq, mask, 0.2), (*deq, mask), grad_out)
+    assert out.dtype == torch.bfloat16 and torch.equal(ref, out)
+    for name, r, x in zip(("dq", "dk", "dv", "dmask"), ref_g, g):
+        assert x.dtype == torch.float32 and torch.equal(r, x), name
+
+
 def _packed_bytes(t: torch.Tensor, bits: int, group_size: int = 256) -> int:
     n = t.numel()
     return math.ceil(n * bits / 8) + 4 * math.ceil(n / group_size)
@@ -182,7 +227,7 @@ def test_sdpa_saved_bytes_formula(bits):
     mask = _padding_mask((B, 1, 1, 48))
     with track_saved() as saved:
         out = act_sdpa(q, k, v, mask, 0.1, settings=_settings(bits))
-    expected = 3 * _packed_bytes(q, bits) + math.ceil(B * H * 48 * 48 / 8) + mask.numel()
+    expected = 3 * _packed_bytes(q, bits) + mask.numel()  # no dropout mask: backward redraws it
     print(f"bits={bits}: saved {saved.bytes} B (expected {expected}); by slot {saved.by_slot}")
     assert saved.bytes == expected
     assert saved.by_slot["layer.attn:q"] == _packed_bytes(q, bits)
@@ -415,9 +460,7 @@ def test_timm_attention_mixins(name, fused):
 
 
 @pytest.mark.cuda
-def test_sdpa_cuda_forward_equal_and_dropout_warning():
-    from act_hf.errors import ActHFWarning
-
+def test_sdpa_cuda_forward_equal():
     q, k, v = (t.detach().cuda().half().requires_grad_() for t in _qkv())
     mask = _padding_mask((B, 1, 1, S)).cuda()
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -428,8 +471,31 @@ def test_sdpa_cuda_forward_equal_and_dropout_warning():
     _check_grads(ref_grads, grads, 25.0)
     out = act_sdpa(q, k, v, mask, settings=_settings(8))
     assert torch.equal(F.scaled_dot_product_attention(q, k, v, mask), out)
-    from act_hf.ops import attention
 
-    attention._warned_fused_dropout = False
-    with pytest.warns(ActHFWarning, match="dropout"):
-        act_sdpa(q, k, v, dropout_p=0.1, settings=_settings(8))
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sdpa_cuda_dropout_runs_the_fused_kernel_and_redraws_its_mask(dtype):
+    """With dropout on CUDA the forward is SDPA's own fused kernel (same output, same draw from the CUDA
+    generator), and backward redraws that kernel's mask: the gradient is autograd's at the dequantized inputs."""
+    q, k, v = (t.detach().cuda().to(dtype).requires_grad_() for t in _qkv())
+    grad_out = torch.randn(B, H, S, D, device="cuda", dtype=dtype)
+    for kwargs in ({}, {"is_causal": True}):
+        assert torch.ops.aten._fused_sdp_choice(q, k, v, None, 0.2, **kwargs) != 0, "expected a fused kernel"
+        torch.manual_seed(3)
+        ref = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, **kwargs)
+        ref_rng = torch.cuda.get_rng_state()
+        ref_g = torch.autograd.grad(ref, (q, k, v), grad_out)
+        torch.manual_seed(3)
+        act_hf.manual_seed(7)
+        out = act_sdpa(q, k, v, dropout_p=0.2, **kwargs, settings=_settings(8))
+        assert torch.equal(ref, out)
+        assert torch.equal(ref_rng, torch.cuda.get_rng_state()), "forward must draw from the CUDA generator as SDPA does"
+        g = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert torch.equal(ref_rng, torch.cuda.get_rng_state()), "backward must leave the CUDA generator where it was"
+        _check_grads(ref_g, g, 25.0)
+        deq = _dequantized((q, k, v), 8)
+        torch.manual_seed(3)
+        exact = torch.autograd.grad(F.scaled_dot_product_attention(*deq, dropout_p=0.2, **kwargs), deq, grad_out)
+        for r, x in zip(exact, g):
+            torch.testing.assert_close(x, r, rtol=2e-2, atol=2e-3)
