@@ -1,7 +1,9 @@
 """GLUE accuracy with and without act_hf: MiniLM fine-tuned by ``glue_scripts/run_glue.py`` per task and setting.
 
 Each (task, setting, seed) is one ``run_glue.py`` run in its own subprocess on the local GLUE TSVs; the
-settings are the uncompressed baseline, fixed ``bits=3``, and adaptive budgets (``2.5``, ``2``). Writes
+settings are the uncompressed baseline, fixed ``bits=3``, adaptive budgets (``2.5``, ``2``), and gradient
+checkpointing with packed layer inputs (``ckpt4+bits3``, opt-in: its gradient is biased, see
+:mod:`act_hf.checkpoint`). Writes
 ``glue_accuracy.json`` and ``glue_accuracy.md`` under ``--out`` (the dev-set metric of every run, the mean per
 task and setting, and the difference to the baseline), and records the device and versions.
 
@@ -28,6 +30,9 @@ SETTINGS = {
     "bits3": ["--act_compress", "--act_bits", "3"],
     "adaptive2.5": ["--act_compress", "--act_adaptive", "--act_bits", "2.5"],
     "adaptive2": ["--act_compress", "--act_adaptive", "--act_bits", "2"],
+    # HF gradient checkpointing with each layer's input kept packed at 4 bits and the rest at 3 (GACT's CB1)
+    "ckpt4+bits3": ["--gradient_checkpointing", "True", "--act_compress", "--act_bits", "3",
+                    "--act_checkpoint_bits", "4"],
 }
 #: the task's headline dev metric (GLUE's convention)
 METRIC = {"sst2": "eval_accuracy", "mrpc": "eval_accuracy", "rte": "eval_accuracy", "cola": "eval_matthews_correlation",
