@@ -107,6 +107,11 @@ class Trial:
     dtype: str = "bf16"
     device: str = "cuda"
     cap_bytes: int | None = None
+    attention_dropout: float | None = None
+
+
+#: the attention-probability dropout keyword of each HF family among ``MODELS`` (an unknown one is ignored)
+_ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
 
 
 def _enable_checkpointing(model: torch.nn.Module) -> None:
@@ -128,7 +133,10 @@ def run_trial(trial: Trial) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, trial.cap_bytes / total), device)
     setting = parse_setting(trial.setting)
     torch.manual_seed(0)
-    model, kind = MODELS[trial.model]()
+    if trial.attention_dropout is None:
+        model, kind = MODELS[trial.model]()
+    else:
+        model, kind = MODELS[trial.model](**dict.fromkeys(_ATTENTION_DROPOUT_KEYS, trial.attention_dropout))
     if setting.checkpointing:
         _enable_checkpointing(model)
     model.to(device).train()
@@ -260,7 +268,7 @@ def _progress(model: str, setting: str, what: str, result: dict) -> None:
 def measure(model: str, settings: list[str], args: argparse.Namespace) -> list[dict]:
     """Rows for one model: equal-batch speed and peak, and (with a cap) the largest batch and the curve."""
     base = {"seq": args.seq, "image_size": args.image_size, "dtype": args.dtype, "device": args.device,
-            "steps": args.steps, "warmup": args.warmup}
+            "steps": args.steps, "warmup": args.warmup, "attention_dropout": args.attention_dropout}
     rows = []
     for name in settings:
         row: dict = {"model": model, "setting": name}
@@ -311,7 +319,9 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
         (f"Training steps (AdamW, {meta['dtype']} autocast; text seq {meta['seq']}, images {meta['image_size']}px), "
         f"equal batch {meta['batch']}, {meta['steps']} timed steps after {meta['warmup']} warm-up; largest batch "
         f"{cap}, searched in subprocesses to {meta['resolution']:.0%}. {meta['device']}, torch {meta['torch']}, "
-        f"transformers {meta['transformers']}, timm {meta['timm']}, act_hf {meta['act_hf']} @ {meta['commit']}."),
+        f"transformers {meta['transformers']}, timm {meta['timm']}, act_hf {meta['act_hf']} @ {meta['commit']}."
+        + ("" if meta.get("attention_dropout") is None else
+           f" HF attention-probability dropout {meta['attention_dropout']:g}.")),
         "",
         "| model | setting | peak @ equal batch | samples/s | speed vs unpatched | largest batch | vs unpatched |",
         "|---|---|---|---|---|---|---|",
@@ -368,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--attention-dropout", type=float, default=None, metavar="P",
+                        help="HF models: attention-probability dropout P (default: as in benchmark_saved_memory, "
+                             "0 for BERT/RoBERTa/GPT-2; BERT's own default is 0.1)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--trial", help=argparse.SUPPRESS)  # internal: run one Trial (JSON), print the result
@@ -383,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cap needs a CUDA device (--device is {args.device!r})")
     rows = [row for model in args.models for row in measure(model, args.settings, args)]
     meta = _meta(torch.device(args.device)) | {
-        key: getattr(args, key) for key in ("batch", "steps", "warmup", "seq", "image_size", "dtype", "resolution")
+        key: getattr(args, key) for key in ("batch", "steps", "warmup", "seq", "image_size", "dtype", "resolution",
+                                            "attention_dropout")
     } | {"cap_bytes": args.cap}
     write_results(rows, meta, args.out)
     print((args.out / "gpu_training.md").read_text())

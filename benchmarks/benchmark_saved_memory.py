@@ -31,10 +31,11 @@ import act_hf
 
 
 def _hf(config_name: str, model_name: str, **kwargs):
-    def build():
+    def build(**overrides):
+        """The model, with ``overrides`` of the config's keyword arguments."""
         import transformers as tf
 
-        return getattr(tf, model_name)(getattr(tf, config_name)(**kwargs)), "text"
+        return getattr(tf, model_name)(getattr(tf, config_name)(**(kwargs | overrides))), "text"
 
     return build
 

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session.sh targets      # bert-large, swin-tiny, resnet50: speed, peak, largest batch < 16 GiB
 #   bash benchmarks/gpu_session.sh ckpt-swap    # bert-large: checkpointing alone / with act_hf (CB1), swap
 #   bash benchmarks/gpu_session.sh curves       # throughput against batch size (ActNN Fig. 1, GACT Fig. 4)
+#   bash benchmarks/gpu_session.sh dropout      # bert-large with BERT's own attention dropout 0.1 (fused SDPA
+#                                               # kernels with dropout, mask redrawn in backward)
 #
 # Results go under $OUT (or benchmarks/results/gpu when OUT is unset); logs beside them.
 set -uo pipefail
@@ -14,7 +16,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.
 OUT="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$OUT"
-phase="${1:?usage: gpu_session.sh build-test|memory|targets|ckpt-swap|curves}"
+phase="${1:?usage: gpu_session.sh build-test|memory|targets|ckpt-swap|curves|dropout}"
 log="$OUT/$phase.log"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -42,6 +44,10 @@ case "$phase" in
   curves)
     timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny \
       --settings unpatched bits3 --cap 16GiB --resolution 0.05 --out "$OUT/curves" >>"$log" 2>&1
+    ;;
+  dropout)
+    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched bits3 ckpt4+bits3 \
+      --attention-dropout 0.1 --cap 16GiB --resolution 0.05 --no-curve --out "$OUT/dropout" >>"$log" 2>&1
     ;;
   *)
     echo "unknown phase: $phase" >&2

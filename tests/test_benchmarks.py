@@ -92,6 +92,14 @@ def test_trial_trains_in_process_and_in_a_subprocess():
     assert 1 <= result["avg_bits"] <= 2.5
 
 
+def test_attention_dropout_reaches_the_hf_configs():
+    """``--attention-dropout`` sets each HF family's own keyword; the default builds keep dropout off."""
+    overrides = dict.fromkeys(gpu_training._ATTENTION_DROPOUT_KEYS, 0.1)
+    for name, key in (("bert-base", "attention_probs_dropout_prob"), ("gpt2", "attn_pdrop")):
+        assert getattr(gpu_training.MODELS[name]()[0].config, key) == 0.0
+        assert getattr(gpu_training.MODELS[name](**overrides)[0].config, key) == 0.1
+
+
 def test_a_failing_trial_is_reported_not_raised():
     result = gpu_training.run_in_subprocess(gpu_training.Trial("resnet50", "bits3", batch=1, device="nodevice"))
     assert "error" in result
