@@ -30,9 +30,9 @@ SETTINGS = {
     "bits3": ["--act_compress", "--act_bits", "3"],
     "adaptive2.5": ["--act_compress", "--act_adaptive", "--act_bits", "2.5"],
     "adaptive2": ["--act_compress", "--act_adaptive", "--act_bits", "2"],
-    # HF gradient checkpointing with each layer's input kept packed at 4 bits and the rest at 3 (GACT's CB1)
-    "ckpt4+bits3": ["--gradient_checkpointing", "True", "--act_compress", "--act_bits", "3",
-                    "--act_checkpoint_bits", "4"],
+    # HF gradient checkpointing with each layer's input kept packed at K bits and the rest at 3 (GACT's CB1: K=4)
+    **{f"ckpt{k}+bits3": ["--gradient_checkpointing", "True", "--act_compress", "--act_bits", "3",
+                          "--act_checkpoint_bits", str(k)] for k in (4, 8)},
 }
 #: the task's headline dev metric (GLUE's convention)
 METRIC = {"sst2": "eval_accuracy", "mrpc": "eval_accuracy", "rte": "eval_accuracy", "cola": "eval_matthews_correlation",
