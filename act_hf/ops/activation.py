@@ -37,6 +37,7 @@ pair costs ``b`` bits plus the Linear's quantized input per element.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,6 +105,19 @@ def _pack_codes(codes: Tensor, bits: int, slot: str, original_nbytes: int) -> Te
     payload = pack_bits(codes, bits)
     store.register((payload,), slot=slot, original_nbytes=original_nbytes)
     return payload
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements an elementwise pass over packed codes handles at once (a multiple of 8, so every chunk starts on a
+    byte of the packed stream at any width): on the CPU the size of its kernels' chunks, on an accelerator large
+    enough that launches stay few while the full-width temporaries (fp32 copy, int32 indices, decoded values,
+    up to 13 bytes per element) stay bounded at tens of MiB whatever the batch."""
+    return 1 << 22 if device.type != "cpu" else 1 << 18
+
+
+def _spans(numel: int, step: int):
+    """``(start, stop)`` element ranges of at most ``step`` elements covering ``range(numel)``."""
+    return ((start, min(numel, start + step)) for start in range(0, numel, step))
 
 
 @dataclass(frozen=True)
@@ -204,14 +218,40 @@ class ActivationSpec:
             x = x * self.beta
         return fewbit.encode(x, self.table(bits))
 
-    def grad_input(self, grad: Tensor, codes: Tensor, bits: int) -> Tensor:
-        """``grad * f'(x)`` from the codes, in ``grad``'s dtype (exact for the ReLU family)."""
+    def grad_input(self, grad: Tensor, codes: Tensor, bits: int, *, out: Tensor | None = None) -> Tensor:
+        """``grad * f'(x)`` from the codes, in ``grad``'s dtype (exact for the ReLU family); into ``out`` if given."""
         if self.exact:
             mask = codes.bool()
-            if self.name == "leaky_relu":
-                return torch.where(mask, grad, grad * self.negative_slope)
-            return torch.where(mask, grad, grad.new_zeros(()))
-        return grad * fewbit.decode(codes, self.table(bits), grad.dtype)
+            other = grad * self.negative_slope if self.name == "leaky_relu" else grad.new_zeros(())
+            return torch.where(mask, grad, other, out=out) if out is not None else torch.where(mask, grad, other)
+        return torch.mul(grad, fewbit.decode(codes, self.table(bits), grad.dtype), out=out)
+
+    def encode_packed(self, x: Tensor, bits: int) -> Tensor:
+        """``pack_bits(self.encode(x, bits), code_bits)``, ``x`` in its logical (row-major) order, computed chunk by
+        chunk (:func:`chunk_elements`) when ``x`` is contiguous: the same bytes, without the full-width fp32 copy
+        and int32 indices ``encode`` makes on the way."""
+        numel, step = x.numel(), chunk_elements(x.device)
+        if numel <= step or not x.is_contiguous():
+            return pack_bits(self.encode(x, bits), bits)
+        flat = x.view(-1)
+        payload = torch.empty(math.ceil(numel * bits / 8), dtype=torch.uint8, device=x.device)
+        for start, stop in _spans(numel, step):
+            payload[start * bits // 8:math.ceil(stop * bits / 8)] = pack_bits(self.encode(flat[start:stop], bits), bits)
+        return payload
+
+    def grad_input_packed(self, grad: Tensor, payload: Tensor, bits: int) -> Tensor:
+        """:meth:`grad_input` from the packed codes of ``grad.numel()`` elements (logical order), unpacked and
+        decoded one chunk at a time when ``grad`` is contiguous: the same values, with only a chunk's codes,
+        indices and derivative values alive."""
+        numel, step = grad.numel(), chunk_elements(grad.device)
+        if numel <= step or not grad.is_contiguous():
+            return self.grad_input(grad, unpack_bits(payload, bits, numel).view(grad.shape), bits)
+        out = torch.empty_like(grad)
+        flat_grad, flat_out = grad.view(-1), out.view(-1)
+        for start, stop in _spans(numel, step):
+            codes = unpack_bits(payload[start * bits // 8:math.ceil(stop * bits / 8)], bits, stop - start)
+            self.grad_input(flat_grad[start:stop], codes, bits, out=flat_out[start:stop])
+        return out
 
 
 class ActActivationFunction(torch.autograd.Function):
@@ -231,11 +271,11 @@ class ActActivationFunction(torch.autograd.Function):
         need = ctx.needs_input_grad[0]
         ctx.quantized_input = spec.uses_quantized_input(settings.bits)
         bits = settings.bits if ctx.quantized_input else spec.code_bits(settings.bits)
-        codes = packed = None
+        payload = packed = None
         if need and ctx.quantized_input:  # before fn: fn may overwrite x
             packed = store.compress_as(x, settings)  # bits is settings.bits here
         elif need:
-            codes = spec.encode(x, bits)
+            payload = spec.encode_packed(x, bits)
         affine = affine_of(x) if need and spec.name == "relu" else None  # x = batch_norm(.): see act_hf.derived
         version = x._version
         out = fn(x)
@@ -249,7 +289,7 @@ class ActActivationFunction(torch.autograd.Function):
         if packed is not None:
             save_context(ctx, packed)
         elif need:
-            payload = _pack_codes(codes, bits, settings.slot, x.numel() * x.element_size())
+            store.register((payload,), slot=settings.slot, original_nbytes=x.numel() * x.element_size())
             save_context(ctx, payload)
             if affine is not None:  # noted by act_activation once autograd has wrapped (and versioned) out
                 ctx.act_rectified = (affine, payload)
@@ -262,8 +302,7 @@ class ActActivationFunction(torch.autograd.Function):
         (saved,) = load_context(ctx)
         if ctx.quantized_input:
             return grad_out * ctx.spec.derivative(dequantize(saved)).to(grad_out.dtype), None, None, None
-        codes = unpack_bits(saved, ctx.bits, grad_out.numel()).view(ctx.shape)
-        return ctx.spec.grad_input(grad_out, codes, ctx.bits), None, None, None
+        return ctx.spec.grad_input_packed(grad_out, saved, ctx.bits), None, None, None
 
 
 def _inplace_would_fail(x: Tensor) -> bool:

@@ -101,6 +101,40 @@ def test_fewbit_forward_exact_and_grad_is_table(case, dtype, shape):
     assert saved.bytes == math.ceil(x.numel() * 3 / 8) and saved.num_tensors == 1
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", ["gelu", "silu", "relu", "leaky_relu", "hardtanh"])
+def test_codes_are_encoded_and_decoded_chunk_by_chunk_to_the_same_bytes(monkeypatch, name, bits):
+    """Above one chunk of elements the codes are encoded, packed, unpacked and decoded a chunk at a time: the
+    payload and the gradient are the bytes and values of the whole-tensor path (555 elements, chunks of 64:
+    a partial last chunk, ending inside a byte of the packed stream at 3 bits)."""
+    from act_hf.compress import pack_bits, unpack_bits
+    from act_hf.ops import activation
+
+    monkeypatch.setattr(activation, "chunk_elements", lambda device: 64)
+    spec = ActivationSpec(name, negative_slope=0.1) if name == "leaky_relu" else ActivationSpec(name)
+    code_bits = spec.code_bits(bits)
+    x = _input((3, 5, 37), torch.bfloat16, scale=3.0).detach()
+    grad = torch.randn_like(x)
+    whole = pack_bits(spec.encode(x, code_bits), code_bits)
+    payload = spec.encode_packed(x, code_bits)
+    assert torch.equal(payload, whole)
+    expected = spec.grad_input(grad, unpack_bits(whole, code_bits, x.numel()).view(x.shape), code_bits)
+    assert torch.equal(spec.grad_input_packed(grad, payload, code_bits), expected)
+    strided = x.transpose(0, 2)  # not contiguous: the whole-tensor path, in logical order
+    assert torch.equal(spec.encode_packed(strided, code_bits), pack_bits(spec.encode(strided, code_bits), code_bits))
+    module = _convert(nn.ReLU(inplace=True) if name == "relu" else nn.GELU(), bits=bits)
+    y_ref = F.relu(x) if name == "relu" else F.gelu(x)
+    x_in = x.clone().requires_grad_()
+    y = module(x_in * 1)  # a non-leaf, so the in-place ReLU may overwrite it
+    (gx,) = torch.autograd.grad(y, x_in, grad)
+    assert torch.equal(y, y_ref)
+    reference = "relu" if name == "relu" else "gelu"
+    ref_spec = ActivationSpec(reference)
+    ref_bits = ref_spec.code_bits(bits)
+    ref_codes = ref_spec.encode(x, ref_bits)
+    assert torch.equal(gx, ref_spec.grad_input(grad, ref_codes, ref_bits))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", EXACT_MODULES, ids=[c[0] for c in EXACT_MODULES])
 @pytest.mark.parametrize("bits", [1, 3, 8])
