@@ -161,8 +161,9 @@ class ActArguments:
     )
     act_checkpoint_bits: int | None = field(
         default=None, metadata={"help": "With --gradient_checkpointing: keep each layer's checkpointed input packed "
-                                        "at this many bits (1..8; GACT's CB1 used 4) instead of exact. Biased: "
-                                        "backward recomputes the layer on the rounded input."}
+                                        "at this many bits (1..8) instead of exact. Biased: backward recomputes "
+                                        "the layer on the rounded input; 8 kept MiniLM's SST-2 accuracy, 4 "
+                                        "(GACT's CB1) cost about 3 points (README)."}
     )
     act_kinds: str | None = field(
         default=None,
