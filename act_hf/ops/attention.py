@@ -163,7 +163,7 @@ class ActSDPAFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` with a quantized saved context.
 
     Saves: ``quantize(q)`` and ``quantize(k)`` (when any input needs a gradient), ``quantize(v)`` (only when
-    ``q``, ``k`` or the mask need a gradient, or with dropout: ``dv = P^T dO`` does not read ``v``) and
+    ``q``, ``k`` or the mask need a gradient: ``dv = P^T dO`` does not read ``v``, with dropout either) and
     ``attn_mask`` as given. ``k`` and ``v`` are saved before the ``n_rep`` head repetition. With dropout, ``ctx``
     also keeps the RNG state the forward drew its mask from and the SDPA backend it ran (:class:`_DropoutReplay`).
     """

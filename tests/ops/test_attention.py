@@ -199,6 +199,21 @@ def test_sdpa_dropout_backward_redraws_the_forward_mask(case, bits):
     assert not torch.equal(other_g[2], g[2]), "another dropout draw must give another gradient"
 
 
+def test_sdpa_dropout_with_only_v_needing_grad():
+    """Only ``dv`` wanted: ``v`` is not saved (``dv = P^T dO``), and the redrawn mask still matches the forward's."""
+    q, k, v = _qkv()
+    grad_out = torch.randn(B, H, S, D)
+    q_, k_ = q.detach(), k.detach()
+    act_hf.manual_seed(7)
+    with track_saved() as saved:
+        _, (dv,), _ = _run(lambda: act_sdpa(q_, k_, v, dropout_p=0.3, settings=_settings(4)), (v,), grad_out)
+    assert "layer.attn:v" not in saved.by_slot
+    deq = _dequantized((q_, k_), 4)
+    _, (ref_dv,), _ = _run(lambda: F.scaled_dot_product_attention(*(t.detach() for t in deq), v, dropout_p=0.3),
+                           (v,), grad_out)
+    assert torch.equal(dv, ref_dv)
+
+
 def test_sdpa_dropout_under_autocast_replays_the_cast():
     """Under bf16 autocast with fp32 q, k, v (autocast casts SDPA's inputs), forward equals SDPA under autocast and
     backward is autograd of that at the dequantized inputs, with the same mask."""
