@@ -39,7 +39,8 @@ import act_hf
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_saved_memory import MODELS, _meta, make_inputs, save_log_plot
 
-DEFAULT_SETTINGS = ["unpatched", "ckpt", "bits3", "ckpt+bits3", "ckpt4+bits3", "ckpt2+bits3", "ckpt4+bits2"]
+DEFAULT_SETTINGS = ["unpatched", "ckpt", "bits3", "ckpt+bits3", "ckpt8+bits3", "ckpt4+bits3", "ckpt2+bits3",
+                    "ckpt4+bits2"]
 
 
 def parse_setting(name: str) -> tuple[bool, int | None, int | None]:

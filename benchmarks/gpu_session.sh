@@ -38,7 +38,7 @@ case "$phase" in
     ;;
   ckpt-swap)
     timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large \
-      --settings unpatched ckpt ckpt+bits3 ckpt4+bits3 ckpt4+bits2 swap+bits3 adaptive2.5 --cap 16GiB --resolution 0.03 \
+      --settings unpatched ckpt ckpt+bits3 ckpt8+bits3 ckpt4+bits3 swap+bits3 adaptive2.5 --cap 16GiB --resolution 0.03 \
       --no-curve --out "$OUT/ckpt_swap" >>"$log" 2>&1
     ;;
   curves)
@@ -46,7 +46,7 @@ case "$phase" in
       --settings unpatched bits3 --cap 16GiB --resolution 0.05 --out "$OUT/curves" >>"$log" 2>&1
     ;;
   dropout)
-    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched bits3 ckpt4+bits3 \
+    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched bits3 ckpt8+bits3 \
       --attention-dropout 0.1 --cap 16GiB --resolution 0.05 --no-curve --out "$OUT/dropout" >>"$log" 2>&1
     ;;
   *)
