@@ -27,7 +27,9 @@ def _estimate(args: argparse.Namespace) -> int:
     try:
         est = estimate(args.model, batch=args.batch, seq=args.seq, bits=args.bits, gpu_mem=args.gpu_mem,
                        dtype=args.dtype, device=args.device, optimizer=args.optimizer, task=args.task,
-                       img_size=args.img_size, margin=args.margin, local_files_only=args.offline)
+                       img_size=args.img_size, margin=args.margin, local_files_only=args.offline,
+                       checkpointing=args.checkpointing or args.checkpoint_bits is not None,
+                       checkpoint_bits=args.checkpoint_bits)
     except ActHFError as e:
         print(f"act-hf estimate: error: {e}", file=sys.stderr)
         return 2
@@ -95,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="workspace margin as a fraction of the unpatched saved activations (default 0.05)")
     p.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="HF gradient checkpointing in the act_hf column (against the unpatched model without it)")
+    p.add_argument("--checkpoint-bits", type=int, choices=range(1, 9), default=None, metavar="{1..8}",
+                   help="with checkpointing, keep the checkpointed layer inputs packed at this width (implies "
+                        "--checkpointing; 8 keeps accuracy, 4 is GACT's CB1)")
     p.set_defaults(func=_estimate)
     args = parser.parse_args(argv)
     return args.func(args)

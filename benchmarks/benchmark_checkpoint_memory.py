@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import re
 import sys
@@ -38,6 +37,8 @@ import act_hf
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_saved_memory import MODELS, _meta, make_inputs, save_log_plot
+
+from act_hf.estimate import saved_with_checkpointing
 
 DEFAULT_SETTINGS = ["unpatched", "ckpt", "bits3", "ckpt+bits3", "ckpt8+bits3", "ckpt4+bits3", "ckpt2+bits3",
                     "ckpt4+bits2"]
@@ -66,35 +67,10 @@ def measure(model: torch.nn.Module, inputs: dict, setting: str, dtype: torch.dty
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if bits is not None:
         act_hf.patch(model, bits=bits, checkpoint_bits=checkpoint_bits)
-    # the checkpointed layers: members of a ModuleList that HF switched to checkpointing
-    layers = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst
-              if getattr(m, "gradient_checkpointing", False)]
-    calls = []
-
-    def record(module, args, kwargs):
-        if not calls:
-            calls.append((module, args, kwargs))
-
-    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in layers] if checkpointing else []
     device_type = inputs["input_ids"].device.type
     autocast = torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
-    with autocast, act_hf.track_saved(model) as saved:
-        loss = model(**inputs).loss
-    for h in handles:
-        h.remove()
-    am1 = saved.bytes
-    layer_bytes = 0
-    if calls:
-        module, args, kwargs = calls[0]
-        args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
-        module.gradient_checkpointing = False
-        with autocast, act_hf.track_saved(model) as one:
-            out = module(*args, **kwargs)
-        layer_bytes = one.bytes
-        del out
-    del loss, model
-    gc.collect()
-    return {"am1": am1, "am2": am1 + layer_bytes}
+    am1, am2 = saved_with_checkpointing(model, lambda: model(**inputs).loss, autocast)
+    return {"am1": am1, "am2": am2}
 
 
 def measure_model(name: str, settings: list[str], batch: int, seq: int, device: torch.device,

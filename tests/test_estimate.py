@@ -10,7 +10,7 @@ import torch
 
 import act_hf
 from act_hf.cli import main
-from act_hf.estimate import Estimate, estimate, parse_size
+from act_hf.estimate import Estimate, checkpointed_layers, estimate, parse_size, saved_with_checkpointing
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -88,6 +88,51 @@ def test_api_timm_name_matches_direct_measurement():
 
     assert est.saved_baseline == pytest.approx(_saved(model, forward, 12), rel=0.05)
     assert est.saved_act_hf == pytest.approx(_saved(act_hf.patch(copy.deepcopy(model), bits=3), forward, 12), rel=0.05)
+
+
+@pytest.mark.parametrize("checkpoint_bits", [None, 8])
+def test_checkpointing_projects_am2_against_the_uncheckpointed_baseline(bert_dir, bert_est, checkpoint_bits):
+    """With checkpointing the act_hf column is AM2 (forward + one recomputed layer's context) of the patched,
+    checkpointed model, measured directly here at a batch outside the calibration; the baseline is unchanged."""
+    est = estimate(bert_dir, batch=8, seq=32, bits=3, gpu_mem="1GiB", device="cpu", checkpointing=True,
+                   checkpoint_bits=checkpoint_bits)
+    _check_fields(est)
+    assert est.checkpointing and est.checkpoint_bits == checkpoint_bits
+    assert est.baseline.measured == bert_est.baseline.measured
+    if checkpoint_bits:  # exact fp32 layer inputs outweigh what 2 layers save; packed ones do not
+        assert est.act_hf.per_sample < bert_est.act_hf.per_sample
+    assert "+ ckpt" in est.table() and any("AM2" in n for n in est.notes)
+
+    batch = 12
+    config = transformers.BertConfig(**BERT, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForSequenceClassification(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    act_hf.patch(model, bits=3, checkpoint_bits=checkpoint_bits)
+    ids = torch.randint(1, BERT["vocab_size"], (batch, 32))
+    am1, am2 = saved_with_checkpointing(
+        model, lambda: model(input_ids=ids, labels=torch.zeros(batch, dtype=torch.long)).loss,
+        torch.autocast("cpu", dtype=torch.bfloat16))
+    assert am1 < am2 and len(checkpointed_layers(model)) == 2
+    assert est.act_hf.bytes_at(batch) == pytest.approx(am2, rel=0.05)
+
+
+def test_cli_checkpoint_bits_implies_checkpointing(bert_dir, capsys):
+    assert main(["estimate", str(bert_dir), "--batch", "4", "--seq", "16", "--device", "cpu",
+                 "--checkpoint-bits", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["checkpointing"] is True and out["checkpoint_bits"] == 8
+    with pytest.raises(SystemExit):
+        main(["estimate", str(bert_dir), "--batch", "4", "--checkpoint-bits", "9"])
+    assert "--checkpoint-bits" in capsys.readouterr().err
+
+
+def test_checkpointing_errors(bert_dir):
+    with pytest.raises(ValueError, match="checkpoint_bits: .*checkpointing=True"):
+        estimate(bert_dir, batch=2, seq=16, device="cpu", checkpoint_bits=4)
+    with pytest.raises(ValueError, match="checkpoint_bits: must be an int from 1 to 8"):
+        estimate(bert_dir, batch=2, seq=16, device="cpu", checkpointing=True, checkpoint_bits=9)
+    with pytest.raises(ValueError, match="checkpointing: ResNet has no Hugging Face gradient checkpointing"):
+        estimate("test_resnet", batch=2, img_size=32, device="cpu", checkpointing=True)
 
 
 def test_max_batch_none_without_cap_and_sgd_states(bert_dir):
