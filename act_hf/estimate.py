@@ -759,8 +759,8 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         notes.append(f"act_hf column with HF gradient checkpointing (layer inputs {inputs}): its saved activations "
                      "are what the forward keeps plus one layer's context while it is recomputed (GACT's AM2); the "
                      "unpatched column is without checkpointing. The workspace margin is unchanged; the transients "
-                     "of checkpointed training probably scale with one layer (on the CPU, bert-base fp32, 4-bit inputs: "
-                     "4.6% of its unpatched activations), so for deep models the margin may overstate them")
+                     "of checkpointed training probably scale with one layer (on the CPU, bert-base fp32, 4-bit "
+                     "inputs: 4.6% of its unpatched activations), so for deep models the margin may overstate them")
     if device.type == "cpu":
         notes.append("measured on CPU: unpatched saved bytes run a few % above GPU ones (bert-base 50.4 vs 47.8 "
                      "MiB/sample)")

@@ -505,7 +505,7 @@ def test_sdpa_cuda_dropout_runs_the_fused_kernel_and_redraws_its_mask(dtype):
         act_hf.manual_seed(7)
         out = act_sdpa(q, k, v, dropout_p=0.2, **kwargs, settings=_settings(8))
         assert torch.equal(ref, out)
-        assert torch.equal(ref_rng, torch.cuda.get_rng_state()), "forward must draw from the CUDA generator as SDPA does"
+        assert torch.equal(ref_rng, torch.cuda.get_rng_state()), "forward must draw from the CUDA generator as SDPA"
         g = torch.autograd.grad(out, (q, k, v), grad_out)
         assert torch.equal(ref_rng, torch.cuda.get_rng_state()), "backward must leave the CUDA generator where it was"
         _check_grads(ref_g, g, 25.0)
