@@ -227,12 +227,15 @@ class _DropoutReplay:
 
     def cast(self, t: Tensor | None) -> Tensor | None:
         """``t`` as autocast handed it to SDPA in forward."""
-        return t.to(self.dtype) if self.dtype is not None and t is not None and _autocast_casts(t) else t
+        return _autocast_cast(t, self.dtype)
 
 
-def _autocast_casts(t: Tensor) -> bool:
-    """Whether autocast's lower-precision policy (SDPA's, on CPU and CUDA) casts ``t``."""
-    return t.is_floating_point() and t.dtype != torch.float64
+def _autocast_cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    """``t`` cast as autocast's lower-precision policy (SDPA's, on CPU and CUDA) casts it to ``dtype``: floating
+    tensors other than float64; ``dtype=None`` (autocast off) leaves ``t`` as it is."""
+    if dtype is None or t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
 
 
 def _same(t: Tensor) -> Tensor:
@@ -258,8 +261,7 @@ def _sdpa_with_replayable_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Te
         if t is not None:
             requires_grad = t.requires_grad
             t = t.detach()
-            t = t.to(dtype) if dtype is not None and _autocast_casts(t) else t
-            t = t.requires_grad_(requires_grad and t.is_floating_point())
+            t = _autocast_cast(t, dtype).requires_grad_(requires_grad and t.is_floating_point())
         stand_ins.append(t)
     # the stand-ins' graph is dropped on return; the identity hooks keep its saves from the caller's saved-tensor
     # hooks (act_hf.track_saved, torch.utils.checkpoint)
