@@ -91,7 +91,7 @@ class _Call:
 
 class _CompressedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call: _Call, bits: int | None, group_size: int, swap: bool, slot: str,
+    def forward(ctx, call: _Call, bits: int | None, group_size: int, swap: bool, channel_scale: bool, slot: str,
                 preserve_rng_state: bool, *tensors: Tensor) -> Any:
         ctx.call = call
         ctx.device_type = next((t.device.type for t in tensors if t.device.type not in ("cpu", "meta")), "cpu")
@@ -102,8 +102,8 @@ class _CompressedCheckpoint(torch.autograd.Function):
         ctx.inputs_need_grad = [t.requires_grad for t in tensors]
         ctx.channels_last = [t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
                              for t in tensors]
-        items = [store.compress(t, slot=slot, bits=bits, group_size=group_size, swap=swap) if c else t
-                 for t, c in zip(tensors, compress)]
+        items = [store.compress(t, slot=slot, bits=bits, group_size=group_size, swap=swap,
+                                channel_scale=channel_scale) if c else t for t, c in zip(tensors, compress)]
         # ``call`` must not keep the originals alive: the packed copies stand for them from here on
         call.release()
         outputs = call(list(tensors))
@@ -140,7 +140,7 @@ class _CompressedCheckpoint(torch.autograd.Function):
             raise ActHFRuntimeError("act_hf.checkpoint: none of the checkpointed function's outputs requires grad")
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = tuple(t.grad if needs_grad else None for t, needs_grad in zip(inputs, ctx.inputs_need_grad))
-        return (None,) * 6 + grads
+        return (None,) * 7 + grads
 
 
 def _holds_grad_tensor(obj: Any) -> bool:
@@ -150,7 +150,8 @@ def _holds_grad_tensor(obj: Any) -> bool:
 
 
 def checkpoint(function: Callable, *args: Any, bits: int | None = 8, group_size: int = 256, swap: bool = False,
-               slot: str = "checkpoint", preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+               channel_scale: bool = True, slot: str = "checkpoint", preserve_rng_state: bool = True,
+               **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` keeping only its inputs, packed at ``bits``; recompute it in backward.
 
     Args:
@@ -161,6 +162,9 @@ def checkpoint(function: Callable, *args: Any, bits: int | None = 8, group_size:
             bytes, a measured accuracy cost); ``None`` keeps them exact.
         group_size: quantization group size (a positive multiple of 8).
         swap: move the packed inputs to pinned host memory (CUDA inputs only; see :mod:`act_hf.swap`).
+        channel_scale: equalize the channels of the inputs' last dimension before quantizing (see
+            :func:`act_hf.compress.quantize`): hidden states have outlier channels that otherwise set the
+            range of every group they fall in.
         slot: the name :func:`act_hf.track_saved` lists the packed inputs under.
         preserve_rng_state: replay the forward's RNG state in the recomputation (dropout masks stay the same).
         **kwargs: keyword inputs, kept as they are.
@@ -184,7 +188,8 @@ def checkpoint(function: Callable, *args: Any, bits: int | None = 8, group_size:
     tensors = call.tensors()
     if any(map(_holds_grad_tensor, (*args, *kwargs.values()))) or not any(t.requires_grad for t in tensors):
         return _TORCH_CHECKPOINT(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
-    return _CompressedCheckpoint.apply(call, bits, group_size, swap, slot, preserve_rng_state, *tensors)
+    return _CompressedCheckpoint.apply(call, bits, group_size, swap, channel_scale, slot, preserve_rng_state,
+                                       *tensors)
 
 
 def _layer_of(function: Callable) -> nn.Module | None:
@@ -198,7 +203,7 @@ def _layer_of(function: Callable) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
-def _compressing(func: Callable, bits: int, group_size: int, swap: bool) -> Callable:
+def _compressing(func: Callable, bits: int, group_size: int, swap: bool, channel_scale: bool) -> Callable:
     """``func`` (torch's checkpoint, possibly a ``functools.partial`` with keywords) as act_hf's packed one;
     any other function is returned as it is, with a warning."""
     if getattr(func, "act_hf_compressed", False):
@@ -212,6 +217,7 @@ def _compressing(func: Callable, bits: int, group_size: int, swap: bool) -> Call
         else True
     # a partial of a module-level function (not a closure), so a patched model still pickles
     compressed = functools.partial(_packed_layer_call, {"bits": bits, "group_size": group_size, "swap": swap,
+                                                        "channel_scale": channel_scale,
                                                         "preserve_rng_state": preserve_rng_state})
     compressed.act_hf_compressed = True
     compressed.act_hf_original = func
@@ -226,11 +232,11 @@ def _packed_layer_call(options: dict, function: Callable, *args: Any) -> Any:
     return checkpoint(function, *args, slot=slot, **options)
 
 
-def _convert_modules(model: nn.Module, bits: int, group_size: int, swap: bool) -> None:
+def _convert_modules(model: nn.Module, bits: int, group_size: int, swap: bool, channel_scale: bool) -> None:
     for path, module in model.named_modules():
         func = module.__dict__.get("_gradient_checkpointing_func")
         if func is not None:
-            module._gradient_checkpointing_func = _compressing(func, bits, group_size, swap)
+            module._gradient_checkpointing_func = _compressing(func, bits, group_size, swap, channel_scale)
             module.act_hf_checkpoint_slot = f"{path or 'model'}:checkpoint_input"
 
 
@@ -248,7 +254,7 @@ def _set_gradient_checkpointing(self: nn.Module, enable: bool = True,
 
 
 def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size: int = 256,
-                                     swap: bool = False) -> Callable[[], None]:
+                                     swap: bool = False, channel_scale: bool = True) -> Callable[[], None]:
     """Make HF gradient checkpointing in ``model`` keep its layer inputs packed at ``bits``.
 
     Works whether checkpointing is switched on before or after this call: the checkpoint function HF has set
@@ -259,7 +265,7 @@ def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size:
     Returns:
         A function that restores torch's checkpoint and the original ``_set_gradient_checkpointing``.
     """
-    options = {"bits": bits, "group_size": group_size, "swap": swap}
+    options = {"bits": bits, "group_size": group_size, "swap": swap, "channel_scale": channel_scale}
     model.act_hf_checkpoint = options
     _convert_modules(model, **options)
     if "gradient_checkpointing_func" in inspect.signature(model._set_gradient_checkpointing).parameters:

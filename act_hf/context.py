@@ -45,7 +45,7 @@ _PURGE_EVERY = 512
 class _Entry:
     source: weakref.ref
     version: int
-    tensors: tuple[weakref.ref, weakref.ref, weakref.ref]
+    tensors: tuple[weakref.ref, ...]
     spec: PackedSpec
 
     def get(self, x: torch.Tensor) -> PackedTensor | None:
@@ -168,21 +168,23 @@ class ContextStore:
             return self.force_bits
         return self.bits.get(slot, default)
 
-    def compress(self, x: torch.Tensor, *, slot: str, bits: int, group_size: int, swap: bool = False) -> PackedTensor:
-        """Quantize ``x`` for the backward context, or return the packed copy made earlier for it.
+    def compress(self, x: torch.Tensor, *, slot: str, bits: int, group_size: int, swap: bool = False,
+                 channel_scale: bool = False) -> PackedTensor:
+        """Quantize ``x`` for the backward context (``channel_scale``: see :func:`act_hf.compress.quantize`), or
+        return the packed copy made earlier for it with the same settings.
 
         With ``swap`` and ``x`` on a CUDA device, the packed copy is moved to pinned host memory (the returned
         tensor is the host one; :meth:`resolve` brings it back in backward)."""
         swap = swap and x.is_cuda
         key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, bits,
-               group_size, x.device, swap)
+               group_size, x.device, swap, channel_scale)
         entries = self._entries
         entry = entries.get(key)
         packed = entry.get(x) if entry is not None else None
         if packed is not None and swap:
             self.swap.reused(packed)
         if packed is None:
-            packed = quantize(x, bits, group_size)
+            packed = quantize(x, bits, group_size, channel_scale=channel_scale)
             if swap:
                 packed = self.swap.offload(packed)
                 for tracker in self._trackers:
@@ -194,16 +196,17 @@ class ContextStore:
                 self._purge()
             self.register(packed.tensors, slot=slot, original_nbytes=packed.spec.numel * _itemsize(x.dtype))
             if self._probe is not None:
-                self._probe._twins[packed.payload.data_ptr()] = (slot, quantize(x, bits, group_size))
+                self._probe._twins[packed.payload.data_ptr()] = (slot, quantize(x, bits, group_size,
+                                                                                  channel_scale=channel_scale))
         if self._probe is not None:
             self._probe._record(x, key[:5] + key[7:8], slot)
             self._probe._used(packed)
         return packed
 
     def compress_as(self, x: torch.Tensor, settings: Any) -> PackedTensor:
-        """:meth:`compress` with an op's :class:`~act_hf.ops._saving.OpSettings` (slot, bits, group size, swap)."""
+        """:meth:`compress` with an op's :class:`~act_hf.ops._saving.OpSettings`."""
         return self.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size,
-                             swap=settings.swap)
+                             swap=settings.swap, channel_scale=settings.channel_scale)
 
     def forget(self, paths: list[str]) -> None:
         """Drop the per-slot bits of the modules at ``paths`` (their slots are ``<path>:<role>``)."""

@@ -81,10 +81,11 @@ class RectifiedAffine:
     @classmethod
     def rebuild(cls, tensors: list[Tensor] | tuple[Tensor, ...], meta: tuple) -> RectifiedAffine:
         spec, has_weight, has_bias, dtype = meta
-        rest = list(tensors[4:])
+        n = spec.n_tensors
+        rest = list(tensors[n + 1:])
         weight = rest.pop(0) if has_weight else None
         bias = rest.pop(0) if has_bias else None
-        return cls(PackedTensor.rebuild(tensors[:3], spec), weight, bias, tensors[3], dtype)
+        return cls(PackedTensor.rebuild(tensors[:n], spec), weight, bias, tensors[n], dtype)
 
     def dequantize(self) -> Tensor:
         """The estimate ``h_hat`` (a new contiguous tensor of the original shape, in ``dtype``)."""

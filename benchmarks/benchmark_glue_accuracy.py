@@ -1,9 +1,10 @@
 """GLUE accuracy with and without act_hf: MiniLM fine-tuned by ``glue_scripts/run_glue.py`` per task and setting.
 
 Each (task, setting, seed) is one ``run_glue.py`` run in its own subprocess on the local GLUE TSVs; the
-settings are the uncompressed baseline, fixed ``bits=3``, adaptive budgets (``2.5``, ``2``), and gradient
-checkpointing with packed layer inputs (``ckpt4+bits3``, opt-in: its gradient is biased, see
-:mod:`act_hf.checkpoint`). Writes
+settings are the uncompressed baseline, fixed ``bits=3`` and ``2``, adaptive budgets (``2.5``, ``2``), and
+gradient checkpointing with packed layer inputs (``ckpt4+bits3``, opt-in: its gradient is biased, see
+:mod:`act_hf.checkpoint`). Each compressed setting also has an ``-unscaled`` twin without channel scaling
+(``ActConfig(channel_scale=False)``), not run by default. Writes
 ``glue_accuracy.json`` and ``glue_accuracy.md`` under ``--out`` (the dev-set metric of every run, the mean per
 task and setting, and the difference to the baseline), and records the device and versions.
 
@@ -25,15 +26,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 #: name -> run_glue.py arguments of the act_hf setting
-SETTINGS = {
-    "unpatched": [],
+_COMPRESSED = {
     "bits3": ["--act_compress", "--act_bits", "3"],
+    "bits2": ["--act_compress", "--act_bits", "2"],
     "adaptive2.5": ["--act_compress", "--act_adaptive", "--act_bits", "2.5"],
     "adaptive2": ["--act_compress", "--act_adaptive", "--act_bits", "2"],
     # HF gradient checkpointing with each layer's input kept packed at K bits and the rest at 3 (GACT's CB1: K=4)
     **{f"ckpt{k}+bits3": ["--gradient_checkpointing", "True", "--act_compress", "--act_bits", "3",
                           "--act_checkpoint_bits", str(k)] for k in (4, 8)},
 }
+# "<setting>-unscaled": the same without channel scaling (plain 256-element groups), to measure what it buys
+SETTINGS = {"unpatched": [], **_COMPRESSED,
+            **{f"{name}-unscaled": [*args, "--act_channel_scale", "False"] for name, args in _COMPRESSED.items()}}
 #: the task's headline dev metric (GLUE's convention)
 METRIC = {"sst2": "eval_accuracy", "mrpc": "eval_accuracy", "rte": "eval_accuracy", "cola": "eval_matthews_correlation",
           "qnli": "eval_accuracy", "mnli": "eval_accuracy", "qqp": "eval_accuracy", "stsb": "eval_pearson"}
@@ -111,7 +115,7 @@ def summarize(rows: list[dict], tasks: list[str], settings: list[str]) -> tuple[
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", default=["sst2", "mrpc", "rte", "cola"], choices=sorted(METRIC))
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--settings", nargs="+", default=["unpatched", *_COMPRESSED], choices=list(SETTINGS))
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--model", help="model folder or hub id (default: the packaged all-MiniLM-L6-v2)")
     p.add_argument("--glue-dir", default=str(ROOT.parent / "shared" / "data" / "glue"))

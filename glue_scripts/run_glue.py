@@ -165,6 +165,10 @@ class ActArguments:
                                         "the layer on the rounded input; 8 kept MiniLM's SST-2 accuracy, 4 "
                                         "(GACT's CB1) cost about 3 points (README)."}
     )
+    act_channel_scale: bool = field(
+        default=True, metadata={"help": "Equalize the feature channels by powers of two before quantizing (exact; "
+                                        "cuts the variance outlier channels add). False: plain groups."}
+    )
     act_kinds: str | None = field(
         default=None,
         metadata={"help": f"Comma-separated kinds of module to compress, among {','.join(act_hf.config.ACT_KINDS)} "
@@ -204,6 +208,8 @@ def build_act_config(act_args: ActArguments) -> act_hf.ActConfig | None:
         overrides["swap"] = True
     if act_args.act_checkpoint_bits is not None:
         overrides["checkpoint_bits"] = act_args.act_checkpoint_bits
+    if not act_args.act_channel_scale:
+        overrides["channel_scale"] = False
     if act_args.act_kinds:
         kinds = act_args.act_kinds
         overrides["kinds"] = tuple(k.strip() for k in kinds.split(",") if k.strip()) if isinstance(kinds, str) \

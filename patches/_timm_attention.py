@@ -40,17 +40,14 @@ __all__ = ["ActTimmAttentionMixin", "ActWindowAttentionMixin", "mixin_for"]
 logger = logging.getLogger(__name__)
 
 
-def _base_settings(module: ActModule) -> OpSettings:
-    return OpSettings(slot=module.act_slot or type(module).__name__, bits=module.act_bits,
-                      group_size=module.act_group_size, swap=module.act_swap)
-
-
 def _compressing(module: nn.Module) -> bool:
     return module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
 class ActTimmAttentionMixin(ActModule):
     """For ``timm.layers.Attention`` (ViT, DeiT, ...): q, k, v saved quantized."""
+
+    act_features_last = True
 
     def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         if not _compressing(self):
@@ -61,7 +58,7 @@ class ActTimmAttentionMixin(ActModule):
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
 
-        settings = _base_settings(self)
+        settings = self.act_base_settings()
         if self.fused_attn:
             x = act_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.,
                          is_causal=is_causal, settings=settings)
@@ -84,6 +81,8 @@ class ActTimmAttentionMixin(ActModule):
 class ActWindowAttentionMixin(ActModule):
     """For Swin's ``WindowAttention``: q, k, v saved quantized; relative position bias still learns."""
 
+    act_features_last = True
+
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         if not _compressing(self):
             return super().forward(x, mask)
@@ -91,7 +90,7 @@ class ActWindowAttentionMixin(ActModule):
         qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
 
-        settings = _base_settings(self)
+        settings = self.act_base_settings()
         if self.fused_attn:
             attn_mask = self._get_rel_pos_bias()
             if mask is not None:

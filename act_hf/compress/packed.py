@@ -17,6 +17,12 @@ class PackedSpec:
     dtype: torch.dtype
     bits: int
     group_size: int
+    channel_scaled: bool = False
+
+    @property
+    def n_tensors(self) -> int:
+        """How many tensors the packed form has: payload, lo, scale, and the channel exponents if scaled."""
+        return 4 if self.channel_scaled else 3
 
     @property
     def numel(self) -> int:
@@ -30,7 +36,8 @@ class PackedSpec:
 class PackedTensor:
     """A tensor quantized by :func:`act_hf.compress.quantize`.
 
-    Holds only tensors (``payload``, ``lo``, ``scale``) besides its :class:`PackedSpec`, so an autograd
+    Holds only tensors (``payload``, ``lo``, ``scale``, and ``channel`` when channel-scaled) besides its
+    :class:`PackedSpec`, so an autograd
     Function saves it with ``ctx.save_for_backward(*packed.tensors)`` and rebuilds it in backward with
     :meth:`rebuild`; saved-tensor hooks and ``torch.utils.checkpoint`` then see the packed bytes.
 
@@ -38,22 +45,30 @@ class PackedTensor:
         payload: ``uint8[ceil(numel * bits / 8)]``, the dense bit stream of codes.
         lo: ``int16[n_groups]``, raw bf16 (fp16 for fp16 inputs) bit patterns of each group's zero point.
         scale: ``int16[n_groups]``, raw bf16 bit patterns of each group's step.
-        spec: shape, dtype, bits and group size of the original tensor.
+        spec: shape, dtype, bits, group size and channel scaling of the original tensor.
+        channel: ``int8[shape[-1]]``, the power-of-two exponent each last-dimension channel was divided by
+            before grouping (``spec.channel_scaled``), else ``None``; see :func:`act_hf.compress.quantize`.
     """
 
     payload: torch.Tensor
     lo: torch.Tensor
     scale: torch.Tensor
     spec: PackedSpec
+    channel: torch.Tensor | None = None
 
     @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.payload, self.lo, self.scale
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors to save, ``spec.n_tensors`` of them (:meth:`rebuild` takes them back)."""
+        if self.channel is None:
+            return self.payload, self.lo, self.scale
+        return self.payload, self.lo, self.scale, self.channel
 
     @classmethod
     def rebuild(cls, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], spec: PackedSpec) -> PackedTensor:
-        payload, lo, scale = tensors
-        return cls(payload, lo, scale, spec)
+        if len(tensors) != spec.n_tensors:
+            raise ValueError(f"a packed tensor with {spec} has {spec.n_tensors} tensors, got {len(tensors)}")
+        payload, lo, scale = tensors[:3]
+        return cls(payload, lo, scale, spec, tensors[3] if spec.channel_scaled else None)
 
     @property
     def shape(self) -> torch.Size:
@@ -83,5 +98,5 @@ class PackedTensor:
     def __repr__(self) -> str:
         return (
             f"PackedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={self.bits}, "
-            f"group_size={self.group_size}, nbytes={self.nbytes})"
+            f"group_size={self.group_size}, channel_scaled={self.spec.channel_scaled}, nbytes={self.nbytes})"
         )

@@ -9,10 +9,15 @@ from ..ops import _library  # noqa: F401  (registers torch.ops.act_hf.*)
 from .packed import PackedSpec, PackedTensor
 from .rng import resolve_seed
 
-__all__ = ["DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size", "dequantize", "quantize"]
+__all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
+           "dequantize", "quantize"]
 
 DEFAULT_GROUP_SIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+CHANNEL_SCALE_MIN_ROWS = 64
+"""Channel scaling applies to tensors with at least this many rows (``numel // shape[-1]``): its one byte per
+channel then costs at most 1/8 bit per element."""
+_MAX_CHANNEL_SHIFT = {torch.float16: 15}  # 2**15 is fp16's largest power of two; other dtypes take 24
 
 
 def check_bits(bits: object, name: str = "bits") -> int:
@@ -39,6 +44,7 @@ def quantize(
     group_size: int = DEFAULT_GROUP_SIZE,
     *,
     seed: int | torch.Generator | None = None,
+    channel_scale: bool = False,
 ) -> PackedTensor:
     """Per-group stochastically rounded quantization of ``x`` into a dense bit stream.
 
@@ -48,15 +54,28 @@ def quantize(
     ``group_size`` bits per element), both rounded outward, and quantization uses the stored values, so
     ``E[dequantize(quantize(x))] == x``. Full format: ``act_hf.compress.reference``.
 
+    With ``channel_scale``, every channel of the last dimension is first multiplied by a power of two
+    ``2**k[c]`` that brings its largest magnitude within a factor 2 of the largest channel's, and decoding
+    divides it back out. Transformer hidden states have a few outlier channels (tens of times the typical
+    magnitude) that set the range of every group they fall in; equalized, a group's levels cover all its
+    channels (MiniLM's layer inputs at 4 bits: relative error 0.41 -> 0.15, README). The shift is exact (a
+    power of two, never past the largest channel, so nothing overflows), so the estimate stays unbiased;
+    decoding's division rounds only results below the dtype's smallest normal number (fp16: 6.1e-5). It
+    costs one byte per channel (``k``, at most 24, 15 for fp16), and it applies only when ``x`` has at least 2
+    dimensions and :data:`CHANNEL_SCALE_MIN_ROWS` rows; otherwise the result is unscaled
+    (``spec.channel_scaled`` says which).
+
     Args:
         x: floating tensor (fp32, fp16, bf16; fp64 is accepted and computed in fp32), any shape and layout.
         bits: code width, an integer from 1 to 8.
         group_size: elements per group, a positive multiple of 8.
         seed: ``None`` draws from act_hf's own stream (never the global RNG); an ``int`` or a CPU
             ``torch.Generator`` gives reproducible draws.
+        channel_scale: equalize the last dimension's channels by powers of two before grouping (above).
 
     Returns:
-        The :class:`PackedTensor` (``nbytes == ceil(numel*bits/8) + 4*ceil(numel/group_size)``).
+        The :class:`PackedTensor` (``nbytes == ceil(numel*bits/8) + 4*ceil(numel/group_size)``, plus
+        ``shape[-1]`` bytes when channel-scaled).
 
     Raises:
         TypeError: ``x`` is not a tensor or ``bits``/``group_size`` are not integers.
@@ -70,12 +89,39 @@ def quantize(
         )
     check_bits(bits)
     check_group_size(group_size)
-    spec = PackedSpec(shape=x.shape, dtype=x.dtype, bits=bits, group_size=group_size)
-    flat = x.detach().reshape(-1)
+    x = x.detach()
+    shifts = _channel_shifts(x) if channel_scale and _scalable(x) else None
+    spec = PackedSpec(shape=x.shape, dtype=x.dtype, bits=bits, group_size=group_size,
+                      channel_scaled=shifts is not None)
+    flat = (x if shifts is None else x * _powers_of_two(shifts, x.dtype)).reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     payload, lo, scale = torch.ops.act_hf.quantize_pack(flat, bits, group_size, resolve_seed(seed))
-    return PackedTensor(payload, lo, scale, spec)
+    return PackedTensor(payload, lo, scale, spec, shifts)
+
+
+def _scalable(x: torch.Tensor) -> bool:
+    return x.dim() >= 2 and x.shape[-1] > 0 and x.numel() // x.shape[-1] >= CHANNEL_SCALE_MIN_ROWS
+
+
+def _channel_shifts(x: torch.Tensor) -> torch.Tensor:
+    """``k[c] = clamp(e_max - e[c], 0, K)`` as ``int8``, where ``2**e[c]`` is the smallest power of two above
+    channel ``c``'s largest magnitude and ``e_max`` the largest over finite channels: ``x[..., c] * 2**k[c]``
+    stays below ``2**e_max``. Non-finite channels get 0 (they decode to NaN anyway)."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=tuple(range(x.dim() - 1))).float()
+    finite = torch.isfinite(amax)
+    exponent = torch.frexp(torch.where(finite, amax, 0.0)).exponent
+    lowest = torch.iinfo(exponent.dtype).min
+    top = torch.where(finite, exponent, lowest).amax()
+    shift = (top - exponent).clamp_(0, _MAX_CHANNEL_SHIFT.get(x.dtype, 24))
+    return torch.where(finite, shift, 0).to(torch.int8)
+
+
+def _powers_of_two(shifts: torch.Tensor, dtype: torch.dtype, *, negate: bool = False) -> torch.Tensor:
+    """``2**shifts`` (``2**-shifts`` with ``negate``) in ``dtype``, built from the fp32 exponent field: exact."""
+    exponent = shifts.to(torch.int32)
+    field = (127 - exponent) if negate else (127 + exponent)
+    return torch.bitwise_left_shift(field, 23).view(torch.float32).to(dtype)
 
 
 def dequantize(packed: PackedTensor) -> torch.Tensor:
@@ -86,4 +132,7 @@ def dequantize(packed: PackedTensor) -> torch.Tensor:
     flat = torch.ops.act_hf.unpack_dequantize(
         packed.payload, packed.lo, packed.scale, spec.bits, spec.group_size, spec.numel, spec.dtype
     )
-    return flat.view(spec.shape)
+    out = flat.view(spec.shape)
+    if spec.channel_scaled:
+        out.mul_(_powers_of_two(packed.channel, spec.dtype, negate=True))
+    return out

@@ -7,6 +7,8 @@ restores the original class exactly.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -26,17 +28,22 @@ class ActModule:
         act_bits: default bits of this module's quantized slots (the allocator may override per slot).
         act_group_size: quantization group size.
         act_swap: swap the packed context to pinned host memory (see :mod:`act_hf.swap`).
+        act_channel_scale: equalize the channels of the last dimension before quantizing (ActConfig's
+            ``channel_scale``); it takes effect only in classes whose saved tensors keep their features
+            there (``act_features_last``), not in convolutions and BatchNorm (NCHW).
     """
 
     act_slot: str = ""
     act_bits: int = 3
     act_group_size: int = 256
     act_swap: bool = False
+    act_channel_scale: bool = False
+    act_features_last: bool = False
     act_original_class: type | None = None
 
     def act_configure(self, *, slot: str | None = None, bits: int | None = None, group_size: int | None = None,
-                      swap: bool | None = None):
-        """Set slot name, bits, group size and swap (only the ones given)."""
+                      swap: bool | None = None, channel_scale: bool | None = None):
+        """Set slot name, bits, group size, swap and channel scaling (only the ones given)."""
         if slot is not None:
             self.act_slot = slot
         if bits is not None:
@@ -45,13 +52,20 @@ class ActModule:
             self.act_group_size = group_size
         if swap is not None:
             self.act_swap = swap
+        if channel_scale is not None:
+            self.act_channel_scale = channel_scale
         return self
+
+    def act_base_settings(self) -> OpSettings:
+        """Settings named after the module itself (slot ``<act_slot>``); ops derive per-role slots from them."""
+        return OpSettings(slot=self.act_slot or type(self).__name__, bits=self.act_bits,
+                          group_size=self.act_group_size, swap=self.act_swap,
+                          channel_scale=self.act_channel_scale and self.act_features_last)
 
     def act_settings(self, role: str = "input") -> OpSettings:
         """Settings for the slot ``<act_slot>:<role>``, with the bits the allocator gave it."""
         slot = f"{self.act_slot or type(self).__name__}:{role}"
-        return OpSettings(slot=slot, bits=store.bits_for(slot, self.act_bits), group_size=self.act_group_size,
-                          swap=self.act_swap)
+        return replace(self.act_base_settings(), slot=slot, bits=store.bits_for(slot, self.act_bits))
 
     def __reduce_ex__(self, protocol):
         """Pickling (``torch.save(model)``, ``copy.deepcopy``) names a class made at run time by the pair it was
@@ -98,10 +112,11 @@ def _new_act_module(original: type, mixin: type) -> nn.Module:
 
 
 def convert(module: nn.Module, mixin: type, *, slot: str = "", bits: int = 3, group_size: int = 256,
-            swap: bool = False) -> nn.Module:
+            swap: bool = False, channel_scale: bool = False) -> nn.Module:
     """Turn ``module`` into its act_hf version in place (same object, parameters and state dict)."""
     module.__class__ = act_class_for(type(module), mixin)
-    module.act_configure(slot=slot, bits=bits, group_size=group_size, swap=swap)  # type: ignore[attr-defined]
+    module.act_configure(slot=slot, bits=bits, group_size=group_size, swap=swap,  # type: ignore[attr-defined]
+                         channel_scale=channel_scale)
     return module
 
 

@@ -78,6 +78,8 @@ class ActLayerNormMixin(_ActNormMixin):
     timm's ``_fast_norm`` path (apex or forced fp32) keeps the original forward.
     """
 
+    act_features_last = True
+
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x) or getattr(self, "_fast_norm", False):
             return super().forward(x)
@@ -127,6 +129,7 @@ class ActRMSNormMixin(_ActNormMixin):
     """
 
     act_rms_style: str | None = None
+    act_features_last = True
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x):

@@ -23,13 +23,15 @@ __all__ = ["OpSettings", "RngState", "autocast_state", "load_context", "replayed
 
 @dataclass(frozen=True)
 class OpSettings:
-    """What an op needs to compress one saved tensor: the slot name, its bits, the group size, and whether
-    the packed copy is swapped to host memory."""
+    """What an op needs to compress one saved tensor: the slot name, its bits, the group size, whether the
+    packed copy is swapped to host memory, and whether the last dimension's channels are equalized first
+    (``channel_scale``, see :func:`act_hf.compress.quantize`)."""
 
     slot: str
     bits: int
     group_size: int = 256
     swap: bool = False
+    channel_scale: bool = False
 
 
 def autocast_state(device_type: str) -> dict[str, Any]:
@@ -108,8 +110,8 @@ def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | RectifiedAffine
         if entry[0] == "none":
             out.append(None)
         elif entry[0] == "packed":
-            i = entry[1]
-            out.append(store.resolve(PackedTensor.rebuild(saved[i : i + 3], entry[2])))
+            i, spec = entry[1], entry[2]
+            out.append(store.resolve(PackedTensor.rebuild(saved[i : i + spec.n_tensors], spec)))
         elif entry[0] == "rectified":
             i, n, meta = entry[1:]
             derived = RectifiedAffine.rebuild(saved[i : i + n], meta)

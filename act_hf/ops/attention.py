@@ -59,7 +59,7 @@ Fully masked rows follow PyTorch, since the recomputation is SDPA itself.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -84,8 +84,7 @@ __all__ = [
 def role_settings(settings: OpSettings, role: str) -> OpSettings:
     """Settings of the slot ``<settings.slot>:<role>`` with the bits the allocator gave it."""
     slot = f"{settings.slot}:{role}"
-    return OpSettings(slot=slot, bits=store.bits_for(slot, settings.bits), group_size=settings.group_size,
-                      swap=settings.swap)
+    return replace(settings, slot=slot, bits=store.bits_for(slot, settings.bits))
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
