@@ -47,17 +47,23 @@ def test_exact_inputs_give_the_uncheckpointed_gradient():
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_packed_inputs_recompute_on_the_dequantized_input(bits):
-    """Forward is exact; backward is exact autograd of the layer at Q(x) (the draw quantize() makes) applied
-    to the gradient of the exact output."""
-    layer, x = _layer(), torch.randn(4, 8, 16, dtype=torch.float64)
+@pytest.mark.parametrize("channel_scale", [True, False])
+def test_packed_inputs_recompute_on_the_dequantized_input(bits, channel_scale):
+    """Forward is exact; backward is exact autograd of the layer at Q(x) (the draw quantize() makes, channel
+    scaled by default) applied to the gradient of the exact output."""
+    layer, x = _layer(), torch.randn(8, 8, 16, dtype=torch.float64)  # 64 rows: enough to be channel scaled
+    x[..., 3] *= 30  # an outlier channel
     y0, _, _ = _grads(layer, x, lambda m, h: m(h))
     act_hf.manual_seed(7)
-    y1, gx1, gp1 = _grads(layer, x, lambda m, h: checkpoint(m, h, bits=bits, group_size=64))
+    with act_hf.track_saved() as saved:
+        y1, gx1, gp1 = _grads(layer, x, lambda m, h: checkpoint(m, h, bits=bits, group_size=64,
+                                                                channel_scale=channel_scale))
     assert torch.equal(y1, y0)
+    numel = x.numel()
+    assert saved.by_slot["checkpoint"] == math.ceil(numel * bits / 8) + 4 * (numel // 64) + 16 * channel_scale
 
     act_hf.manual_seed(7)
-    q = dequantize(quantize((x * 2).detach(), bits, 64)).requires_grad_()
+    q = dequantize(quantize((x * 2).detach(), bits, 64, channel_scale=channel_scale)).requires_grad_()
     layer.zero_grad()
     torch.manual_seed(1)
     layer(q).backward(2 * y0)

@@ -35,6 +35,20 @@ def test_different_bits_are_separate_copies():
     assert set(saved.by_slot) == {"l0:input", "l2:input"}
 
 
+def test_channel_scaled_and_plain_copies_are_separate_and_each_shared():
+    """Modules that agree on channel scaling share one packed copy; one that differs gets its own."""
+    q, k, v = _three_linears()
+    for m in (q, k):
+        m.act_configure(channel_scale=True)
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    with track_saved() as saved:
+        outs = [m(x) for m in (q, k, v)]
+    n = x.numel()
+    plain = n * 3 // 8 + 4 * (n // 256)
+    assert saved.by_slot == {"l0:input": plain + 64, "l2:input": plain}  # + one byte per channel
+    sum(o.sum() for o in outs).backward()
+
+
 def test_in_place_modification_invalidates_the_entry():
     a, b, _ = _three_linears()
     x = torch.randn(4, 64)

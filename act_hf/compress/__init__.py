@@ -2,10 +2,19 @@
 
 from .bits import pack_bits, unpack_bits
 from .packed import PackedSpec, PackedTensor
-from .quantizer import DEFAULT_GROUP_SIZE, SUPPORTED_DTYPES, check_bits, check_group_size, dequantize, quantize
+from .quantizer import (
+    CHANNEL_SCALE_MIN_ROWS,
+    DEFAULT_GROUP_SIZE,
+    SUPPORTED_DTYPES,
+    check_bits,
+    check_group_size,
+    dequantize,
+    quantize,
+)
 from .rng import manual_seed
 
 __all__ = [
+    "CHANNEL_SCALE_MIN_ROWS",
     "DEFAULT_GROUP_SIZE",
     "SUPPORTED_DTYPES",
     "PackedSpec",

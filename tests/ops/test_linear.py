@@ -75,6 +75,26 @@ def test_linear_weight_grad_unbiased_over_draws():
     assert errs[1] < errs[0] / 2.5, errs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channel_scaled_linear_weight_grad_is_exact_at_the_dequantized_input(dtype):
+    """With channel scaling the weight gradient is ``g^T Q(x)`` for the channel-scaled draw, exactly."""
+    from act_hf import manual_seed
+    from act_hf.compress import dequantize, quantize
+
+    torch.manual_seed(3)
+    act = ActLinear(48, 8).to(dtype).act_configure(slot="lin", bits=3, channel_scale=True)
+    x = torch.randn(4, 32, 48, dtype=dtype)
+    x[..., 7] *= 50
+    g = torch.randn(4, 32, 8, dtype=dtype)
+    manual_seed(5)
+    act(x.requires_grad_()).backward(g)
+    manual_seed(5)
+    q = dequantize(quantize(x.detach(), 3, 256, channel_scale=True))
+    expected = (g.reshape(-1, 8).t().float() @ q.reshape(-1, 48).float()).to(dtype)
+    torch.testing.assert_close(act.weight.grad, expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    assert sqnr_db(g.reshape(-1, 8).t().double() @ x.detach().reshape(-1, 48).double(), act.weight.grad) > 10
+
+
 def test_saved_bytes_formula_and_needs_input_grad():
     act = ActLinear(256, 64).act_configure(slot="lin", bits=3)
     x = torch.randn(8, 100, 256)

@@ -1,0 +1,135 @@
+"""Channel scaling (``quantize(..., channel_scale=True)``): an exact power-of-two shift per last-dim channel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from act_hf.compress import CHANNEL_SCALE_MIN_ROWS, PackedTensor, dequantize, quantize
+from act_hf.compress import reference as R
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def outlier_hidden_states(rows: int = 256, channels: int = 96, dtype=torch.float32) -> torch.Tensor:
+    """Hidden-state-like data: most channels ~N(0, 0.3^2), three outlier channels 20-40x larger."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, channels, generator=g) * 0.3
+    x[:, 5] *= 40
+    x[:, 17] *= 25
+    x[:, 60] *= -20
+    return x.to(dtype)
+
+
+def powers(shifts: torch.Tensor, sign: int) -> torch.Tensor:
+    return torch.tensor([2.0 ** (sign * int(k)) for k in shifts], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 3, 8])
+def test_it_is_the_plain_quantizer_on_exactly_shifted_channels(dtype, bits):
+    """Same codes and metadata as quantizing ``x * 2**k`` plainly, and a decode that is that decode times
+    ``2**-k``, bit for bit: the shift adds no rounding of its own."""
+    x = outlier_hidden_states(dtype=dtype)
+    p = quantize(x, bits, 64, seed=11, channel_scale=True)
+    assert p.spec.channel_scaled and p.channel.dtype == torch.int8 and p.channel.shape == (x.shape[-1],)
+    shifted = (x.double() * powers(p.channel, +1)).to(dtype)
+    assert torch.equal(shifted.double() * powers(p.channel, -1), x.double())  # the shift is exact
+    plain = quantize(shifted, bits, 64, seed=11)
+    assert torch.equal(p.payload, plain.payload) and torch.equal(p.lo, plain.lo) and torch.equal(p.scale, plain.scale)
+    expected = (dequantize(plain).double() * powers(p.channel, -1)).to(dtype)
+    assert torch.equal(dequantize(p), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shifts_equalize_channels_and_never_overflow(dtype):
+    x = outlier_hidden_states(dtype=dtype)
+    x[:, 30] = 0  # an all-zero channel
+    if dtype == torch.float16:
+        x[:, 40] = 60000.0  # near fp16's largest value
+        x[:, 41] *= 1e-3
+    p = quantize(x, 3, 64, seed=0, channel_scale=True)
+    k = p.channel.long()
+    limit = 15 if dtype == torch.float16 else 24
+    assert int(k.min()) >= 0 and int(k.max()) <= limit
+    before = x.double().abs().amax(0)
+    top = before.max()
+    assert int(k[before.argmax()]) == 0  # the largest channel is not shifted
+    after = before * powers(p.channel, +1)
+    live = (after > 0) & (k < limit)
+    # every unclamped channel's largest magnitude is now within a factor 2 of the largest channel's
+    assert bool((after[live] > top / 2).all() and (after[live] < 2 * top).all())
+    assert bool((after < 2 * top).all())
+    assert torch.isfinite(dequantize(p)).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_outlier_channels_no_longer_set_the_groups_range(bits):
+    x = outlier_hidden_states()
+    plain = [(dequantize(quantize(x, bits, 256, seed=s)) - x).norm() / x.norm() for s in range(4)]
+    scaled = [(dequantize(quantize(x, bits, 256, seed=s, channel_scale=True)) - x).norm() / x.norm()
+              for s in range(4)]
+    assert sum(scaled) < sum(plain) / 2, (plain, scaled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unbiased_and_variance_is_the_shifted_one(dtype):
+    x = outlier_hidden_states(rows=64, channels=64, dtype=dtype)
+    draws = 1500
+    ys = torch.stack([dequantize(quantize(x, 2, 256, seed=s, channel_scale=True)).double() for s in range(draws)])
+    mean = ys.mean(0)
+    # predicted variance: stochastic rounding of x * 2**k on the stored grid, shifted back by 2**-2k
+    p = quantize(x, 2, 256, seed=0, channel_scale=True)
+    lo = R.metadata_to_float(p.lo, R.lo_dtype_for(dtype)).double().repeat_interleave(256)
+    scale = R.metadata_to_float(p.scale, torch.bfloat16).double().repeat_interleave(256)
+    shifted = x.double() * powers(p.channel, +1)
+    v = (shifted.reshape(-1) - lo) / scale
+    f = v - v.floor()
+    predicted = (scale**2 * f * (1 - f)).view(x.shape) * powers(p.channel, -2)
+    se = (predicted / draws).sqrt()
+    tol = 5 * se + torch.finfo(dtype).eps * x.double().abs()
+    assert bool(((mean - x.double()).abs() <= tol + 1e-12).all()), f"bias {(mean - x.double()).abs().max()}"
+
+
+def test_small_and_one_dimensional_tensors_stay_plain():
+    for x in (torch.randn(4096), torch.randn(CHANNEL_SCALE_MIN_ROWS - 1, 32), torch.randn(2, 3, 0)):
+        p = quantize(x, 3, 64, seed=0, channel_scale=True)
+        plain = quantize(x, 3, 64, seed=0)
+        assert not p.spec.channel_scaled and p.channel is None and len(p.tensors) == 3
+        assert p.nbytes == plain.nbytes and torch.equal(p.payload, plain.payload)
+    assert quantize(torch.randn(CHANNEL_SCALE_MIN_ROWS, 32), 3, 64, channel_scale=True).spec.channel_scaled
+
+
+def test_one_byte_per_channel_and_rebuild():
+    x = outlier_hidden_states()
+    p = quantize(x, 3, 64, seed=0, channel_scale=True)
+    assert p.nbytes == quantize(x, 3, 64, seed=0).nbytes + x.shape[-1]
+    assert len(p.tensors) == p.spec.n_tensors == 4
+    q = PackedTensor.rebuild(p.tensors, p.spec)
+    assert torch.equal(dequantize(q), dequantize(p))
+    assert "channel_scaled=True" in repr(p)
+    with pytest.raises(ValueError, match="has 4 tensors, got 3"):
+        PackedTensor.rebuild(p.tensors[:3], p.spec)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_channel_marks_its_groups_and_leaves_the_others(bad):
+    x = outlier_hidden_states(rows=64, channels=64)
+    clean = quantize(x, 3, 64, seed=0, channel_scale=True)
+    x[3, 9] = bad
+    p = quantize(x, 3, 64, seed=0, channel_scale=True)
+    assert int(p.channel[9]) == 0
+    others = torch.arange(64) != 9
+    assert torch.equal(p.channel[others], clean.channel[others])  # the other channels' shifts are undisturbed
+    y = dequantize(p)
+    assert not torch.isfinite(y[3]).any()  # row 3 is group 3: marked NaN, as without scaling
+    assert torch.isfinite(y[torch.arange(64) != 3]).all()
+
+
+def test_non_contiguous_input_is_read_in_logical_order():
+    x = outlier_hidden_states(rows=96, channels=128).t().contiguous().t()  # (96, 128), column-major
+    assert not x.is_contiguous()
+    a = quantize(x, 4, 64, seed=3, channel_scale=True)
+    b = quantize(x.contiguous(), 4, 64, seed=3, channel_scale=True)
+    assert torch.equal(a.payload, b.payload) and torch.equal(a.channel, b.channel)
+    assert torch.equal(dequantize(a), dequantize(b))

@@ -1,0 +1,88 @@
+"""Channel scaling in patched models: which contexts get it, what it buys, and turning it off."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import act_hf
+from act_hf.context import store
+from tests.patches.models import bert, timm_model
+
+
+def _spy(monkeypatch) -> collections.Counter:
+    """Count every packed copy the store makes, by (role of its slot, whether it is channel scaled)."""
+    made: collections.Counter = collections.Counter()
+    compress = store.compress
+
+    def spy(x, **kwargs):
+        packed = compress(x, **kwargs)
+        rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 0
+        made[(kwargs["slot"].rsplit(":", 1)[-1], packed.spec.channel_scaled, rows >= 64)] += 1
+        return packed
+
+    monkeypatch.setattr(store, "compress", spy)
+    return made
+
+
+def _bert_step(model, batch=8, seq=16):
+    """One training step of the test BERT on ``batch x seq`` tokens (>= 64 rows: channel scaling applies)."""
+    g = torch.Generator().manual_seed(0)
+    inputs = {"input_ids": torch.randint(4, 99, (batch, seq), generator=g), "labels": torch.tensor([0, 1] * (batch // 2))}
+    model.zero_grad()
+    model(**inputs).loss.backward()
+    return torch.cat([p.grad.flatten() for n, p in model.named_parameters()
+                      if p.grad is not None and "embeddings" not in n])
+
+
+@pytest.mark.parametrize("channel_scale", [True, False])
+def test_transformer_contexts_are_scaled_unless_turned_off(monkeypatch, channel_scale):
+    model, _ = bert()
+    model.train()
+    act_hf.patch(model, bits=3, channel_scale=channel_scale)
+    made = _spy(monkeypatch)
+    _bert_step(model)
+    roles = {role for role, _, _ in made}
+    assert {"input", "output", "q", "k", "v"} <= roles  # linears, LayerNorms, attention
+    large = {key: n for key, n in made.items() if key[2]}
+    assert large and all(scaled == channel_scale for _, scaled, _ in large)
+    assert not any(scaled for _, scaled, big in made if not big)  # under 64 rows: plain
+
+
+def test_convolutions_and_batchnorm_are_never_scaled(monkeypatch):
+    model, inputs = timm_model("resnet18")()
+    model.train()
+    act_hf.patch(model, bits=3)
+    made = _spy(monkeypatch)
+    model(**inputs).sum().backward()
+    assert sum(n for (_, _, big), n in made.items() if big) > 10  # NCHW tensors with many "rows"
+    assert not any(scaled for _, scaled, _ in made)
+
+
+def test_outlier_channels_add_less_gradient_variance_when_scaled():
+    """A BERT whose LayerNorms have outlier channels (as pretrained ones do): at 2 bits, the gradient's error
+    against the exact one is several times smaller with channel scaling (MiniLM measured: 18x, README)."""
+    torch.manual_seed(0)
+    model, _ = bert()
+    model.train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p[[3, 17]] *= 30
+    exact = _bert_step(model)
+    errors = {}
+    for channel_scale in (False, True):
+        act_hf.patch(model, bits=2, channel_scale=channel_scale, variance_alarm=0)
+        act_hf.manual_seed(0)
+        errors[channel_scale] = sum((_bert_step(model) - exact).norm() ** 2 for _ in range(4)).item()
+        act_hf.unpatch(model)
+    print(f"squared gradient error over 4 draws: plain {errors[False]:.3g}, scaled {errors[True]:.3g}")
+    assert errors[True] < errors[False] / 2
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_config_rejects_a_non_bool(value):
+    with pytest.raises(TypeError, match="channel_scale must be True or False"):
+        act_hf.ActConfig(channel_scale=value)
