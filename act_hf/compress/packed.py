@@ -37,17 +37,18 @@ class PackedTensor:
     """A tensor quantized by :func:`act_hf.compress.quantize`.
 
     Holds only tensors (``payload``, ``lo``, ``scale``, and ``channel`` when channel-scaled) besides its
-    :class:`PackedSpec`, so an autograd
-    Function saves it with ``ctx.save_for_backward(*packed.tensors)`` and rebuilds it in backward with
-    :meth:`rebuild`; saved-tensor hooks and ``torch.utils.checkpoint`` then see the packed bytes.
+    :class:`PackedSpec`, so an autograd Function saves it with ``ctx.save_for_backward(*packed.tensors)`` and
+    rebuilds it in backward with :meth:`rebuild`; saved-tensor hooks and ``torch.utils.checkpoint`` then see
+    the packed bytes.
 
     Attributes:
         payload: ``uint8[ceil(numel * bits / 8)]``, the dense bit stream of codes.
         lo: ``int16[n_groups]``, raw bf16 (fp16 for fp16 inputs) bit patterns of each group's zero point.
         scale: ``int16[n_groups]``, raw bf16 bit patterns of each group's step.
         spec: shape, dtype, bits, group size and channel scaling of the original tensor.
-        channel: ``int8[shape[-1]]``, the power-of-two exponent each last-dimension channel was divided by
-            before grouping (``spec.channel_scaled``), else ``None``; see :func:`act_hf.compress.quantize`.
+        channel: ``int8[shape[-1]]``, the shifts ``k`` when ``spec.channel_scaled`` (channel ``c`` was multiplied
+            by ``2**k[c]`` before grouping; decoding divides it back out), else ``None``; see
+            :func:`act_hf.compress.quantize`.
     """
 
     payload: torch.Tensor

@@ -76,3 +76,18 @@ def test_kernel_errors_name_arguments(ext):
         ext.quantize_pack(x, 3, 12, 0)
     with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):
         ext.quantize_pack(x.cpu(), 3, 256, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_channel_scaled_quantize_on_gpu_equals_the_cpu(ext, dtype):
+    """The channel shifts (torch ops) and the kernel on the shifted tensor give the CPU's bits and decode."""
+    from act_hf.compress import dequantize, quantize
+
+    x = (torch.randn(300, 96) * 0.3).to(dtype)
+    x[:, 5] *= 40
+    gpu = quantize(x.cuda(), 3, 256, seed=4, channel_scale=True)
+    cpu = quantize(x, 3, 256, seed=4, channel_scale=True)
+    assert gpu.spec == cpu.spec and gpu.spec.channel_scaled
+    for g, c in zip(gpu.tensors, cpu.tensors):
+        assert torch.equal(g.cpu(), c)
+    assert torch.equal(dequantize(gpu).cpu(), dequantize(cpu))
