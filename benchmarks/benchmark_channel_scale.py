@@ -23,11 +23,11 @@ import json
 from pathlib import Path
 
 import torch
+from benchmark_adapt_cost import _glue_batch, _minilm
+from benchmark_saved_memory import _meta
 
 import act_hf
 from act_hf.compress import dequantize, quantize
-from benchmark_adapt_cost import _glue_batch, _minilm
-from benchmark_saved_memory import _meta
 
 ROOT = Path(__file__).resolve().parents[1]
 

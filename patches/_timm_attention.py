@@ -22,7 +22,6 @@ import torch
 from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
-from act_hf.ops._saving import OpSettings
 from act_hf.ops.attention import act_eager_attention, act_sdpa
 
 try:

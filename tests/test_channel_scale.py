@@ -30,7 +30,8 @@ def _spy(monkeypatch) -> collections.Counter:
 def _bert_step(model, batch=8, seq=16):
     """One training step of the test BERT on ``batch x seq`` tokens (>= 64 rows: channel scaling applies)."""
     g = torch.Generator().manual_seed(0)
-    inputs = {"input_ids": torch.randint(4, 99, (batch, seq), generator=g), "labels": torch.tensor([0, 1] * (batch // 2))}
+    inputs = {"input_ids": torch.randint(4, 99, (batch, seq), generator=g),
+              "labels": torch.tensor([0, 1] * (batch // 2))}
     model.zero_grad()
     model(**inputs).loss.backward()
     return torch.cat([p.grad.flatten() for n, p in model.named_parameters()

@@ -58,11 +58,11 @@ def quantize(
     ``2**k[c]`` that brings its largest magnitude within a factor 2 of the largest channel's, and decoding
     divides it back out. Transformer hidden states have a few outlier channels (tens of times the typical
     magnitude) that set the range of every group they fall in; equalized, a group's levels cover all its
-    channels (pretrained MiniLM's layer inputs at 4 bits: relative error 0.42 -> 0.18, README). The shift is exact (a
-    power of two, never past the largest channel, so nothing overflows), so the estimate stays unbiased;
-    decoding's division rounds only results below the dtype's smallest normal number (fp16: 6.1e-5). It
-    costs one byte per channel (``k``, at most 24, 15 for fp16), and it applies only when ``x`` has at least 2
-    dimensions and :data:`CHANNEL_SCALE_MIN_ROWS` rows; otherwise the result is unscaled
+    channels (pretrained MiniLM's layer inputs at 4 bits: relative error 0.42 -> 0.18, README). The shift is
+    exact (a power of two, never past the largest channel, so nothing overflows), so the estimate stays
+    unbiased; decoding's division rounds only results below the dtype's smallest normal number (fp16:
+    6.1e-5). It costs one byte per channel (``k``, at most 24, 15 for fp16), and it applies only when ``x`` has
+    at least 2 dimensions and :data:`CHANNEL_SCALE_MIN_ROWS` rows; otherwise the result is unscaled
     (``spec.channel_scaled`` says which).
 
     Args:
