@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -87,3 +88,15 @@ def test_outlier_channels_add_less_gradient_variance_when_scaled():
 def test_config_rejects_a_non_bool(value):
     with pytest.raises(TypeError, match="channel_scale must be True or False"):
         act_hf.ActConfig(channel_scale=value)
+
+
+def test_the_setting_survives_save_copy_and_unpatch(tmp_path):
+    act_hf.ActConfig(channel_scale=False).save_pretrained(tmp_path)
+    assert act_hf.ActConfig.from_pretrained(tmp_path).channel_scale is False
+    model, _ = bert()
+    act_hf.patch(model, bits=3, channel_scale=False)
+    copied = copy.deepcopy(model)
+    flags = {m.act_channel_scale for m in copied.modules() if hasattr(m, "act_kind")}
+    assert flags == {False}
+    act_hf.unpatch(model)
+    assert not any("act_channel_scale" in m.__dict__ for m in model.modules())

@@ -134,3 +134,20 @@ def test_swap_lowers_peak_device_memory_on_cuda():
         del model, loss
     assert host[False] == 0 and host[True] > 0
     assert peaks[False] - peaks[True] >= 0.9 * host[True]
+
+
+@pytest.mark.cuda
+def test_a_channel_scaled_context_swaps_with_its_shifts_on_cuda():
+    """The shift vector is one more packed tensor: it goes to the host and comes back with the payload."""
+    from act_hf.compress import dequantize
+
+    x = torch.randn(128, 64, device="cuda")
+    x[:, 3] *= 40
+    act_hf.compress.manual_seed(0)
+    kept = store.compress(x, slot="s", bits=3, group_size=256, channel_scale=True)
+    act_hf.compress.manual_seed(0)
+    host = store.compress(x.clone(), slot="s", bits=3, group_size=256, swap=True, channel_scale=True)
+    assert host.spec.channel_scaled and all(not t.is_cuda for t in host.tensors)
+    fetched = store.resolve(host)
+    assert fetched.channel.is_cuda and torch.equal(fetched.channel, kept.channel)
+    assert torch.equal(dequantize(fetched), dequantize(kept))
