@@ -185,7 +185,7 @@ def patch_modules(model: nn.Module, config: ActConfig, *, rules: list[Rule] = ()
             if rule.kind in config.kinds and rule.match(module):
                 attrs = rule.attrs(module, config)  # read the original module, before its class changes
                 convert(module, rule.mixin(module), slot=path, bits=rule.bits(config),
-                        group_size=config.group_size, swap=config.swap, channel_scale=config.channel_scale)
+                        group_size=config.group_size, swap=config.swap, channel_scale=config.scales_channels)
                 module.act_kind = rule.kind
                 for name, value in attrs.items():
                     setattr(module, name, value)
@@ -304,7 +304,7 @@ def _enable_checkpoint_compression(model: nn.Module, config: ActConfig) -> None:
 
     add_cleanup(model, enable_hf_checkpoint_compression(model, bits=config.checkpoint_bits,
                                                         group_size=config.group_size, swap=config.swap,
-                                                        channel_scale=config.channel_scale))
+                                                        channel_scale=config.scales_channels))
 
 
 def unpatch(model: nn.Module) -> nn.Module:

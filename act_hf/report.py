@@ -32,7 +32,7 @@ def report(model: nn.Module, saved: SavedTracker | None = None, *, top: int = 10
     else:
         lines.append(
             f"act_hf: {type(model).__name__} (family {getattr(model, 'act_hf_family', '?')}), bits={config.bits}, "
-            f"group_size={config.group_size}{'' if config.channel_scale else ' (channels unscaled)'}, "
+            f"group_size={config.group_size}{'' if config.scales_channels else ' (channels unscaled)'}, "
             f"kinds={','.join(config.kinds)}"
         )
         kinds: dict[str, Counter] = defaultdict(Counter)

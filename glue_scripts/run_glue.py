@@ -165,9 +165,10 @@ class ActArguments:
                                         "the layer on the rounded input; 8 kept MiniLM's SST-2 accuracy, 4 "
                                         "(GACT's CB1) cost about 3 points (README)."}
     )
-    act_channel_scale: bool = field(
-        default=True, metadata={"help": "Equalize the feature channels by powers of two before quantizing (exact; "
-                                        "cuts the variance outlier channels add). False: plain groups."}
+    act_channel_scale: bool | None = field(
+        default=None, metadata={"help": "Equalize the feature channels by powers of two before quantizing (exact; "
+                                        "cuts the variance outlier channels add). Default: on with fixed bits, off "
+                                        "with adaptive bits. False: plain groups."}
     )
     act_kinds: str | None = field(
         default=None,
@@ -208,8 +209,8 @@ def build_act_config(act_args: ActArguments) -> act_hf.ActConfig | None:
         overrides["swap"] = True
     if act_args.act_checkpoint_bits is not None:
         overrides["checkpoint_bits"] = act_args.act_checkpoint_bits
-    if not act_args.act_channel_scale:
-        overrides["channel_scale"] = False
+    if act_args.act_channel_scale is not None:
+        overrides["channel_scale"] = act_args.act_channel_scale
     if act_args.act_kinds:
         kinds = act_args.act_kinds
         overrides["kinds"] = tuple(k.strip() for k in kinds.split(",") if k.strip()) if isinstance(kinds, str) \

@@ -84,10 +84,21 @@ def test_outlier_channels_add_less_gradient_variance_when_scaled():
     assert errors[True] < errors[False] / 2
 
 
-@pytest.mark.parametrize("value", [1, "yes", None])
+@pytest.mark.parametrize("value", [1, "yes", 0.0])
 def test_config_rejects_a_non_bool(value):
-    with pytest.raises(TypeError, match="channel_scale must be True or False"):
+    with pytest.raises(TypeError, match="channel_scale must be True, False or None"):
         act_hf.ActConfig(channel_scale=value)
+
+
+def test_by_default_on_for_fixed_bits_and_off_for_adaptive_budgets():
+    """Adaptive budgets measured worse with it (README), so the default leaves them plain; explicit wins."""
+    assert act_hf.ActConfig(bits=3).scales_channels and act_hf.ActConfig(bits=2).scales_channels
+    assert not act_hf.ActConfig(bits=2.5).scales_channels and not act_hf.ActConfig(bits=2.0).scales_channels
+    assert act_hf.ActConfig(bits=2.5, channel_scale=True).scales_channels
+    assert not act_hf.ActConfig(bits=3, channel_scale=False).scales_channels
+    model, _ = bert()
+    act_hf.patch(model, bits=2.5)
+    assert {m.act_channel_scale for m in model.modules() if hasattr(m, "act_kind")} == {False}
 
 
 def test_the_setting_survives_save_copy_and_unpatch(tmp_path):

@@ -258,8 +258,8 @@ def test_act_arguments(run_glue):
     assert config.bits == 3 and isinstance(config.bits, int) and config.group_size == 128 and not config.swap
     assert run_glue.build_act_config(act(act_compress=True, act_swap=True)).swap
     assert run_glue.build_act_config(act(act_compress=True, act_checkpoint_bits=4)).checkpoint_bits == 4
-    assert config.channel_scale and not run_glue.build_act_config(act(act_compress=True,
-                                                                      act_channel_scale=False)).channel_scale
+    assert config.scales_channels and not run_glue.build_act_config(act(act_compress=True,
+                                                                        act_channel_scale=False)).scales_channels
     with pytest.raises(ValueError, match="checkpoint_bits"):
         run_glue.build_act_config(act(act_compress=True, act_checkpoint_bits=0))
     adaptive = run_glue.build_act_config(act(act_compress=True, act_bits=2.5, act_adaptive=True))
