@@ -171,13 +171,15 @@ class ContextStore:
     def compress(self, x: torch.Tensor, *, slot: str, bits: int, group_size: int, swap: bool = False,
                  channel_scale: bool = False) -> PackedTensor:
         """Quantize ``x`` for the backward context (``channel_scale``: see :func:`act_hf.compress.quantize`), or
-        return the packed copy made earlier for it with the same settings.
+        return the packed copy made earlier for it at the same bits and group size. That copy is channel scaled
+        if the op that packed it first asked for it (a LayerNorm's output, read next by linears that do not
+        ask): either way it is an unbiased estimate of ``x``, and ``x`` is packed once.
 
         With ``swap`` and ``x`` on a CUDA device, the packed copy is moved to pinned host memory (the returned
         tensor is the host one; :meth:`resolve` brings it back in backward)."""
         swap = swap and x.is_cuda
         key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, bits,
-               group_size, x.device, swap, channel_scale)
+               group_size, x.device, swap)
         entries = self._entries
         entry = entries.get(key)
         packed = entry.get(x) if entry is not None else None

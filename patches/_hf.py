@@ -81,7 +81,7 @@ def _enable_attention(model: nn.Module, config: ActConfig, head_paths: list[str]
         return []
     for path, module in modules:
         _hf_attention.mark(module, slot=path, bits=config.default_bits, group_size=config.group_size,
-                           swap=config.swap, channel_scale=config.scales_channels)
+                           swap=config.swap)
         module.act_kind = "attention"
 
     add_cleanup(model, functools.partial(_disable_attention, model, [module for _, module in modules]))

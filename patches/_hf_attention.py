@@ -69,7 +69,7 @@ ACT_SDPA = "act_hf_sdpa"
 ACT_EAGER = "act_hf_eager"
 _SWITCH = {"sdpa": ACT_SDPA, "eager": ACT_EAGER}
 _ORIGINAL_ATTR = "_act_hf_attn_original"
-_MARK_ATTRS = ("act_slot", "act_bits", "act_group_size", "act_swap", "act_channel_scale")
+_MARK_ATTRS = ("act_slot", "act_bits", "act_group_size", "act_swap")
 
 sdpa_attention_forward = _sdpa_mod.sdpa_attention_forward
 
@@ -86,8 +86,7 @@ def _settings(module: nn.Module) -> OpSettings:
     base = getattr(module, "act_slot", "") or type(module).__name__
     bits = int(module.act_bits)
     return OpSettings(slot=base, bits=bits, group_size=int(getattr(module, "act_group_size", 256)),
-                      swap=bool(getattr(module, "act_swap", False)),
-                      channel_scale=bool(getattr(module, "act_channel_scale", False)))
+                      swap=bool(getattr(module, "act_swap", False)))
 
 
 def act_sdpa_attention_forward(
@@ -321,15 +320,12 @@ def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if _uses_attention_interface(type(m))]
 
 
-def mark(module: nn.Module, *, slot: str, bits: int, group_size: int = 256, swap: bool = False,
-         channel_scale: bool = False) -> nn.Module:
-    """Give an attention module the slot base, bits, group size, swap and channel scaling (of q, k and v along
-    the head dimension) that the act_hf attention functions read."""
+def mark(module: nn.Module, *, slot: str, bits: int, group_size: int = 256, swap: bool = False) -> nn.Module:
+    """Give an attention module the slot base, bits, group size and swap the act_hf attention functions read."""
     module.act_slot = slot
     module.act_bits = bits
     module.act_group_size = group_size
     module.act_swap = swap
-    module.act_channel_scale = channel_scale
     return module
 
 

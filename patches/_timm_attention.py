@@ -46,8 +46,6 @@ def _compressing(module: nn.Module) -> bool:
 class ActTimmAttentionMixin(ActModule):
     """For ``timm.layers.Attention`` (ViT, DeiT, ...): q, k, v saved quantized."""
 
-    act_features_last = True
-
     def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         if not _compressing(self):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
@@ -79,8 +77,6 @@ class ActTimmAttentionMixin(ActModule):
 
 class ActWindowAttentionMixin(ActModule):
     """For Swin's ``WindowAttention``: q, k, v saved quantized; relative position bias still learns."""
-
-    act_features_last = True
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         if not _compressing(self):

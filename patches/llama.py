@@ -24,8 +24,6 @@ class ActGatedMLPMixin(ActModule):
     (slots ``<path>:gate_act`` and ``<path>:up``). The rule converts an MLP only when its ``forward`` is that
     code (:data:`GATED_MLP_FORWARD`); the submodules are converted by their own rules."""
 
-    act_features_last = True
-
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x):
             return super().forward(x)

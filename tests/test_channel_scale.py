@@ -10,6 +10,7 @@ import torch
 
 import act_hf
 from act_hf.context import store
+from act_hf.nn._base import ActModule
 from tests.patches.models import bert, timm_model
 
 
@@ -40,16 +41,19 @@ def _bert_step(model, batch=8, seq=16):
 
 
 @pytest.mark.parametrize("channel_scale", [True, False])
-def test_transformer_contexts_are_scaled_unless_turned_off(monkeypatch, channel_scale):
+def test_layernorm_outputs_are_scaled_unless_turned_off(monkeypatch, channel_scale):
+    """The LayerNorm outputs are scaled (and the Q/K/V and FFN linears read that copy); attention's q/k/v, the
+    attention context and the GELU output are not: scaled by their channel maxima they measured worse."""
     model, _ = bert()
     model.train()
     act_hf.patch(model, bits=3, channel_scale=channel_scale)
     made = _spy(monkeypatch)
     _bert_step(model)
-    roles = {role for role, _, _ in made}
-    assert {"input", "output", "q", "k", "v"} <= roles  # linears, LayerNorms, attention
-    large = {key: n for key, n in made.items() if key[2]}
-    assert large and all(scaled == channel_scale for _, scaled, _ in large)
+    assert {"input", "output", "q", "k", "v"} <= {role for role, _, _ in made}
+    assert made[("output", channel_scale, True)] > 0 and made[("output", not channel_scale, True)] == 0
+    for role in ("q", "k", "v"):
+        assert made[(role, True, True)] == 0 and made[(role, False, True)] > 0
+    assert made[("input", False, True)] > 0  # the attention context and GELU output stay plain
     assert not any(scaled for _, scaled, big in made if not big)  # under 64 rows: plain
 
 
@@ -64,8 +68,9 @@ def test_convolutions_and_batchnorm_are_never_scaled(monkeypatch):
 
 
 def test_outlier_channels_add_less_gradient_variance_when_scaled():
-    """A BERT whose LayerNorms have outlier channels (as pretrained ones do): at 2 bits, the gradient's error
-    against the exact one is several times smaller with channel scaling (MiniLM measured: 18x, README)."""
+    """A BERT whose LayerNorms have two outlier channels (30x, as pretrained ones have): at 2 bits, the
+    gradient's squared error against the exact one is smaller with the LayerNorm outputs channel scaled
+    (measured 0.00307 -> 0.00237; the rest is the unscaled q/k of attention)."""
     torch.manual_seed(0)
     model, _ = bert()
     model.train()
@@ -76,12 +81,11 @@ def test_outlier_channels_add_less_gradient_variance_when_scaled():
     exact = _bert_step(model)
     errors = {}
     for channel_scale in (False, True):
-        act_hf.patch(model, bits=2, channel_scale=channel_scale, variance_alarm=0)
+        patched = act_hf.patch(copy.deepcopy(model), bits=2, channel_scale=channel_scale, variance_alarm=0)
         act_hf.manual_seed(0)
-        errors[channel_scale] = sum((_bert_step(model) - exact).norm() ** 2 for _ in range(4)).item()
-        act_hf.unpatch(model)
+        errors[channel_scale] = sum((_bert_step(patched) - exact).norm() ** 2 for _ in range(4)).item()
     print(f"squared gradient error over 4 draws: plain {errors[False]:.3g}, scaled {errors[True]:.3g}")
-    assert errors[True] < errors[False] / 2
+    assert errors[True] < errors[False] / 1.2
 
 
 @pytest.mark.parametrize("value", [1, "yes", 0.0])
@@ -98,7 +102,7 @@ def test_by_default_on_for_fixed_bits_and_off_for_adaptive_budgets():
     assert not act_hf.ActConfig(bits=3, channel_scale=False).scales_channels
     model, _ = bert()
     act_hf.patch(model, bits=2.5)
-    assert {m.act_channel_scale for m in model.modules() if hasattr(m, "act_kind")} == {False}
+    assert {m.act_channel_scale for m in model.modules() if isinstance(m, ActModule)} == {False}
 
 
 def test_the_setting_survives_save_copy_and_unpatch(tmp_path):
@@ -107,7 +111,7 @@ def test_the_setting_survives_save_copy_and_unpatch(tmp_path):
     model, _ = bert()
     act_hf.patch(model, bits=3, channel_scale=False)
     copied = copy.deepcopy(model)
-    flags = {m.act_channel_scale for m in copied.modules() if hasattr(m, "act_kind")}
+    flags = {m.act_channel_scale for m in copied.modules() if isinstance(m, ActModule)}
     assert flags == {False}
     act_hf.unpatch(model)
     assert not any("act_channel_scale" in m.__dict__ for m in model.modules())

@@ -35,18 +35,14 @@ def test_different_bits_are_separate_copies():
     assert set(saved.by_slot) == {"l0:input", "l2:input"}
 
 
-def test_channel_scaled_and_plain_copies_are_separate_and_each_shared():
-    """Modules that agree on channel scaling share one packed copy; one that differs gets its own."""
-    q, k, v = _three_linears()
-    for m in (q, k):
-        m.act_configure(channel_scale=True)
+def test_the_first_packer_decides_the_channel_scaling_of_a_shared_copy():
+    """A LayerNorm's channel-scaled output is the copy the linears after it read: packed once."""
     x = torch.randn(4, 16, 64, requires_grad=True)
-    with track_saved() as saved:
-        outs = [m(x) for m in (q, k, v)]
     n = x.numel()
-    plain = n * 3 // 8 + 4 * (n // 256)
-    assert saved.by_slot == {"l0:input": plain + 64, "l2:input": plain}  # + one byte per channel
-    sum(o.sum() for o in outs).backward()
+    first = store.compress(x, slot="norm:output", bits=3, group_size=256, channel_scale=True)
+    again = store.compress(x, slot="lin:input", bits=3, group_size=256, channel_scale=False)
+    assert again.spec.channel_scaled and all(a is b for a, b in zip(again.tensors, first.tensors))
+    assert first.nbytes == n * 3 // 8 + 4 * (n // 256) + 64  # + one byte per channel
 
 
 def test_in_place_modification_invalidates_the_entry():

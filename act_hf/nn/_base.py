@@ -29,8 +29,8 @@ class ActModule:
         act_group_size: quantization group size.
         act_swap: swap the packed context to pinned host memory (see :mod:`act_hf.swap`).
         act_channel_scale: equalize the channels of the last dimension before quantizing (ActConfig's
-            ``channel_scale``); it takes effect only in classes whose saved tensors keep their features
-            there (``act_features_last``), not in convolutions and BatchNorm (NCHW).
+            ``channel_scale``); it takes effect only in classes whose saved tensors gain from it
+            (``act_channel_scalable``: the LayerNorm/RMSNorm outputs, measured; see the README).
     """
 
     act_slot: str = ""
@@ -38,7 +38,7 @@ class ActModule:
     act_group_size: int = 256
     act_swap: bool = False
     act_channel_scale: bool = False
-    act_features_last: bool = False
+    act_channel_scalable: bool = False
     act_original_class: type | None = None
 
     def act_configure(self, *, slot: str | None = None, bits: int | None = None, group_size: int | None = None,
@@ -60,7 +60,7 @@ class ActModule:
         """Settings named after the module itself (slot ``<act_slot>``); ops derive per-role slots from them."""
         return OpSettings(slot=self.act_slot or type(self).__name__, bits=self.act_bits,
                           group_size=self.act_group_size, swap=self.act_swap,
-                          channel_scale=self.act_channel_scale and self.act_features_last)
+                          channel_scale=self.act_channel_scale and self.act_channel_scalable)
 
     def act_settings(self, role: str = "input") -> OpSettings:
         """Settings for the slot ``<act_slot>:<role>``, with the bits the allocator gave it."""

@@ -96,7 +96,6 @@ class ActActivationMixin(ActModule):
     """
 
     act_fn_name: str | None = None
-    act_features_last = True
 
     def act_configure(self, *, act_fn_name: str | None = None, **kwargs):
         """Set ``act_fn_name`` (validated) and the :class:`ActModule` settings given."""

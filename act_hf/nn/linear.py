@@ -15,8 +15,6 @@ __all__ = ["ActConv1d", "ActConv2d", "ActConv3d", "ActConvMixin", "ActLayerScale
 class ActLinearMixin(ActModule):
     """For ``nn.Linear`` and its subclasses: slot ``<path>:input``."""
 
-    act_features_last = True
-
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x):
             return super().forward(x)
@@ -26,8 +24,6 @@ class ActLinearMixin(ActModule):
 class ActTransposedLinearMixin(ActModule):
     """For linear layers whose weight is stored ``(in, out)`` and compute ``addmm(bias, x, weight)`` (GPT-2's
     ``Conv1D`` in transformers): the same arithmetic, so the output is bit-identical."""
-
-    act_features_last = True
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x):
@@ -55,10 +51,6 @@ class ActLayerScaleMixin(ActModule):
     (``inplace=True``) returns a new tensor here, with the same values."""
 
     act_scale_dim: int = -1
-
-    @property
-    def act_features_last(self) -> bool:
-        return self.act_scale_dim == -1
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x):

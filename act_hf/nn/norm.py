@@ -27,6 +27,7 @@ forward.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from torch import Tensor, nn
 
@@ -42,6 +43,7 @@ from ..ops.norm import (
     check_norm_context,
     check_rms_style,
 )
+from ..ops._saving import OpSettings
 from ._base import ActModule, register_act_class
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,13 @@ class _ActNormMixin(ActModule):
     def _act_context(self) -> str:
         return check_norm_context(self.act_norm_context, "act_norm_context")
 
+    def act_settings(self, role: str = "input") -> OpSettings:
+        """As :meth:`ActModule.act_settings`; only the ``"output"`` context is channel scaled (a norm's output
+        carries the hidden states' systematic outlier channels; its input, the residual sum, measured no
+        better scaled)."""
+        settings = super().act_settings(role)
+        return settings if role == "output" else replace(settings, channel_scale=False)
+
 
 class ActLayerNormMixin(_ActNormMixin):
     """For ``nn.LayerNorm`` and subclasses computing ``F.layer_norm``: slot ``<path>:output`` or ``<path>:input``.
@@ -78,7 +87,8 @@ class ActLayerNormMixin(_ActNormMixin):
     timm's ``_fast_norm`` path (apex or forced fp32) keeps the original forward.
     """
 
-    act_features_last = True
+    act_channel_scalable = True
+
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x) or getattr(self, "_fast_norm", False):
@@ -129,7 +139,7 @@ class ActRMSNormMixin(_ActNormMixin):
     """
 
     act_rms_style: str | None = None
-    act_features_last = True
+    act_channel_scalable = True
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x):

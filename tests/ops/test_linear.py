@@ -80,14 +80,16 @@ def test_channel_scaled_linear_weight_grad_is_exact_at_the_dequantized_input(dty
     """With channel scaling the weight gradient is ``g^T Q(x)`` for the channel-scaled draw, exactly."""
     from act_hf import manual_seed
     from act_hf.compress import dequantize, quantize
+    from act_hf.ops._saving import OpSettings
+    from act_hf.ops.linear import act_linear
 
     torch.manual_seed(3)
-    act = ActLinear(48, 8).to(dtype).act_configure(slot="lin", bits=3, channel_scale=True)
+    act = nn.Linear(48, 8).to(dtype)
     x = torch.randn(4, 32, 48, dtype=dtype)
     x[..., 7] *= 50
     g = torch.randn(4, 32, 8, dtype=dtype)
     manual_seed(5)
-    act(x.requires_grad_()).backward(g)
+    act_linear(x.requires_grad_(), act.weight, act.bias, OpSettings("lin", 3, channel_scale=True)).backward(g)
     manual_seed(5)
     q = dequantize(quantize(x.detach(), 3, 256, channel_scale=True))
     expected = (g.reshape(-1, 8).t().float() @ q.reshape(-1, 48).float()).to(dtype)

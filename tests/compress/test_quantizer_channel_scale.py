@@ -57,9 +57,9 @@ def test_shifts_equalize_channels_and_never_overflow(dtype):
     assert int(k[before.argmax()]) == 0  # the largest channel is not shifted
     after = before * powers(p.channel, +1)
     live = (after > 0) & (k < limit)
-    # every unclamped channel's largest magnitude is now within a factor 2 of the largest channel's
-    assert bool((after[live] > top / 2).all() and (after[live] < 2 * top).all())
-    assert bool((after < 2 * top).all())
+    # every unclamped channel's largest magnitude is now within a factor 2 of the largest channel's, never above
+    assert bool((after[live] > top / 2).all())
+    assert bool((after <= top).all())
     assert torch.isfinite(dequantize(p)).all()
 
 
