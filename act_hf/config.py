@@ -79,16 +79,16 @@ class ActConfig:
         lm_loss_recompute: a causal LM's loss (transformers' ``ForCausalLMLoss`` after an ``lm_head``) keeps the
             head's input instead of the fp32 logits and recomputes them in backward (exact;
             :mod:`act_hf.ops.loss`).
-        channel_scale: before quantizing a tensor whose features are its last dimension (the inputs of linears,
-            norms, attention's q/k/v, checkpointed hidden states), multiply each feature channel by a power of
-            two that equalizes the channels' ranges, and divide it back out when decoding (exact, so unbiased;
-            one byte per channel; :func:`act_hf.compress.quantize`). Transformer hidden states have a few
-            outlier channels tens of times larger than the rest, which otherwise set the range of every group
-            they fall in: on pretrained MiniLM it cuts the gradient's added variance 3x at 3 bits and 18x at 2
-            (README). Convolutions and BatchNorm (channels in dim 1) are not scaled. ``None`` (default): on
-            for fixed bits, off for adaptive budgets, where it measured worse (MiniLM, budget 2: gradient
-            variance 0.56 -> 1.29 of ``|g|^2``, SST-2 accuracy 3 points lower; README): the allocator's
-            sensitivities do not yet account for it. :attr:`scales_channels` is the resolved value.
+        channel_scale: before quantizing the hidden states (LayerNorm/RMSNorm output contexts, which the
+            linears after them share, and packed checkpoint inputs), multiply each feature channel by a power
+            of two that equalizes the channels' ranges, and divide it back out when decoding (exact, so
+            unbiased; one byte per channel; :func:`act_hf.compress.quantize`). Hidden states have a few outlier
+            channels tens of times larger than the rest, which otherwise set the range of every group they
+            fall in (README, "Channel scaling"). Other contexts (attention's q/k/v, the attention context,
+            GELU outputs) measured worse scaled and stay plain. ``None`` (default): on for fixed bits, off for
+            adaptive budgets, where scaling every feature-last context measured worse (MiniLM, budget 2;
+            README) and the present placement is not yet measured. :attr:`scales_channels` is the resolved
+            value.
         checkpoint_bits: with HF gradient checkpointing on, keep each checkpointed layer's input packed at this
             many bits (1..8) instead of at full width, and recompute the layer from it in backward (GACT's CB1;
             :mod:`act_hf.checkpoint`). Opt-in because the recomputation runs on the rounded input, so the

@@ -11,7 +11,12 @@ sequence length ``--seq``. Two measurements per bit width:
   is the exact gradient of all non-embedding parameters. act_hf's estimate is unbiased, so this is the
   variance it adds, relative to the gradient's own size.
 
+``--what contexts`` measures instead, for each kind of saved tensor in layer 2 (norm output and input, q, k,
+v, attention context, GELU output), the squared quantization error with channel scaling over that without:
+below 1 where scaling helps. act_hf scales only the norm outputs (and checkpoint inputs) for this reason.
+
     python benchmarks/benchmark_channel_scale.py --bits 2 3 4 --draws 6
+    python benchmarks/benchmark_channel_scale.py --what contexts --name channel_scale_contexts
 
 Writes ``channel_scale.json``, ``.md`` and ``.png`` under ``--out``.
 """
@@ -74,6 +79,48 @@ def measure(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def context_errors(args: argparse.Namespace) -> list[dict]:
+    """Squared quantization error, channel scaled over plain, of each kind of saved tensor in layer 2."""
+    model = _minilm().eval()
+    batch = _glue_batch(args.glue_task, args.batch, args.seq)
+    layer, seen = model.bert.encoder.layer[2], {}
+    heads = model.config.num_attention_heads
+
+    def keep(name, pick):
+        return lambda module, inputs, output: seen.__setitem__(name, pick(inputs, output).detach())
+
+    def split_heads(t):
+        return t.view(*t.shape[:2], heads, -1).transpose(1, 2)
+
+    hooks = [layer.attention.output.LayerNorm.register_forward_hook(keep("norm output", lambda i, o: o)),
+             layer.output.LayerNorm.register_forward_hook(keep("norm input", lambda i, o: i[0])),
+             layer.attention.output.dense.register_forward_hook(keep("attention context", lambda i, o: i[0])),
+             layer.output.dense.register_forward_hook(keep("GELU output", lambda i, o: i[0]))]
+    hooks += [getattr(layer.attention.self, n).register_forward_hook(keep(n[0], lambda i, o: split_heads(o)))
+              for n in ("query", "key", "value")]
+    with torch.no_grad():
+        model(**{k: v for k, v in batch.items() if k != "labels"})
+    for h in hooks:
+        h.remove()
+
+    def error(x, bits, channel_scale):
+        return sum(((dequantize(quantize(x, bits, 256, seed=s, channel_scale=channel_scale)) - x) ** 2).sum().item()
+                   for s in range(args.draws))
+
+    rows = [{"context": name, **{f"ratio_{b}bit": error(x, b, True) / error(x, b, False) for b in args.bits}}
+            for name, x in seen.items()]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def context_table(rows: list[dict], bits: list[int]) -> str:
+    lines = ["| saved tensor | " + " | ".join(f"error scaled / plain, {b} bits" for b in bits) + " |",
+             "|---" * (len(bits) + 1) + "|"]
+    lines += [f"| {r['context']} | " + " | ".join(f"{r[f'ratio_{b}bit']:.2f}" for b in bits) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| bits | hidden-state error, plain | scaled | gradient variance / \\|g\\|^2, plain | scaled | "
              "variance reduction |", "|---|---|---|---|---|---|"]
@@ -93,15 +140,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--glue-task", default="SST-2", choices=["SST-2", "RTE", "MRPC"])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default="channel_scale", help="file name stem of the results")
+    p.add_argument("--what", choices=["model", "contexts"], default="model",
+                   help="model: hidden states and gradient (default); contexts: error ratio per kind of tensor")
     args = p.parse_args(argv)
-    rows = measure(args)
+    rows = measure(args) if args.what == "model" else context_errors(args)
     meta = {**_meta(torch.device("cpu")), "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     header = (f"MiniLM (pretrained), {args.glue_task} batch {args.batch} x {args.seq}, fp32, {args.draws} draws; "
               f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, commit {meta['commit']}")
-    (args.out / f"{args.name}.md").write_text(header + "\n\n" + table(rows) + "\n")
-    print(table(rows))
+    text = table(rows) if args.what == "model" else context_table(rows, args.bits)
+    (args.out / f"{args.name}.md").write_text(header + "\n\n" + text + "\n")
+    print(text)
+    if args.what == "contexts":
+        return rows
     try:
         import matplotlib
 

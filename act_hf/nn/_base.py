@@ -30,7 +30,8 @@ class ActModule:
         act_swap: swap the packed context to pinned host memory (see :mod:`act_hf.swap`).
         act_channel_scale: equalize the channels of the last dimension before quantizing (ActConfig's
             ``channel_scale``); it takes effect only in classes whose saved tensors gain from it
-            (``act_channel_scalable``: the LayerNorm/RMSNorm outputs, measured; see the README).
+            (``act_channel_scalable``: LayerNorm and RMSNorm, whose contexts are the hidden states; see the
+            README, "Channel scaling").
     """
 
     act_slot: str = ""

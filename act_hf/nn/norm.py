@@ -27,7 +27,6 @@ forward.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 from torch import Tensor, nn
 
@@ -43,7 +42,6 @@ from ..ops.norm import (
     check_norm_context,
     check_rms_style,
 )
-from ..ops._saving import OpSettings
 from ._base import ActModule, register_act_class
 
 logger = logging.getLogger(__name__)
@@ -72,13 +70,6 @@ class _ActNormMixin(ActModule):
 
     def _act_context(self) -> str:
         return check_norm_context(self.act_norm_context, "act_norm_context")
-
-    def act_settings(self, role: str = "input") -> OpSettings:
-        """As :meth:`ActModule.act_settings`; only the ``"output"`` context is channel scaled (a norm's output
-        carries the hidden states' systematic outlier channels; its input, the residual sum, measured no
-        better scaled)."""
-        settings = super().act_settings(role)
-        return settings if role == "output" else replace(settings, channel_scale=False)
 
 
 class ActLayerNormMixin(_ActNormMixin):
