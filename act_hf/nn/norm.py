@@ -80,7 +80,6 @@ class ActLayerNormMixin(_ActNormMixin):
 
     act_channel_scalable = True
 
-
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x) or getattr(self, "_fast_norm", False):
             return super().forward(x)
