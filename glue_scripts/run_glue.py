@@ -163,7 +163,8 @@ class ActArguments:
         default=None, metadata={"help": "With --gradient_checkpointing: keep each layer's checkpointed input packed "
                                         "at this many bits (1..8) instead of exact. Biased: backward recomputes "
                                         "the layer on the rounded input; 8 kept MiniLM's SST-2 accuracy, 4 "
-                                        "(GACT's CB1) cost about 3 points (README)."}
+                                        "(GACT's CB1) cost about 3 points with plain groups and 0.9 with "
+                                        "channel scaling (README)."}
     )
     act_channel_scale: bool | None = field(
         default=None, metadata={"help": "Equalize the feature channels by powers of two before quantizing (exact; "
