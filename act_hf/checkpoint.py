@@ -204,22 +204,21 @@ def _layer_of(function: Callable) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
-def _compressing(func: Callable, bits: int, group_size: int, swap: bool, channel_scale: bool) -> Callable:
-    """``func`` (torch's checkpoint, possibly a ``functools.partial`` with keywords) as act_hf's packed one;
-    any other function is returned as it is, with a warning."""
+def _compressing(func: Callable, options: dict) -> Callable:
+    """``func`` (torch's checkpoint, possibly a ``functools.partial`` with keywords) as act_hf's packed one with
+    ``options`` (:func:`checkpoint`'s keyword arguments); any other function is returned as it is, with a
+    warning."""
     if getattr(func, "act_hf_compressed", False):
         return func
     base = func.func if isinstance(func, functools.partial) else func
     if base is not _TORCH_CHECKPOINT:
         logger.warning("act_hf: checkpoint_bits=%d has no effect: the model's checkpoint function is %r, not "
-                       "torch.utils.checkpoint.checkpoint; its layer inputs stay exact", bits, func)
+                       "torch.utils.checkpoint.checkpoint; its layer inputs stay exact", options["bits"], func)
         return func
     preserve_rng_state = func.keywords.get("preserve_rng_state", True) if isinstance(func, functools.partial) \
         else True
     # a partial of a module-level function (not a closure), so a patched model still pickles
-    compressed = functools.partial(_packed_layer_call, {"bits": bits, "group_size": group_size, "swap": swap,
-                                                        "channel_scale": channel_scale,
-                                                        "preserve_rng_state": preserve_rng_state})
+    compressed = functools.partial(_packed_layer_call, {**options, "preserve_rng_state": preserve_rng_state})
     compressed.act_hf_compressed = True
     compressed.act_hf_original = func
     return compressed
@@ -233,11 +232,11 @@ def _packed_layer_call(options: dict, function: Callable, *args: Any) -> Any:
     return checkpoint(function, *args, slot=slot, **options)
 
 
-def _convert_modules(model: nn.Module, bits: int, group_size: int, swap: bool, channel_scale: bool) -> None:
+def _convert_modules(model: nn.Module, options: dict) -> None:
     for path, module in model.named_modules():
         func = module.__dict__.get("_gradient_checkpointing_func")
         if func is not None:
-            module._gradient_checkpointing_func = _compressing(func, bits, group_size, swap, channel_scale)
+            module._gradient_checkpointing_func = _compressing(func, options)
             module.act_hf_checkpoint_slot = f"{path or 'model'}:checkpoint_input"
 
 
@@ -251,7 +250,7 @@ def _set_gradient_checkpointing(self: nn.Module, enable: bool = True,
                                            **kwargs)
     options = self.__dict__.get("act_hf_checkpoint")
     if options is not None:
-        _convert_modules(self, **options)
+        _convert_modules(self, options)
 
 
 def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size: int = 256,
@@ -268,7 +267,7 @@ def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size:
     """
     options = {"bits": bits, "group_size": group_size, "swap": swap, "channel_scale": channel_scale}
     model.act_hf_checkpoint = options
-    _convert_modules(model, **options)
+    _convert_modules(model, options)
     if "gradient_checkpointing_func" in inspect.signature(model._set_gradient_checkpointing).parameters:
         model._set_gradient_checkpointing = functools.partial(_set_gradient_checkpointing, model)
     else:
