@@ -61,34 +61,57 @@ def _pass_through(t: torch.Tensor) -> torch.Tensor:
     return _without_history(t)
 
 
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _HookScopes:
+    """The forward hooks that open and close saved-tensor hook scopes around the root and act_hf's modules.
+
+    Bound methods of this object, not closures, so that a patched model pickles whole and a deep copy gets
+    scopes of its own. The stack of open scopes lives only during a forward; it is neither pickled nor copied.
+    """
+
+    def __init__(self, compressing: _Compressing) -> None:
+        self.compressing = compressing
+        self.stack: list = []
+
+    def _open(self, module: nn.Module, hooks: tuple) -> None:
+        if module.training and torch.is_grad_enabled():
+            scope = torch.autograd.graph.saved_tensors_hooks(*hooks)
+            scope.__enter__()
+            self.stack.append((module, scope))
+
+    def enter_compressing(self, module: nn.Module, args) -> None:
+        self._open(module, (self.compressing.pack, self.compressing.unpack))
+
+    def enter_shielded(self, module: nn.Module, args) -> None:
+        self._open(module, (_pass_through, _identity))
+
+    def leave(self, module: nn.Module, args, output) -> None:
+        if self.stack and self.stack[-1][0] is module:
+            self.stack.pop()[1].__exit__(None, None, None)
+
+    def __getstate__(self) -> dict:
+        return {"compressing": self.compressing}
+
+    def __setstate__(self, state: dict) -> None:
+        self.compressing, self.stack = state["compressing"], []
+
+
 def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False) -> list:
     """Install the hooks on ``model``; returns the hook handles (remove them to uninstall).
 
     The compressing hooks are active during the root module's forward in training with grad enabled; every
     act_hf module pushes a pass-through hook around its own forward.
     """
-    compressing = _Compressing(f"{type(model).__name__}:saved", bits, group_size, swap)
-    stack: list = []
-
-    def enter(hooks):
-        def pre_hook(module, args):
-            if module.training and torch.is_grad_enabled():
-                ctx = torch.autograd.graph.saved_tensors_hooks(*hooks)
-                ctx.__enter__()
-                stack.append((module, ctx))
-
-        return pre_hook
-
-    def leave(module, args, output):
-        if stack and stack[-1][0] is module:
-            stack.pop()[1].__exit__(None, None, None)
-
+    scopes = _HookScopes(_Compressing(f"{type(model).__name__}:saved", bits, group_size, swap))
     handles = [
-        model.register_forward_pre_hook(enter((compressing.pack, compressing.unpack))),
-        model.register_forward_hook(leave, always_call=True),
+        model.register_forward_pre_hook(scopes.enter_compressing),
+        model.register_forward_hook(scopes.leave, always_call=True),
     ]
     for module in model.modules():
         if isinstance(module, ActModule):
-            handles.append(module.register_forward_pre_hook(enter((_pass_through, lambda t: t))))
-            handles.append(module.register_forward_hook(leave, always_call=True))
+            handles.append(module.register_forward_pre_hook(scopes.enter_shielded))
+            handles.append(module.register_forward_hook(scopes.leave, always_call=True))
     return handles

@@ -149,18 +149,21 @@ def test_patching_twice_is_a_no_op_and_errors_are_clear():
         act_hf.patch(bert()[0], target_modules=["nothing.here"])
 
 
+class Custom(torch.nn.Module):
+    """A model of no known family: its matmul and product operands reach act_hf only through the fallback hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.w = torch.nn.Parameter(torch.randn(32, 32))
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        return self.fc2(h @ self.w * h)
+
+
 def test_unknown_model_fallback_warns_and_strict_raises():
-    class Custom(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = torch.nn.Linear(16, 32)
-            self.w = torch.nn.Parameter(torch.randn(32, 32))
-            self.fc2 = torch.nn.Linear(32, 4)
-
-        def forward(self, x):
-            h = torch.tanh(self.fc1(x))
-            return self.fc2(h @ self.w * h)
-
     with pytest.raises(ValueError, match="supported families"):
         act_hf.patch(Custom(), strict=True)
     torch.manual_seed(0)
@@ -180,6 +183,33 @@ def test_unknown_model_fallback_warns_and_strict_raises():
     with act_hf.track_saved(model) as saved:
         model(x)
     assert "Custom:saved" not in saved.by_slot
+
+
+def test_a_fallback_model_pickles_and_copies_with_hooks_of_its_own(tmp_path):
+    """The fallback's hooks are bound methods, not closures: ``torch.save(model)`` works and the loaded model
+    still compresses through them with the same draws; a deep copy unpatched leaves the original's hooks on."""
+    torch.manual_seed(0)
+    model = Custom()
+    with pytest.warns(act_hf.ActHFWarning, match="has no family"):
+        act_hf.patch(model, bits=3)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    copied = copy.deepcopy(model)
+    x = torch.randn(256, 16)
+    grads = []
+    for m in (model, loaded, copied):
+        act_hf.manual_seed(0)
+        with act_hf.track_saved(m) as saved:
+            out = m(x)
+        assert "Custom:saved" in saved.by_slot
+        out.sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*grads))
+    act_hf.unpatch(copied)
+    for m, hooked in ((copied, False), (model, True), (loaded, True)):
+        with act_hf.track_saved(m) as saved:
+            m(x)
+        assert ("Custom:saved" in saved.by_slot) is hooked
 
 
 def test_fallback_forward_never_run_backward_is_freed():
