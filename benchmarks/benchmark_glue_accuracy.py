@@ -3,8 +3,9 @@
 Each (task, setting, seed) is one ``run_glue.py`` run in its own subprocess on the local GLUE TSVs; the
 settings are the uncompressed baseline, fixed ``bits=3`` and ``2``, adaptive budgets (``2.5``, ``2``), and
 gradient checkpointing with packed layer inputs (``ckpt4+bits3``, opt-in: its gradient is biased, see
-:mod:`act_hf.checkpoint`). Each compressed setting also has an ``-unscaled`` twin without channel scaling
-(``ActConfig(channel_scale=False)``), not run by default. Writes
+:mod:`act_hf.checkpoint`). Each compressed setting also has ``-unscaled`` and ``-scaled`` twins with channel scaling
+forced off or on (``ActConfig(channel_scale=False/True)``; the default is on for fixed bits, off for adaptive
+budgets), not run by default. Writes
 ``glue_accuracy.json`` and ``glue_accuracy.md`` under ``--out`` (the dev-set metric of every run, the mean per
 task and setting, and the difference to the baseline), and records the device and versions.
 
@@ -35,9 +36,11 @@ _COMPRESSED = {
     **{f"ckpt{k}+bits3": ["--gradient_checkpointing", "True", "--act_compress", "--act_bits", "3",
                           "--act_checkpoint_bits", str(k)] for k in (4, 8)},
 }
-# "<setting>-unscaled": the same without channel scaling (plain 256-element groups), to measure what it buys
+# "<setting>-unscaled" / "-scaled": the same with channel scaling forced off / on (the default is on for fixed
+# bits and off for adaptive budgets), to measure what it buys
 SETTINGS = {"unpatched": [], **_COMPRESSED,
-            **{f"{name}-unscaled": [*args, "--act_channel_scale", "False"] for name, args in _COMPRESSED.items()}}
+            **{f"{name}-{twin}": [*args, "--act_channel_scale", flag] for name, args in _COMPRESSED.items()
+               for twin, flag in (("unscaled", "False"), ("scaled", "True"))}}
 #: the task's headline dev metric (GLUE's convention)
 METRIC = {"sst2": "eval_accuracy", "mrpc": "eval_accuracy", "rte": "eval_accuracy", "cola": "eval_matthews_correlation",
           "qnli": "eval_accuracy", "mnli": "eval_accuracy", "qqp": "eval_accuracy", "stsb": "eval_pearson"}
