@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import warnings
 
 import torch
 import transformers
@@ -16,6 +17,7 @@ from transformers import activations as hf_act
 from transformers.pytorch_utils import Conv1D
 
 from act_hf.config import ActConfig
+from act_hf.errors import ActHFWarning
 from act_hf.ops.loss import causal_lm_loss, note_head_output
 from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules, remove_handles
 
@@ -51,17 +53,31 @@ def _activation_rules() -> list[Rule]:
     ]
 
 
-def rms_norm_rule(style_of=lambda m: "llama") -> Rule:
-    """RMSNorm classes of HF models (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``T5LayerNorm``...), found by name."""
+def rms_norm_rule(prefer=lambda m: None) -> Rule:
+    """RMSNorm classes of HF models (``LlamaRMSNorm``, ``GemmaRMSNorm``, ``T5LayerNorm``...), found by name and
+    converted only when one of act_hf's formulas reproduces their forward bit for bit
+    (:func:`act_hf.nn.norm.matching_rms_style`, tried first with ``prefer(module)``); any other keeps its own
+    forward, uncompressed, with a warning."""
     from act_hf.nn import norm
 
     def match(m: nn.Module) -> bool:
         name = type(m).__name__
-        return (name.endswith("RMSNorm") or name == "T5LayerNorm") and isinstance(getattr(m, "weight", None),
-                                                                                  nn.Parameter)
+        if not ((name.endswith("RMSNorm") or name == "T5LayerNorm") and isinstance(getattr(m, "weight", None),
+                                                                                   nn.Parameter)):
+            return False
+        if norm.matching_rms_style(m, prefer(m)) is not None:
+            return True
+        _warn_unreproduced(type(m))
+        return False
 
     return Rule("norm", match, lambda m: norm.ActRMSNormMixin,
-                attrs=lambda m, c: {"act_rms_style": style_of(m), "act_norm_context": c.norm_context})
+                attrs=lambda m, c: {"act_rms_style": norm.matching_rms_style(m, prefer(m)),
+                                    "act_norm_context": c.norm_context})
+
+
+def _warn_unreproduced(cls: type) -> None:
+    warnings.warn(f"act_hf leaves {cls.__name__} uncompressed: none of act_hf's RMSNorm formulas reproduces its "
+                  "forward exactly", ActHFWarning, stacklevel=2)
 
 
 def hf_rules() -> list[Rule]:

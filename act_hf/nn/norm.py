@@ -9,8 +9,9 @@ the original's attributes, so the patcher can attach them to transformers/timm c
 - :class:`ActLayerNorm2dMixin`: timm ``LayerNorm2d`` (permute to NHWC, LayerNorm over C, permute back).
 - :class:`ActRMSNormMixin`: HF ``LlamaRMSNorm``/``Qwen2RMSNorm``/``MistralRMSNorm`` (``"llama"``),
   ``T5LayerNorm`` (``"t5"``), ``GemmaRMSNorm`` (``"gemma"``), ``nn.RMSNorm`` (``"torch"``); reads ``weight`` and
-  ``variance_epsilon`` or ``eps``; the style comes from ``act_rms_style`` (set by the patcher, or
-  :func:`infer_rms_style`).
+  ``variance_epsilon`` or ``eps``; the style comes from ``act_rms_style``, which the patcher sets to the
+  formula that reproduces the class's forward (:func:`matching_rms_style`); unset, :func:`infer_rms_style`
+  guesses it from the name.
 - :class:`ActBatchNormMixin`: ``nn.BatchNorm1d/2d/3d`` (ActNN input form).
 - :class:`ActBatchNormActMixin`: a BatchNorm whose following invertible activation the patcher folds in
   (``act_activation``/``act_activation_param``); In-Place ABN output form.
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from ..ops.norm import (
     DEFAULT_GAMMA_EPS,
     DEFAULT_NORM_CONTEXT,
+    RMS_STYLES,
     act_batch_norm,
     act_batch_norm_act,
     act_layer_norm,
@@ -41,6 +43,7 @@ from ..ops.norm import (
     check_activation,
     check_norm_context,
     check_rms_style,
+    rms_style_reproducing,
 )
 from ._base import ActModule, register_act_class
 
@@ -59,6 +62,7 @@ __all__ = [
     "ActRMSNorm",
     "ActRMSNormMixin",
     "infer_rms_style",
+    "matching_rms_style",
 ]
 
 
@@ -117,6 +121,24 @@ def infer_rms_style(module: nn.Module | type) -> str:
     if "Gemma" in name:
         return "gemma"
     return "llama"
+
+
+def matching_rms_style(module: nn.Module, prefer: str | None = None) -> str | None:
+    """The style whose formula reproduces ``module``'s own forward bit for bit, or ``None`` when none does.
+
+    Class names mislead: Qwen3-Next's and T5Gemma's RMSNorms scale by ``1 + weight``, gated RMSNorms take two
+    inputs, Cohere's subtracts the mean, and a wrong style would change the forward silently. So the original
+    forward is run on probe rows (:func:`act_hf.ops.norm.rms_style_reproducing`), trying ``prefer``, then
+    :func:`infer_rms_style`, then the other styles. Needs a 1-D ``weight`` tensor and a float
+    ``variance_epsilon`` or ``eps``.
+    """
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(weight, Tensor) or weight.dim() != 1 or weight.is_meta or not isinstance(eps, float):
+        return None
+    original = getattr(type(module), "act_original_class", None) or type(module)
+    candidates = dict.fromkeys([s for s in (prefer, infer_rms_style(module)) if s is not None] + list(RMS_STYLES))
+    return rms_style_reproducing(lambda x: original.forward(module, x), weight, eps, candidates)
 
 
 class ActRMSNormMixin(_ActNormMixin):

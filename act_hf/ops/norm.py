@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 import weakref
 
 import torch
@@ -76,6 +77,7 @@ __all__ = [
     "check_norm_context",
     "check_rms_style",
     "output_context_safe",
+    "rms_style_reproducing",
 ]
 
 NORM_CONTEXTS = ("output", "input")
@@ -311,6 +313,32 @@ def _rms_forward(x: Tensor, weight: Tensor | None, eps: float | None, style: str
     with torch.autocast(x.device.type, enabled=False):
         rstd = torch.rsqrt(x.float().pow(2).mean(tuple(range(-k, 0)), keepdim=True) + e)
     return y, rstd
+
+
+def rms_style_reproducing(forward, weight: Tensor, eps: float, candidates=RMS_STYLES) -> str | None:
+    """The first style of ``candidates`` whose formula reproduces ``forward`` bit for bit, or ``None``.
+
+    ``forward(x)`` is the original module's forward (with ``weight`` and ``eps`` its own). It is compared on
+    probe rows in fp32, bf16 and the weight's dtype, without autocast. A style is accepted only if it returns
+    the same dtype and values on every probe. A forward that fails on the probes, or one no style reproduces
+    (a mean-subtracting or gated "RMSNorm", a ``1 + weight`` one under another name), gives ``None``.
+    """
+    g = torch.Generator().manual_seed(0)
+    n = weight.shape[-1]
+    probes = [(torch.randn(4, n, generator=g) * 3).to(device=weight.device, dtype=dtype)
+              for dtype in dict.fromkeys((torch.float32, torch.bfloat16, weight.dtype))]
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the probes' own (F.rms_norm on mixed dtypes has no fused kernel)
+        try:
+            wanted = [forward(x) for x in probes]
+        except Exception:  # noqa: BLE001 - any failure means "not a one-input RMSNorm act_hf can reproduce"
+            return None
+        for style in candidates:
+            got = [_rms_forward(x, weight, eps, style, (n,))[0] for x in probes]
+            if all(isinstance(w, Tensor) and w.dtype == o.dtype and w.shape == o.shape and torch.equal(w, o)
+                   for w, o in zip(wanted, got)):
+                return style
+    return None
 
 
 class ActRMSNormFunction(torch.autograd.Function):
