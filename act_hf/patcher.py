@@ -136,6 +136,7 @@ def generic_rules() -> list[Rule]:
              attrs=lambda m, c: {"act_rms_style": "torch", "act_norm_context": c.norm_context}),
         Rule("norm", same_forward(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), lambda m: norm.ActBatchNormMixin,
              attrs=lambda m, c: {"act_share_bn_relu": c.share_bn_relu}),
+        Rule("norm", norm.is_global_response_norm, lambda m: norm.ActGRNMixin),
         Rule("activation", lambda m: type(m) in activation.TORCH_ACTIVATIONS,
              lambda m: activation.TORCH_ACTIVATIONS[type(m)][0], bits=lambda c: c.derivative_bits),
         Rule("dropout", same_forward(nn.Dropout), lambda m: dropout.ActDropoutMixin),

@@ -16,6 +16,8 @@ the original's attributes, so the patcher can attach them to transformers/timm c
 - :class:`ActBatchNormActMixin`: a BatchNorm whose following invertible activation the patcher folds in
   (``act_activation``/``act_activation_param``); In-Place ABN output form.
 - :class:`ActBatchNormAct2dMixin`: timm ``BatchNormAct2d`` (reads ``self.drop`` and ``self.act``).
+- :class:`ActGRNMixin`: ConvNeXt V2's Global Response Norm (timm ``GlobalResponseNorm``, HF ``ConvNextV2GRN``),
+  converted only when :func:`is_global_response_norm` confirms the formula (:mod:`act_hf.ops.grn`).
 
 Knobs (class or instance attributes): ``act_norm_context`` in ``{"output", "input"}`` (default ``"output"`` for
 LayerNorm/RMSNorm, measured in :mod:`act_hf.ops.norm`), ``act_gamma_eps`` (small-``|gamma|`` guard) and, for
@@ -27,10 +29,13 @@ forward.
 
 from __future__ import annotations
 
+import copy
 import logging
 
+import torch
 from torch import Tensor, nn
 
+from ..ops.grn import act_grn, grn_reference
 from ..ops.norm import (
     DEFAULT_GAMMA_EPS,
     DEFAULT_NORM_CONTEXT,
@@ -56,12 +61,14 @@ __all__ = [
     "ActBatchNormAct2dMixin",
     "ActBatchNormActMixin",
     "ActBatchNormMixin",
+    "ActGRNMixin",
     "ActLayerNorm",
     "ActLayerNorm2dMixin",
     "ActLayerNormMixin",
     "ActRMSNorm",
     "ActRMSNormMixin",
     "infer_rms_style",
+    "is_global_response_norm",
     "matching_rms_style",
 ]
 
@@ -163,6 +170,49 @@ class ActRMSNormMixin(_ActNormMixin):
         return act_rms_norm(x, self.weight, eps, self.act_settings(context), style=style,
                             normalized_shape=getattr(self, "normalized_shape", None), context=context,
                             gamma_eps=self.act_gamma_eps, cache_guard=True)
+
+
+def is_global_response_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a Global Response Norm (ConvNeXt V2) that :class:`ActGRNMixin` reproduces.
+
+    Found by class name (``...GlobalResponseNorm``, ``...GRN``) with ``C``-element ``weight`` and ``bias``
+    parameters, and confirmed by running a copy with random parameters on a float64 probe against
+    :func:`act_hf.ops.grn.grn_reference` with the module's ``channel_dim`` (default -1) and ``eps`` (default
+    1e-6): a class that computes anything else keeps its own forward.
+    """
+    name = type(module).__name__
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if not (name.endswith(("GlobalResponseNorm", "GRN")) and isinstance(weight, nn.Parameter)
+            and isinstance(bias, nn.Parameter) and weight.numel() == bias.numel() and not weight.is_meta):
+        return False
+    channel_dim, eps = getattr(module, "channel_dim", -1), getattr(module, "eps", 1e-6)
+    if channel_dim not in (-1, 1, 3) or not isinstance(eps, float):
+        return False
+    probe = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in (probe.weight, probe.bias):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+        c = weight.numel()
+        x = torch.randn((2, 3, 5, c) if channel_dim in (-1, 3) else (2, c, 3, 5), generator=g, dtype=torch.float64)
+        try:
+            out = type(probe).forward(probe, x)
+        except Exception:  # noqa: BLE001 - not a one-input GRN
+            return False
+        expected = grn_reference(x, probe.weight, probe.bias, channel_dim, eps)
+    return isinstance(out, Tensor) and out.shape == x.shape and torch.allclose(out, expected, rtol=1e-10, atol=1e-12)
+
+
+class ActGRNMixin(ActModule):
+    """For Global Response Norm modules (timm ``GlobalResponseNorm``, HF ``ConvNextV2GRN``): slot
+    ``<path>:input`` (:func:`act_hf.ops.grn.act_grn`). Reads ``weight``, ``bias``, ``channel_dim`` (default
+    -1) and ``eps`` (default 1e-6); the output is the original forward's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        return act_grn(x, self.weight, self.bias, super().forward, self.act_settings("input"),
+                       channel_dim=getattr(self, "channel_dim", -1), eps=getattr(self, "eps", 1e-6))
 
 
 def _bn_args(bn: nn.Module):

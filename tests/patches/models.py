@@ -121,6 +121,31 @@ def convnext_hf(dropout=0.0):
     return tf.ConvNextForImageClassification(cfg), {"pixel_values": _image_inputs(), "labels": torch.tensor([0, 2])}
 
 
+def convnextv2_hf(dropout=0.0):
+    import transformers as tf
+
+    cfg = tf.ConvNextV2Config(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, patch_size=4,
+                              num_labels=3, drop_path_rate=0.0, image_size=32)
+    model = _random_grn(tf.ConvNextV2ForImageClassification(cfg))
+    return model, {"pixel_values": _image_inputs(), "labels": torch.tensor([0, 2])}
+
+
+def _random_grn(model):
+    """Give every Global Response Norm random parameters: they start at zero, where GRN is the identity and
+    its input gradient has no norm term to check."""
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith(("GRN", "GlobalResponseNorm")):
+                m.weight.normal_(0, 0.5)
+                m.bias.normal_(0, 0.5)
+    return model
+
+
+def timm_convnextv2(dropout=0.0):
+    model, inputs = timm_model("convnextv2_atto")(dropout)
+    return _random_grn(model), inputs
+
+
 def timm_model(name: str, batch: int = 2, size: int = 32, **kwargs):
     """A timm model and an image batch. Deep BatchNorm nets need ``size``/``batch`` large enough that the last
     BatchNorms see more than a couple of values per channel (random-init EfficientNet at 32x32, batch 2, has a
@@ -160,6 +185,7 @@ HF_CASES = [
     Case("vit-hf", vit_hf, "vit"),
     Case("swin-hf", swin_hf, "swin"),
     Case("convnext-hf", convnext_hf, "convnext"),
+    Case("convnextv2-hf", convnextv2_hf, "convnextv2"),
 ]
 
 TIMM_CASES = [
@@ -171,6 +197,7 @@ TIMM_CASES = [
     Case("timm-swin", timm_model("swin_tiny_patch4_window7_224", img_size=56, window_size=7, embed_dim=24,
                                  depths=(1, 1), num_heads=(1, 2)), "timm:SwinTransformer", timm=True),
     Case("timm-convnext", timm_model("convnext_atto"), "timm:ConvNeXt", timm=True),
+    Case("timm-convnextv2", timm_convnextv2, "timm:ConvNeXt", timm=True),
     Case("timm-efficientnet", timm_model("efficientnet_b0", batch=4, size=64), "timm:EfficientNet", timm=True),
 ]
 
