@@ -5,6 +5,10 @@ floating tensor that autograd saves during the model's forward (matmuls in custo
 element-wise products, unknown layers) is quantized through ``torch.autograd.graph.saved_tensors_hooks``.
 Tensors saved inside act_hf's own modules are left to those modules (an inner pass-through hook shields
 them), parameters and their casts are never touched, and tiny tensors (statistics, scalars) stay exact.
+So do tensors without autograd history (``requires_grad`` false): attention masks (``-inf`` or the dtype's
+minimum, which a quantizer's range turns into noise of that size on every element: a Falcon model got NaN
+gradients from its quantized SDPA mask even at 8 bits), rotary tables, the input batch. They are constants of
+the step, not activations, and mostly shared by every layer.
 
 Only the innermost saved-tensor hooks apply, so these hooks report every tensor to active
 :func:`act_hf.track_saved` trackers themselves. What they keep of a tensor has no history (see
@@ -40,7 +44,7 @@ class _Compressing:
         self.slot, self.bits, self.group_size, self.swap = slot, bits, group_size, swap
 
     def pack(self, t: torch.Tensor):
-        if not t.is_floating_point() or t.numel() < MIN_NUMEL or _is_parameter_like(t):
+        if not t.is_floating_point() or not t.requires_grad or t.numel() < MIN_NUMEL or _is_parameter_like(t):
             _report(t)
             return _without_history(t)
         packed = store.compress(t, slot=self.slot, bits=store.bits_for(self.slot, self.bits),

@@ -212,6 +212,29 @@ def test_a_fallback_model_pickles_and_copies_with_hooks_of_its_own(tmp_path):
         assert ("Custom:saved" in saved.by_slot) is hooked
 
 
+def test_the_fallback_keeps_constants_exact_a_falcon_model_trains_like_the_original():
+    """Falcon (no act_hf family) calls SDPA with a float mask holding the dtype's minimum. Quantized with the
+    other saved tensors, that mask turned every gradient upstream of the last layer to NaN, even at 8 bits;
+    tensors without autograd history now stay exact."""
+    import transformers as tf
+
+    cfg = tf.FalconConfig(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(0)
+    ref = tf.FalconForCausalLM(cfg).train()
+    model = copy.deepcopy(ref)
+    with pytest.warns(act_hf.ActHFWarning, match="has no family"):
+        act_hf.patch(model, bits=8)
+    ids = torch.randint(1, 99, (2, 64), generator=torch.Generator().manual_seed(0))  # q, k, v: 8192 elements
+    with act_hf.track_saved(model) as saved:
+        loss = model(input_ids=ids, labels=ids).loss
+    assert "FalconForCausalLM:saved" in saved.by_slot  # the hooks did compress the attention's q, k, v, output
+    expected = ref(input_ids=ids, labels=ids).loss
+    assert torch.equal(loss, expected)
+    loss.backward()
+    expected.backward()
+    assert_grads_match(ref, model, name="falcon")
+
+
 def test_fallback_forward_never_run_backward_is_freed():
     class Head(torch.nn.Module):
         def __init__(self):
