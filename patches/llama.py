@@ -1,4 +1,6 @@
-"""LLaMA-style decoders: LLaMA, Mistral, Qwen2 (RMSNorm, SwiGLU MLP, grouped-query attention).
+"""LLaMA-style decoders: LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma 3 (RMSNorm, gated MLP, grouped-query
+attention). Qwen3 and Gemma 3 add RMSNorms on q and k; Gemma's RMSNorms scale by ``1 + weight`` (the RMSNorm
+rule finds each class's formula).
 
 RMSNorm keeps its output (shared with the q/k/v and gate/up projections); ``act_fn`` (SiLU) of the SwiGLU
 MLP is few-bit; the product ``act(gate) * up``, whose operands autograd's ``mul`` would keep at full width,
@@ -32,7 +34,7 @@ class ActGatedMLPMixin(ActModule):
         return self.down_proj(act_product(gate, up, self.act_settings("gate_act"), self.act_settings("up")))
 
 
-#: :func:`code_fingerprint` of ``LlamaMLP.forward`` (the same code in Mistral and Qwen2, transformers 5.x).
+#: :func:`code_fingerprint` of ``LlamaMLP.forward`` (the same code in Mistral, Qwen2/3, Gemma 1/3, transformers 5.x).
 GATED_MLP_FORWARD = "5b8abf7af12a4b42"
 
 
@@ -42,6 +44,6 @@ def _is_gated_mlp(m: nn.Module) -> bool:
         and code_fingerprint(cls.forward) == GATED_MLP_FORWARD
 
 
-@register_patch("llama", "mistral", "qwen2")
+@register_patch("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
 def patch_llama(model, config) -> list[str]:
     return patch_hf(model, config, rules=[Rule("linear", _is_gated_mlp, lambda m: ActGatedMLPMixin)])

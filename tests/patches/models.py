@@ -86,6 +86,19 @@ def llama(dropout=0.0, model_type="llama"):
     return getattr(tf, f"{prefix}ForCausalLM")(cfg), _text_inputs(99, labels="lm", pad_last=False)
 
 
+def decoder(dropout=0.0, model_type="qwen3"):
+    """Decoders the LLaMA patch also covers: Qwen3 (q/k RMSNorms), Gemma and Gemma 3 (``1 + weight`` RMSNorms)."""
+    import transformers as tf
+
+    config_cls, model_cls = {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+                             "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+                             "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[model_type]
+    cfg = config_cls(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attention_dropout=dropout,
+                     pad_token_id=0)
+    return model_cls(cfg), _text_inputs(99, labels="lm", pad_last=False)
+
+
 def t5(dropout=0.0):
     import transformers as tf
 
@@ -181,6 +194,9 @@ HF_CASES = [
     Case("llama", llama, "llama"),
     Case("mistral", lambda dropout=0.0: llama(dropout, "mistral"), "mistral"),
     Case("qwen2", lambda dropout=0.0: llama(dropout, "qwen2"), "qwen2"),
+    Case("qwen3", decoder, "qwen3"),
+    Case("gemma", lambda dropout=0.0: decoder(dropout, "gemma"), "gemma"),
+    Case("gemma3", lambda dropout=0.0: decoder(dropout, "gemma3_text"), "gemma3_text"),
     Case("t5", t5, "t5"),
     Case("vit-hf", vit_hf, "vit"),
     Case("swin-hf", swin_hf, "swin"),
