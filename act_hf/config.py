@@ -85,10 +85,11 @@ class ActConfig:
             unbiased; one byte per channel; :func:`act_hf.compress.quantize`). Hidden states have a few outlier
             channels tens of times larger than the rest, which otherwise set the range of every group they
             fall in (README, "Channel scaling"). Other contexts (attention's q/k/v, the attention context,
-            GELU outputs) measured worse scaled and stay plain. ``None`` (default): on for fixed bits, off for
-            adaptive budgets, where scaling every feature-last context measured worse (MiniLM, budget 2;
-            README) and the present placement is not yet measured. :attr:`scales_channels` is the resolved
-            value.
+            GELU outputs) measured worse scaled and stay plain. On by default, for fixed bits and adaptive
+            budgets alike: with this placement an adaptive budget of 2 gained 0.73 points of SST-2 and cut the
+            gradient-variance alarm's ratio 20-50x (README, "Channel scaling"). ``None`` means the default
+            (configs saved when it meant "fixed bits only" still load). :attr:`scales_channels` is the
+            resolved value.
         checkpoint_bits: with HF gradient checkpointing on, keep each checkpointed layer's input packed at this
             many bits (1..8) instead of at full width, and recompute the layer from it in backward (GACT's CB1;
             :mod:`act_hf.checkpoint`). Opt-in because the recomputation runs on the rounded input, so the
@@ -117,9 +118,9 @@ class ActConfig:
                                                                    "packed input instead of packing its own"})
     lm_loss_recompute: bool = field(default=True, metadata={"help": "a causal LM's loss recomputes its logits in "
                                                                        "backward instead of keeping them"})
-    channel_scale: bool | None = field(default=None, metadata={"help": "equalize feature channels by powers of "
-                                                                          "two before quantizing (None: with fixed "
-                                                                          "bits only)"})
+    channel_scale: bool | None = field(default=True, metadata={"help": "equalize feature channels by powers of "
+                                                                          "two before quantizing (None: the "
+                                                                          "default, on)"})
     checkpoint_bits: int | None = field(default=None, metadata={"help": "bits of the layer inputs HF gradient "
                                                                           "checkpointing keeps (None: exact)"})
 
@@ -171,13 +172,13 @@ class ActConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ActHFTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.channel_scale is not None and not isinstance(self.channel_scale, bool):
-            raise ActHFTypeError(f"channel_scale must be True, False or None (on for fixed bits only), got "
+            raise ActHFTypeError(f"channel_scale must be True, False or None (the default, on), got "
                                  f"{self.channel_scale!r}")
 
     @property
     def scales_channels(self) -> bool:
-        """Whether channel scaling is on: ``channel_scale``, or when it is ``None``, whether bits are fixed."""
-        return not self.adaptive if self.channel_scale is None else self.channel_scale
+        """Whether channel scaling is on: ``channel_scale``, with ``None`` meaning the default (on)."""
+        return self.channel_scale is not False
 
     @property
     def adaptive(self) -> bool:

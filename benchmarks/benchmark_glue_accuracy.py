@@ -4,8 +4,7 @@ Each (task, setting, seed) is one ``run_glue.py`` run in its own subprocess on t
 settings are the uncompressed baseline, fixed ``bits=3`` and ``2``, adaptive budgets (``2.5``, ``2``), and
 gradient checkpointing with packed layer inputs (``ckpt4+bits3``, opt-in: its gradient is biased, see
 :mod:`act_hf.checkpoint`). Each compressed setting also has ``-unscaled`` and ``-scaled`` twins with channel scaling
-forced off or on (``ActConfig(channel_scale=False/True)``; the default is on for fixed bits, off for adaptive
-budgets), not run by default. Writes
+forced off or on (``ActConfig(channel_scale=False/True)``; the default is on), not run by default. Writes
 ``glue_accuracy.json`` and ``glue_accuracy.md`` under ``--out`` (the dev-set metric of every run, the mean per
 task and setting, and the difference to the baseline), and records the device and versions.
 
@@ -36,8 +35,8 @@ _COMPRESSED = {
     **{f"ckpt{k}+bits3": ["--gradient_checkpointing", "True", "--act_compress", "--act_bits", "3",
                           "--act_checkpoint_bits", str(k)] for k in (4, 8)},
 }
-# "<setting>-unscaled" / "-scaled": the same with channel scaling forced off / on (the default is on for fixed
-# bits and off for adaptive budgets), to measure what it buys
+# "<setting>-unscaled" / "-scaled": the same with channel scaling forced off / on (the default, since the
+# adaptive budgets were measured with it: "-scaled" equals the plain name), to measure what it buys
 SETTINGS = {"unpatched": [], **_COMPRESSED,
             **{f"{name}-{twin}": [*args, "--act_channel_scale", flag] for name, args in _COMPRESSED.items()
                for twin, flag in (("unscaled", "False"), ("scaled", "True"))}}

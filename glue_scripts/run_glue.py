@@ -168,8 +168,8 @@ class ActArguments:
     )
     act_channel_scale: bool | None = field(
         default=None, metadata={"help": "Equalize the feature channels by powers of two before quantizing (exact; "
-                                        "cuts the variance outlier channels add). Default: on with fixed bits, off "
-                                        "with adaptive bits. False: plain groups."}
+                                        "cuts the variance outlier channels add). Default: on. False: plain "
+                                        "groups."}
     )
     act_kinds: str | None = field(
         default=None,

@@ -94,15 +94,17 @@ def test_config_rejects_a_non_bool(value):
         act_hf.ActConfig(channel_scale=value)
 
 
-def test_by_default_on_for_fixed_bits_and_off_for_adaptive_budgets():
-    """Adaptive budgets measured worse with it (README), so the default leaves them plain; explicit wins."""
-    assert act_hf.ActConfig(bits=3).scales_channels and act_hf.ActConfig(bits=2).scales_channels
-    assert not act_hf.ActConfig(bits=2.5).scales_channels and not act_hf.ActConfig(bits=2.0).scales_channels
-    assert act_hf.ActConfig(bits=2.5, channel_scale=True).scales_channels
+def test_on_by_default_for_fixed_bits_and_adaptive_budgets():
+    """The default is on (None, as configs saved when it meant "fixed bits only" hold, means the default);
+    an explicit False turns it off."""
+    assert act_hf.ActConfig(bits=3).scales_channels and act_hf.ActConfig(bits=2.5).scales_channels
+    assert act_hf.ActConfig(bits=2.0, channel_scale=None).scales_channels
     assert not act_hf.ActConfig(bits=3, channel_scale=False).scales_channels
+    assert not act_hf.ActConfig(bits=2.5, channel_scale=False).scales_channels
     model, _ = bert()
     act_hf.patch(model, bits=2.5)
-    assert {m.act_channel_scale for m in model.modules() if isinstance(m, ActModule)} == {False}
+    norms = {m.act_channel_scale for m in model.modules() if isinstance(m, ActModule) and m.act_channel_scalable}
+    assert norms == {True}
 
 
 def test_the_setting_survives_save_copy_and_unpatch(tmp_path):
