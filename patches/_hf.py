@@ -67,7 +67,7 @@ def rms_norm_rule(prefer=lambda m: None) -> Rule:
             return False
         if norm.matching_rms_style(m, prefer(m)) is not None:
             return True
-        _warn_unreproduced(type(m))
+        _warn_unreproduced(type(m), m.weight.is_meta)
         return False
 
     return Rule("norm", match, lambda m: norm.ActRMSNormMixin,
@@ -75,9 +75,10 @@ def rms_norm_rule(prefer=lambda m: None) -> Rule:
                                     "act_norm_context": c.norm_context})
 
 
-def _warn_unreproduced(cls: type) -> None:
-    warnings.warn(f"act_hf leaves {cls.__name__} uncompressed: none of act_hf's RMSNorm formulas reproduces its "
-                  "forward exactly", ActHFWarning, stacklevel=2)
+def _warn_unreproduced(cls: type, meta: bool) -> None:
+    why = ("its weight is on the meta device, so its formula cannot be checked (patch after the weights are "
+           "loaded)" if meta else "none of act_hf's RMSNorm formulas reproduces its forward exactly")
+    warnings.warn(f"act_hf leaves {cls.__name__} uncompressed: {why}", ActHFWarning, stacklevel=2)
 
 
 def hf_rules() -> list[Rule]:

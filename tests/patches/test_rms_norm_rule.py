@@ -105,3 +105,13 @@ def test_a_gemma_model_trains_like_the_original():
     loss.backward()
     expected.backward()
     assert_grads_match(ref, model, name="gemma")
+
+
+def test_a_norm_on_the_meta_device_is_left_alone_and_the_warning_says_why():
+    with torch.device("meta"):
+        norm = _hf_class("llama", "LlamaRMSNorm")(32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, model = _patched_twin(norm)
+    assert any("meta device" in str(w.message) for w in caught)
+    assert not isinstance(model[1], ActModule)
