@@ -18,6 +18,7 @@ from act_hf.nn.activation import TORCH_ACTIVATIONS, ActActivationMixin, ActGELU,
 from act_hf.ops._saving import OpSettings
 from act_hf.ops.activation import (
     ACTIVATION_NAMES,
+    EXACT_ACTIVATIONS,
     ActActivationFunction,
     ActivationSpec,
     act_activation,
@@ -35,7 +36,6 @@ FEWBIT_MODULES = [
     ("sigmoid", lambda: nn.Sigmoid(), "sigmoid", 1.0),
     ("mish", lambda: nn.Mish(), "mish", 1.0),
     ("hardswish", lambda: nn.Hardswish(), "hardswish", 1.0),
-    ("hardsigmoid", lambda: nn.Hardsigmoid(), "hardsigmoid", 1.0),
     ("elu", lambda: nn.ELU(), "elu", 1.0),
     ("selu", lambda: nn.SELU(), "selu", 1.0),
     ("softplus", lambda: nn.Softplus(), "softplus", 1.0),
@@ -46,6 +46,7 @@ EXACT_MODULES = [
     ("leaky_relu", lambda: nn.LeakyReLU(0.1)),
     ("relu6", lambda: nn.ReLU6()),
     ("hardtanh", lambda: nn.Hardtanh(-0.5, 2.0)),
+    ("hardsigmoid", lambda: nn.Hardsigmoid()),
 ]
 
 
@@ -195,6 +196,8 @@ def test_rms_error_matches_table():
     gen = torch.Generator().manual_seed(1234)
     x = torch.randn(1 << 18, generator=gen, dtype=torch.float64).float().requires_grad_()
     for name in fewbit.SUPPORTED_ACTIVATIONS:
+        if name in EXACT_ACTIVATIONS:  # hardsigmoid: the op uses its exact 1-bit code, not the tables
+            continue
         exact = fewbit.derivative(name, x.detach().double())
         for bits in (1, 2, 3, 4):
             (g_hat,) = torch.autograd.grad(act_activation(x, name, OpSettings("s", bits)), x, torch.ones_like(x))
