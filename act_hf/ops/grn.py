@@ -59,8 +59,10 @@ class ActGRNFunction(torch.autograd.Function):
         spatial = tuple(d for d in range(1, x.dim()) if d != channel_dim)
         packed = g = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            g = torch.linalg.vector_norm(x.float(), 2, dim=spatial, keepdim=True)
-            z = x.float() / torch.where(g > 0, g, torch.ones_like(g))
+            xf = x.float()
+            g = torch.linalg.vector_norm(xf, 2, dim=spatial, keepdim=True)
+            z = xf / torch.where(g > 0, g, torch.ones_like(g))
+            del xf
             packed = store.compress_as(z, settings)
         save_context(ctx, packed, g, weight if ctx.needs_input_grad[0] else None)
         ctx.args = (channel_dim, spatial, eps, x.dtype, weight.dtype, weight.shape, bias.dtype, bias.shape)
