@@ -124,7 +124,8 @@ def code_fingerprint(fn) -> str:
 
 
 def generic_rules() -> list[Rule]:
-    """Rules for torch's own modules, shared by every family (family rules go in front of these)."""
+    """Rules shared by every family (family rules go in front of these): torch's own modules, and Global
+    Response Norm, which any library may define (found by name, confirmed by its formula)."""
     from .nn import activation, dropout, linear, norm, pooling
 
     return [

@@ -111,8 +111,9 @@ def _channel_shifts(x: torch.Tensor) -> torch.Tensor:
     (they decode to NaN anyway)."""
     amax = torch.linalg.vector_norm(x, float("inf"), dim=tuple(range(x.dim() - 1))).float()
     finite = torch.isfinite(amax)
-    mantissa, exponent = torch.frexp(torch.where(finite, amax, 0.0))
-    top = torch.where(finite, amax, 0.0).argmax()
+    amax = torch.where(finite, amax, 0.0)
+    mantissa, exponent = torch.frexp(amax)
+    top = amax.argmax()
     # amax = m * 2**e with m in [0.5, 1): the floor of log2(top / amax) is the exponent difference, less one
     # where this channel's mantissa exceeds the top's
     shift = exponent[top] - exponent - (mantissa > mantissa[top]).to(exponent.dtype)

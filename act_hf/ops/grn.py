@@ -59,10 +59,9 @@ class ActGRNFunction(torch.autograd.Function):
         spatial = tuple(d for d in range(1, x.dim()) if d != channel_dim)
         packed = g = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            xf = x.float()
-            g = torch.linalg.vector_norm(xf, 2, dim=spatial, keepdim=True)
-            z = xf / torch.where(g > 0, g, torch.ones_like(g))
-            del xf
+            z = x.to(torch.float32, copy=True)  # the one full-width temporary: normalized in place below
+            g = torch.linalg.vector_norm(z, 2, dim=spatial, keepdim=True)
+            z.div_(torch.where(g > 0, g, torch.ones_like(g)))
             packed = store.compress_as(z, settings)
         save_context(ctx, packed, g, weight if ctx.needs_input_grad[0] else None)
         ctx.args = (channel_dim, spatial, eps, x.dtype, weight.dtype, weight.shape, bias.dtype, bias.shape)
