@@ -54,8 +54,8 @@ class ActConfig:
             allocator (:mod:`act_hf.adapt`) distributes.
         group_size: elements per quantization group (a positive multiple of 8).
         kinds: which kinds of module to compress, a subset of ``ACT_KINDS``.
-        activation_bits: bits of the activation contexts: 1..4 are few-bit derivative codes, 5..8 the quantized
-            input; ``None`` takes ``round(bits)``.
+        activation_bits: bits of the activation contexts: 1..4 are few-bit derivative codes (5 uses the 4-bit
+            code), 6..8 the quantized input; ``None`` takes ``round(bits)``.
         norm_context: what LayerNorm/RMSNorm keep: ``"output"`` (shared with the next Linear, In-Place ABN
             style) or ``"input"`` (ActNN style).
         target_modules: only patch these modules: a string is a full-match regex on the module path, a list
@@ -193,7 +193,7 @@ class ActConfig:
 
     @property
     def derivative_bits(self) -> int:
-        """Bits of the activation contexts (few-bit codes at 1..4, quantized input at 5..8)."""
+        """Bits of the activation contexts (few-bit codes at 1..5, quantized input at 6..8)."""
         if self.activation_bits is not None:
             return self.activation_bits
         return max(1, min(8, round(self.bits)))

@@ -160,7 +160,8 @@ def _d_elu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _d_hardswish(x: torch.Tensor) -> torch.Tensor:
-    # Same branches as torch's hardswish_backward: 0 for x < -3, x/3 + 1/2 for -3 <= x <= 3, 1 for x > 3.
+    # torch's hardswish_backward up to 2.11 (CPU and CUDA): 0 for x < -3, x/3 + 1/2 for -3 <= x <= 3, 1 for x > 3.
+    # Later CPU kernels give -3 and 3 to the outer branches (0 and 1): the other one-sided derivative there.
     mid = x / 3.0 + 0.5
     return torch.where(x < -3.0, torch.zeros_like(x), torch.where(x <= 3.0, mid, torch.ones_like(x)))
 
