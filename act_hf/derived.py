@@ -1,4 +1,5 @@
-"""Contexts read from tensors other ops already keep: a conv fed by ``relu(batch_norm(x))``.
+"""Contexts read from tensors other ops already keep: a conv fed by ``relu(batch_norm(x))`` or
+``leaky_relu(batch_norm(x))``.
 
 In a ResNet block ``conv2(relu(bn1(x)))`` keeps, per element, BatchNorm's packed normalized input ``x_norm``
 (``b`` bits), the ReLU's exact 1-bit mask ``m = (y > 0)`` and the conv's own packed input ``h = relu(y)``
@@ -25,7 +26,10 @@ beta ~ N(0, 0.5); SQNR in dB against fp64 autograd, mean of 4 draws; bytes of th
 Sharing costs 4.7-4.8 dB on the conv's weight gradient at equal bits and nothing elsewhere; at one bit more
 it beats the own copy on every gradient with 29% fewer bytes. ``ActConfig(share_bn_relu=False)`` turns it off.
 
-Protocol: BatchNorm calls :func:`note_affine` on its output; the ReLU asks :func:`affine_of` for its input and
+A leaky ReLU (slope ``s``) works the same way: ``h = where(m, y, s * y)`` is linear in ``y`` given the exact
+mask, so ``h_hat = where(m, y_hat, s * y_hat)`` is unbiased too.
+
+Protocol: BatchNorm calls :func:`note_affine` on its output; the (leaky) ReLU asks :func:`affine_of` for its input and
 calls :func:`note_rectified` on its output; a conv or linear asks :func:`rectified_input` for its input before
 packing it (BatchNorm notes only when its ``act_share_bn_relu`` is set). A note (:func:`remember`) is used only while
 the tensor it describes is alive and unmodified (same object and version counter), holds what it reads until
@@ -52,14 +56,16 @@ __all__ = ["RectifiedAffine", "affine_of", "note_affine", "note_rectified", "rec
 
 @dataclass
 class RectifiedAffine:
-    """``m * (weight * dequantize(packed) + bias)`` along dim 1: a context made of other ops' saved tensors.
+    """``where(m, y, negative_slope * y)`` with ``y = weight * dequantize(packed) + bias`` along dim 1: a context
+    made of other ops' saved tensors.
 
     Attributes:
         packed: BatchNorm's packed normalized input.
         weight: BatchNorm's ``gamma`` (``None``: 1).
         bias: BatchNorm's ``beta`` (``None``: 0).
-        mask: the ReLU's packed 1-bit code of ``y > 0`` (logical element order).
+        mask: the (leaky) ReLU's packed 1-bit code ``m`` of ``y > 0`` (logical element order).
         dtype: the dtype of the tensor it stands for.
+        negative_slope: 0 for a ReLU, the slope of a leaky ReLU.
     """
 
     packed: PackedTensor
@@ -67,6 +73,7 @@ class RectifiedAffine:
     bias: Tensor | None
     mask: Tensor
     dtype: torch.dtype
+    negative_slope: float = 0.0
 
     @property
     def tensors(self) -> list[Tensor]:
@@ -76,16 +83,16 @@ class RectifiedAffine:
     @property
     def meta(self) -> tuple:
         """Everything but the tensors (see :meth:`rebuild`)."""
-        return self.packed.spec, self.weight is not None, self.bias is not None, self.dtype
+        return self.packed.spec, self.weight is not None, self.bias is not None, self.dtype, self.negative_slope
 
     @classmethod
     def rebuild(cls, tensors: list[Tensor] | tuple[Tensor, ...], meta: tuple) -> RectifiedAffine:
-        spec, has_weight, has_bias, dtype = meta
+        spec, has_weight, has_bias, dtype, negative_slope = meta
         n = spec.n_tensors
         rest = list(tensors[n + 1:])
         weight = rest.pop(0) if has_weight else None
         bias = rest.pop(0) if has_bias else None
-        return cls(PackedTensor.rebuild(tensors[:n], spec), weight, bias, tensors[n], dtype)
+        return cls(PackedTensor.rebuild(tensors[:n], spec), weight, bias, tensors[n], dtype, negative_slope)
 
     def dequantize(self) -> Tensor:
         """The estimate ``h_hat`` (a new contiguous tensor of the original shape, in ``dtype``)."""
@@ -97,6 +104,8 @@ class RectifiedAffine:
         if self.bias is not None:
             values.add_(self.bias.float().view(channel))
         keep = unpack_bits(self.mask, 1, math.prod(shape)).view(shape).bool()
+        if self.negative_slope:
+            return torch.where(keep, values, values * self.negative_slope).to(self.dtype)
         return values.masked_fill_(~keep, 0).to(self.dtype)
 
 
@@ -153,20 +162,20 @@ def affine_of(x: Tensor) -> _Affine | None:
     return recall(x, "affine")
 
 
-def note_rectified(out: Tensor, affine: _Affine, mask: Tensor) -> None:
-    """Record that ``out = relu(y)``, ``y`` the BatchNorm output ``affine`` describes (from :func:`affine_of`)
-    and ``mask`` the packed 1-bit code of ``y > 0``."""
-    remember(out, "rectified", (affine, mask))
+def note_rectified(out: Tensor, affine: _Affine, mask: Tensor, negative_slope: float = 0.0) -> None:
+    """Record that ``out = relu(y)`` (or ``leaky_relu(y, negative_slope)``), ``y`` the BatchNorm output
+    ``affine`` describes (from :func:`affine_of`) and ``mask`` the packed 1-bit code of ``y > 0``."""
+    remember(out, "rectified", (affine, mask, negative_slope))
 
 
 def rectified_input(x: Tensor, settings) -> RectifiedAffine | None:
-    """The derived context of ``x`` when it is ``relu(batch_norm(.))`` noted by both ops and packed at
-    ``settings.bits`` and ``settings.group_size`` (an op's :class:`~act_hf.ops._saving.OpSettings`); else
-    ``None`` (the op packs ``x`` itself)."""
+    """The derived context of ``x`` when it is ``relu(batch_norm(.))`` (or a leaky ReLU) noted by both ops and
+    packed at ``settings.bits`` and ``settings.group_size`` (an op's :class:`~act_hf.ops._saving.OpSettings`);
+    else ``None`` (the op packs ``x`` itself)."""
     found = recall(x, "rectified")
     if found is None:
         return None
-    affine, mask = found
+    affine, mask, negative_slope = found
     if (affine.packed.bits, affine.packed.group_size) != (settings.bits, settings.group_size):
         return None
     if store.swap.is_swapped(affine.packed):  # one more op fetches BatchNorm's host copy in backward
@@ -175,4 +184,4 @@ def rectified_input(x: Tensor, settings) -> RectifiedAffine | None:
     if probe is not None:  # the consumer reads BatchNorm's draw: one slot group, one width
         probe._union(settings.slot, affine.slot)
         probe._used(affine.packed)
-    return RectifiedAffine(affine.packed, affine.weight, affine.bias, mask, x.dtype)
+    return RectifiedAffine(affine.packed, affine.weight, affine.bias, mask, x.dtype, negative_slope)

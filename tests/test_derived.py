@@ -1,4 +1,5 @@
-"""A conv after BatchNorm + ReLU reads BatchNorm's packed input: bytes, exactness, unbiasedness, invalidation."""
+"""A conv after BatchNorm + (leaky) ReLU reads BatchNorm's packed input: bytes, exactness, unbiasedness,
+invalidation."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ C, H = 16, 16  # 256 values per channel: BatchNorm packs x_norm (above MIN_VALUE
 
 
 class Chain(nn.Module):
-    """BatchNorm -> ReLU -> Conv, with an optional in-place edit between two of them."""
+    """BatchNorm -> ReLU (or a leaky ReLU of ``slope``) -> Conv, with an optional in-place edit between two of
+    them."""
 
-    def __init__(self, inplace: bool = True, edit: str | None = None):
+    def __init__(self, inplace: bool = True, edit: str | None = None, slope: float | None = None):
         super().__init__()
         self.bn = nn.BatchNorm2d(C)
-        self.relu = nn.ReLU(inplace=inplace)
+        self.relu = nn.ReLU(inplace=inplace) if slope is None else nn.LeakyReLU(slope, inplace=inplace)
         self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False)
         self.edit = edit
         with torch.no_grad():
@@ -56,10 +58,14 @@ def _input():
     return torch.randn(4, C, H, H) * 2 + 0.3
 
 
+SLOPES = pytest.mark.parametrize("slope", [None, 0.2], ids=["relu", "leaky_relu"])
+
+
+@SLOPES
 @pytest.mark.parametrize("inplace", [True, False])
-def test_conv_saves_no_input_of_its_own(inplace):
-    _, shared = _chain(inplace=inplace)
-    _, own = _chain(share=False, inplace=inplace)
+def test_conv_saves_no_input_of_its_own(inplace, slope):
+    _, shared = _chain(inplace=inplace, slope=slope)
+    _, own = _chain(share=False, inplace=inplace, slope=slope)
     x = _input()
     with act_hf.track_saved(shared) as s:
         shared(x.clone().requires_grad_())
@@ -69,8 +75,9 @@ def test_conv_saves_no_input_of_its_own(inplace):
     assert s.bytes == o.bytes - o.by_slot["conv:input"]
 
 
-def test_forward_is_unchanged_and_gradients_match_at_8_bits():
-    ref, model = _chain(bits=8, inplace=True)
+@SLOPES
+def test_forward_is_unchanged_and_gradients_match_at_8_bits(slope):
+    ref, model = _chain(bits=8, inplace=True, slope=slope)
     x = _input()
     xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
     out, expected = model(xm), ref(xr)
@@ -82,9 +89,10 @@ def test_forward_is_unchanged_and_gradients_match_at_8_bits():
     assert sqnr_db(xr.grad, xm.grad) > 30
 
 
-def test_conv_weight_gradient_is_unbiased():
+@SLOPES
+def test_conv_weight_gradient_is_unbiased(slope):
     """The mean over many draws of the 2-bit weight gradient converges to the exact one."""
-    ref, model = _chain(bits=2)
+    ref, model = _chain(bits=2, slope=slope)
     x = _input()
     g = torch.randn(4, C, H, H)
     ref.double()(x.double()).backward(g.double())

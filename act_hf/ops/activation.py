@@ -335,7 +335,8 @@ class ActActivationFunction(torch.autograd.Function):
                 region = spec.region_packed(x)
         elif need:
             payload = spec.encode_packed(x, bits)
-        affine = affine_of(x) if need and spec.name == "relu" else None  # x = batch_norm(.): see act_hf.derived
+        rectifier = need and spec.name in ("relu", "leaky_relu")
+        affine = affine_of(x) if rectifier else None  # x = batch_norm(.): see act_hf.derived
         version = x._version
         out = fn(x)
         if x._version != version:
@@ -353,7 +354,7 @@ class ActActivationFunction(torch.autograd.Function):
             store.register((payload,), slot=settings.slot, original_nbytes=x.numel() * x.element_size())
             save_context(ctx, payload)
             if affine is not None:  # noted by act_activation once autograd has wrapped (and versioned) out
-                ctx.act_rectified = (affine, payload)
+                ctx.act_rectified = (affine, payload, spec.negative_slope if spec.name == "leaky_relu" else 0.0)
         ctx.spec, ctx.bits, ctx.shape = spec, bits, x.shape
         return out
 
