@@ -580,6 +580,8 @@ class ActBatchNormActFunction(torch.autograd.Function):
         ctx.meta = (x.shape, x.dtype, activation, param)
         # the sign of z, exactly: rounding can flip small z across 0, where the derivative jumps
         mask = pack_bits(y > 0, 1) if activation != "identity" and (need_x or need_w or need_b) else None
+        if mask is not None:
+            store.register((mask,), slot=settings.slot, original_nbytes=0)  # for track_saved: the slot's bytes
         if need_x or need_w:
             packed = store.compress_as(z, settings)
             save_context(ctx, packed, mask, invstd, weight, bias)

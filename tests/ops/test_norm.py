@@ -570,6 +570,8 @@ def test_batch_norm_act_whose_gamma_the_output_form_rejects_compresses_its_activ
     assert torch.equal(y, ref(x))
     assert "0.bn:output" in saved.by_slot and "1.bn:input" in saved.by_slot and "1.bn.act:input" in saved.by_slot
     assert not any(k.startswith("<uncompressed") and v > 1024 for k, v in saved.by_slot.items()), saved.by_slot
+    n = x.numel() // 3 * 16  # elements of one 16-channel layer's output
+    assert saved.by_slot["0.bn:output"] == _packed_bytes(n, 3) + n // 8  # the quantized output and its sign bits
 
 
 @pytest.mark.parametrize("activation,param", [("identity", 0.0), ("leaky_relu", 0.2), ("elu", 1.0)])
