@@ -92,8 +92,15 @@ class _HookScopes:
     def enter_shielded(self, module: nn.Module, args) -> None:
         self._open(module, (_pass_through, _identity))
 
+    def enter_exact_rest(self, module: nn.Module, args) -> None:
+        """Before a task-head module: the rest of the root's forward (the head, the loss after it) saves exact
+        tensors. The scope belongs to the root, so the root's :meth:`leave` closes it."""
+        if len(self.stack) == 1 and module.training and torch.is_grad_enabled():  # directly under the root
+            root = self.stack[0][0]
+            self._open(root, (_pass_through, _identity))
+
     def leave(self, module: nn.Module, args, output) -> None:
-        if self.stack and self.stack[-1][0] is module:
+        while self.stack and self.stack[-1][0] is module:
             self.stack.pop()[1].__exit__(None, None, None)
 
     def __getstate__(self) -> dict:
@@ -103,17 +110,21 @@ class _HookScopes:
         self.compressing, self.stack = state["compressing"], []
 
 
-def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False) -> list:
+def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False,
+                           heads: list[nn.Module] | tuple[nn.Module, ...] = ()) -> list:
     """Install the hooks on ``model``; returns the hook handles (remove them to uninstall).
 
     The compressing hooks are active during the root module's forward in training with grad enabled; every
-    act_hf module pushes a pass-through hook around its own forward.
+    act_hf module pushes a pass-through hook around its own forward. From the first call of a module in
+    ``heads`` (the task head, ``ActConfig.exclude_head``) to the end of the root's forward, saved tensors stay
+    exact: the head and the loss computed on its output, as the families keep them.
     """
     scopes = _HookScopes(_Compressing(f"{type(model).__name__}:saved", bits, group_size, swap))
     handles = [
         model.register_forward_pre_hook(scopes.enter_compressing),
         model.register_forward_hook(scopes.leave, always_call=True),
     ]
+    handles += [head.register_forward_pre_hook(scopes.enter_exact_rest) for head in heads]
     for module in model.modules():
         if isinstance(module, ActModule):
             handles.append(module.register_forward_pre_hook(scopes.enter_shielded))

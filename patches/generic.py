@@ -37,13 +37,32 @@ def _known_rules() -> list[Rule]:
     return rules
 
 
+def _head_paths(model: nn.Module) -> list[str]:
+    """The task head as the families find it: an HF model's modules outside its base model, a timm model's
+    ``pretrained_cfg`` classifier."""
+    from act_hf.patcher import hf_head_paths
+
+    paths = hf_head_paths(model)
+    try:
+        from .timm_models import timm_head_paths
+
+        paths += timm_head_paths(model)
+    except ImportError:
+        pass
+    return list(dict.fromkeys(paths))
+
+
 def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
-    """Convert every known leaf module; warn with the module types left uncompressed; hook the rest."""
-    patched = patch_modules(model, config, rules=_known_rules())
+    """Convert every known leaf module outside the task head (with ``config.exclude_head``); warn with the module
+    types left uncompressed; hook the rest, the head and the loss after it excepted."""
+    heads = _head_paths(model) if config.exclude_head else []
+    patched = patch_modules(model, config, rules=_known_rules(), head_paths=heads)
+    kept = {id(m) for p in heads for m in model.get_submodule(p).modules()}  # exact by choice
     left = sorted({
         type(m).__name__
         for m in model.modules()
         if not isinstance(m, ActModule) and not list(m.children()) and not isinstance(m, _CONTEXT_FREE)
+        and id(m) not in kept
     })
     hooks = config.fallback_hooks
     warnings.warn(
@@ -56,7 +75,7 @@ def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
     )
     if hooks:
         handles = install_fallback_hooks(model, bits=config.default_bits, group_size=config.group_size,
-                                         swap=config.swap)
+                                         swap=config.swap, heads=[model.get_submodule(p) for p in heads])
         add_cleanup(model, functools.partial(remove_handles, handles))
         patched.append("<saved-tensor hooks>")
     return patched

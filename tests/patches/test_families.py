@@ -235,6 +235,63 @@ def test_the_fallback_keeps_constants_exact_a_falcon_model_trains_like_the_origi
     assert_grads_match(ref, model, name="falcon")
 
 
+def _fallback_pair(ref, bits=3, **config):
+    model = copy.deepcopy(ref)
+    with pytest.warns(act_hf.ActHFWarning, match="has no family") as record:
+        act_hf.patch(model, act_hf.ActConfig(bits=bits, **config))
+    return model, str(record[0].message)
+
+
+def test_the_fallback_keeps_an_hf_task_head_and_its_loss_exact():
+    """``exclude_head`` (the default) holds on the fallback as in the families: an HF model's modules outside its
+    base model are not converted, and from the head's first call on the root's saved tensors stay exact, so
+    the head's gradients are bit-identical to the original's. (They had been quantized: Wav2Vec2's classifier
+    weight at cosine 0.998 at 8 bits, 3.8% of the whole gradient's norm.)"""
+    import transformers as tf
+
+    cfg = tf.Wav2Vec2Config(vocab_size=32, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                            intermediate_size=128, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+                            classifier_proj_size=64)
+    torch.manual_seed(0)
+    ref = tf.Wav2Vec2ForSequenceClassification(cfg).train()
+    model, warning = _fallback_pair(ref)
+    assert not isinstance(model.classifier, ActModule) and not isinstance(model.projector, ActModule)
+    assert "Linear" not in warning  # the head is exact by choice, not listed as left uncompressed
+    x, labels = torch.randn(2, 800, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1])
+    torch.manual_seed(2)  # dropout and layer drop draw the same in both
+    with act_hf.track_saved(model) as saved:
+        loss = model(input_values=x, labels=labels).loss
+    assert "Wav2Vec2ForSequenceClassification:saved" in saved.by_slot  # the base model is compressed
+    torch.manual_seed(2)
+    expected = ref(input_values=x, labels=labels).loss
+    assert torch.equal(loss, expected)
+    loss.backward()
+    expected.backward()
+    for name in ("classifier.weight", "classifier.bias", "projector.weight", "projector.bias"):
+        assert torch.equal(model.get_parameter(name).grad, ref.get_parameter(name).grad), name
+    assert not torch.equal(model.wav2vec2.encoder.layers[0].feed_forward.output_dense.weight.grad,
+                           ref.wav2vec2.encoder.layers[0].feed_forward.output_dense.weight.grad)
+
+    whole, _ = _fallback_pair(ref, exclude_head=False)
+    assert isinstance(whole.classifier, ActModule)
+
+
+def test_the_fallback_keeps_a_timm_classifier_and_its_loss_exact():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    ref = timm.create_model("regnetx_002", num_classes=5).train()  # RegNet: no act_hf family
+    model, _ = _fallback_pair(ref)
+    assert not isinstance(model.head.fc, ActModule)
+    x, labels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 3])
+    loss = torch.nn.functional.cross_entropy(model(x), labels)
+    expected = torch.nn.functional.cross_entropy(ref(x), labels)
+    assert torch.equal(loss, expected)
+    loss.backward()
+    expected.backward()
+    assert torch.equal(model.head.fc.weight.grad, ref.head.fc.weight.grad)
+
+
 def test_fallback_forward_never_run_backward_is_freed():
     class Head(torch.nn.Module):
         def __init__(self):
