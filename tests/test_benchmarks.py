@@ -172,3 +172,18 @@ def test_cpu_peak_refuses_bad_arguments():
     with pytest.raises(SystemExit, match="--settings"):
         cpu_peak.main(["--settings", "bits3", "zip"])
     assert cpu_peak._rss() > 0
+
+
+model_sweep = _load("benchmark_model_sweep")
+
+
+def test_model_sweep_checks_a_text_and_an_image_model(tmp_path):
+    rows = model_sweep.main(["--models", "electra", "regnety_002", "--out", str(tmp_path), "--name", "sweep"])
+    assert [r["model"] for r in rows] == ["electra", "regnety_002"]
+    assert all(r["loss_equal"] and r["verdict"] == "pass" and r["relative_error"] < 0.05 for r in rows), rows
+    assert [r["family"] for r in rows] == [True, False]  # ELECTRA: the BERT family; RegNet: the fallback
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["meta"]["bits"] == 8 and len(saved["rows"]) == 2
+    assert "| regnety_002 | no (fallback) | True |" in (tmp_path / "sweep.md").read_text()
+    with pytest.raises(SystemExit):
+        model_sweep.main(["--models", "no-such-model"])

@@ -1,0 +1,217 @@
+"""Does act_hf train models it has no family for like the originals? Tiny random-init models, one step each.
+
+For each model: build it from a small config (random weights, train mode), deep-copy it, ``act_hf.patch`` the
+copy at ``--bits`` (8 by default: every difference left is act_hf's, not the width's), run one forward and
+backward on both with the same seeds, and record whether the losses are bit-equal, the relative error of the
+whole parameter gradient, the worst cosine among parameters carrying >= 1% of the gradient norm, and the
+verdict of the tests' criterion (:func:`tests.utils.assert_grads_match`: each parameter's gradient at cosine
+>= 0.999 or within 1e-3 of the whole gradient's norm). Models with an act_hf family are here too when they are
+not in the tests' own cases; a model that fails to build or run is listed with its error.
+
+    python benchmarks/benchmark_model_sweep.py                    # every model, 8 bits (about 5 min on 2 cores)
+    python benchmarks/benchmark_model_sweep.py --models bart cspdarknet53 --bits 4
+
+Writes ``model_sweep.json`` and ``model_sweep.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import act_hf  # noqa: E402
+from tests.utils import assert_grads_match  # noqa: E402  (the tests' criterion, not a copy of it)
+
+_TEXT = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128)
+
+
+def _ids(vocab=100, batch=2, seq=16):
+    return torch.randint(3, vocab, (batch, seq))
+
+
+def _pixels(size=32):
+    return torch.randn(2, 3, size, size)
+
+
+def _hf_cases() -> dict[str, tuple[Callable, Callable]]:
+    """name -> (build, inputs): transformers models from small configs."""
+    import transformers as tf
+
+    two = lambda: torch.tensor([0, 1])  # noqa: E731
+    text_and_image = dict(text_config=dict(vocab_size=100, num_hidden_layers=2, max_position_embeddings=32, **_TEXT),
+                          vision_config=dict(image_size=32, patch_size=8, num_hidden_layers=2, **_TEXT))
+    seq2seq = dict(vocab_size=100, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128)
+    return {
+        "bart": (lambda: tf.BartForConditionalGeneration(tf.BartConfig(max_position_embeddings=64, **seq2seq)),
+                 lambda: dict(input_ids=_ids(), labels=_ids())),
+        "electra": (lambda: tf.ElectraForSequenceClassification(tf.ElectraConfig(
+            vocab_size=100, embedding_size=32, num_hidden_layers=2, **_TEXT)),
+            lambda: dict(input_ids=_ids(), labels=two())),
+        "gptj": (lambda: tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=100, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                                         n_positions=64)),
+                 lambda: dict(input_ids=_ids(), labels=_ids())),
+        "whisper": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+            num_mel_bins=16, max_source_positions=16, max_target_positions=32, decoder_start_token_id=1,
+            pad_token_id=0, **seq2seq)),
+            lambda: dict(input_features=torch.randn(2, 16, 32), labels=_ids(seq=8))),
+        "wav2vec2": (lambda: tf.Wav2Vec2ForSequenceClassification(tf.Wav2Vec2Config(
+            vocab_size=32, num_hidden_layers=2, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0, **_TEXT)),
+            lambda: dict(input_values=torch.randn(2, 800), labels=two())),
+        "clip": (lambda: tf.CLIPModel(tf.CLIPConfig(projection_dim=32, **text_and_image)),
+                 lambda: dict(input_ids=_ids(), pixel_values=_pixels(), return_loss=True)),
+        "siglip": (lambda: tf.SiglipModel(tf.SiglipConfig(**text_and_image)),
+                   lambda: dict(input_ids=_ids(), pixel_values=_pixels(), return_loss=True)),
+        "swinv2": (lambda: tf.Swinv2ForImageClassification(tf.Swinv2Config(
+            image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=3)),
+            lambda: dict(pixel_values=_pixels(), labels=torch.tensor([0, 2]))),
+        "segformer": (lambda: tf.SegformerForSemanticSegmentation(tf.SegformerConfig(
+            num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+            decoder_hidden_size=32, num_labels=3)),
+            lambda: dict(pixel_values=_pixels(), labels=torch.randint(0, 3, (2, 32, 32)))),
+        "vitmae": (lambda: tf.ViTMAEForPreTraining(tf.ViTMAEConfig(
+            image_size=32, patch_size=8, num_hidden_layers=2, decoder_num_hidden_layers=1, decoder_hidden_size=32,
+            decoder_intermediate_size=64, decoder_num_attention_heads=2, mask_ratio=0.5, **_TEXT)),
+            lambda: dict(pixel_values=_pixels())),
+        "mamba": (lambda: tf.MambaForCausalLM(tf.MambaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
+                                                              state_size=8, expand=2)),
+                  lambda: dict(input_ids=_ids(), labels=_ids())),
+        "deberta-v2": (lambda: tf.DebertaV2ForSequenceClassification(tf.DebertaV2Config(
+            vocab_size=100, num_hidden_layers=2, max_position_embeddings=64, relative_attention=True,
+            pos_att_type=["p2c", "c2p"], **_TEXT)),
+            lambda: dict(input_ids=_ids(), labels=two())),
+        "dinov2": (lambda: tf.Dinov2ForImageClassification(tf.Dinov2Config(
+            image_size=32, patch_size=8, num_hidden_layers=2, num_labels=3, **_TEXT)),
+            lambda: dict(pixel_values=_pixels(), labels=torch.tensor([0, 2]))),
+        "yolos": (lambda: tf.YolosModel(tf.YolosConfig(image_size=[32, 32], patch_size=8, num_hidden_layers=2,
+                                                       num_detection_tokens=4, **_TEXT)),
+                  lambda: dict(pixel_values=_pixels())),
+    }
+
+
+#: timm models by name, with the image size they need (the rest take 64 x 64).
+TIMM_MODELS = {
+    "maxvit_nano_rw_256": 256, "coatnet_nano_rw_224": 224, "efficientnet_b0": 64, "resnext26ts": 64,
+    "regnety_002": 64, "swinv2_cr_tiny_ns_224": 224, "poolformer_s12": 64, "mobilevitv2_050": 64,
+    "ghostnet_050": 64, "convmixer_768_32": 64, "nfnet_f0": 64, "dla34": 64, "repvgg_a0": 64, "cspdarknet53": 64,
+    "cspresnet50": 64, "darknet53": 64, "cspresnext50": 64, "edgenext_xx_small": 64, "fastvit_t8": 224,
+    "mobileone_s0": 64, "hgnetv2_b0": 64, "tiny_vit_5m_224": 224, "rdnet_tiny": 64, "efficientformerv2_s0": 224,
+    "inception_next_atto": 64, "mambaout_femto": 64, "starnet_s050": 64, "efficientvit_b0": 128,
+    "mobilenetv3_small_050": 128,
+}
+
+
+def _hf_loss(model, inputs):
+    out = model(**inputs)
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    h = out[0].float()  # no loss head: a fixed nonlinear read-out of the last hidden state
+    return (h @ torch.linspace(-1, 1, h.shape[-1])).sin().mean()
+
+
+def _timm_loss(model, inputs):
+    x, labels = inputs
+    return torch.nn.functional.cross_entropy(model(x), labels)
+
+
+def measure(name: str, bits: float) -> dict:
+    """One model: loss equality, whole-gradient relative error, worst cosine, the tests' verdict."""
+    hf = _hf_cases()
+    if name in hf:
+        build, make_inputs = hf[name]
+        loss_of = _hf_loss
+    else:
+        import timm
+
+        size = TIMM_MODELS[name]
+        build = lambda: timm.create_model(name, pretrained=False, num_classes=5)  # noqa: E731
+        make_inputs = lambda: (torch.randn(2, 3, size, size), torch.tensor([0, 3]))  # noqa: E731
+        loss_of = _timm_loss
+    torch.manual_seed(0)
+    ref = build().train()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        act_hf.patch(model, bits=bits)
+    family = not any("has no family" in str(w.message) for w in caught)
+    torch.manual_seed(1)
+    inputs = make_inputs()
+    losses = []
+    act_hf.manual_seed(0)  # act_hf's rounding draws: the same figures on every run
+    for m in (ref, model):
+        torch.manual_seed(2)  # dropout, layer drop, masking draw the same in both
+        loss = loss_of(m, inputs)
+        loss.backward()
+        losses.append(loss)
+    pairs = [(a.grad.double(), b.grad.double()) for a, b in zip(ref.parameters(), model.parameters())
+             if a.grad is not None and b.grad is not None]
+    total = math.sqrt(sum(a.norm().item() ** 2 for a, _ in pairs)) or 1.0
+    error = math.sqrt(sum((a - b).norm().item() ** 2 for a, b in pairs)) / total
+    try:
+        worst = assert_grads_match(ref, model, name=name)
+        verdict = "pass"
+    except AssertionError as e:
+        worst, verdict = float("nan"), f"outside: {e}"
+    return {"model": name, "family": family, "loss_equal": bool(torch.equal(*losses)), "relative_error": error,
+            "worst_cosine": worst, "verdict": verdict}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = [*_hf_cases(), *TIMM_MODELS]
+    p.add_argument("--models", nargs="+", default=names, choices=names, metavar="MODEL",
+                   help=f"models to check (default: all): {', '.join(names)}")
+    p.add_argument("--bits", type=float, default=8)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--name", default="model_sweep", help="file name of the results, without extension")
+    args = p.parse_args(argv)
+    rows = []
+    for name in args.models:
+        try:
+            rows.append(measure(name, args.bits))
+        except Exception as e:  # noqa: BLE001  (a model that cannot run is a result too)
+            traceback.print_exc(limit=2)
+            rows.append({"model": name, "verdict": f"error: {type(e).__name__}: {str(e)[:200]}"})
+        r = rows[-1]
+        print(f"{name}: {r['verdict'][:160]}" + (f" (relative error {r['relative_error']:.4f})"
+                                                  if "relative_error" in r else ""), flush=True)
+    import timm
+    import transformers
+
+    meta = {"device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)", "torch": torch.__version__,
+            "transformers": transformers.__version__, "timm": timm.__version__, "act_hf": act_hf.__version__,
+            "bits": args.bits}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, timm {meta['timm']}; "
+             f"act_hf.patch(bits={args.bits:g}) against the unpatched model, one step, tiny random-init configs", "",
+             "| model | act_hf family | loss bit-equal | gradient relative error | worst cosine | tests' criterion |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "relative_error" not in r:
+            lines.append(f"| {r['model']} | | | | | {r['verdict']} |")
+            continue
+        verdict = r["verdict"].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {r['model']} | {'yes' if r['family'] else 'no (fallback)'} | {r['loss_equal']} | "
+                     f"{r['relative_error']:.4f} | {r['worst_cosine']:.5f} | {verdict} |")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
