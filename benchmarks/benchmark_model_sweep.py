@@ -32,10 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import act_hf  # noqa: E402
-from tests.utils import assert_grads_match  # noqa: E402  (the tests' criterion, not a copy of it)
+import act_hf
+from tests.utils import assert_grads_match  # the tests' criterion, not a copy of it
 
-_TEXT = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128)
+_TEXT = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 
 
 def _ids(vocab=100, batch=2, seq=16):
@@ -50,56 +50,56 @@ def _hf_cases() -> dict[str, tuple[Callable, Callable]]:
     """name -> (build, inputs): transformers models from small configs."""
     import transformers as tf
 
-    two = lambda: torch.tensor([0, 1])  # noqa: E731
-    text_and_image = dict(text_config=dict(vocab_size=100, num_hidden_layers=2, max_position_embeddings=32, **_TEXT),
-                          vision_config=dict(image_size=32, patch_size=8, num_hidden_layers=2, **_TEXT))
-    seq2seq = dict(vocab_size=100, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                   decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128)
+    two = lambda: torch.tensor([0, 1])
+    text_and_image = {"text_config": dict(vocab_size=100, num_hidden_layers=2, max_position_embeddings=32, **_TEXT),
+                          "vision_config": dict(image_size=32, patch_size=8, num_hidden_layers=2, **_TEXT)}
+    seq2seq = {"vocab_size": 100, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+                   "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128}
     return {
         "bart": (lambda: tf.BartForConditionalGeneration(tf.BartConfig(max_position_embeddings=64, **seq2seq)),
-                 lambda: dict(input_ids=_ids(), labels=_ids())),
+                 lambda: {"input_ids": _ids(), "labels": _ids()}),
         "electra": (lambda: tf.ElectraForSequenceClassification(tf.ElectraConfig(
             vocab_size=100, embedding_size=32, num_hidden_layers=2, **_TEXT)),
-            lambda: dict(input_ids=_ids(), labels=two())),
+            lambda: {"input_ids": _ids(), "labels": two()}),
         "gptj": (lambda: tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=100, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                                                          n_positions=64)),
-                 lambda: dict(input_ids=_ids(), labels=_ids())),
+                 lambda: {"input_ids": _ids(), "labels": _ids()}),
         "whisper": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(
             num_mel_bins=16, max_source_positions=16, max_target_positions=32, decoder_start_token_id=1,
             pad_token_id=0, **seq2seq)),
-            lambda: dict(input_features=torch.randn(2, 16, 32), labels=_ids(seq=8))),
+            lambda: {"input_features": torch.randn(2, 16, 32), "labels": _ids(seq=8)}),
         "wav2vec2": (lambda: tf.Wav2Vec2ForSequenceClassification(tf.Wav2Vec2Config(
             vocab_size=32, num_hidden_layers=2, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
             num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0, **_TEXT)),
-            lambda: dict(input_values=torch.randn(2, 800), labels=two())),
+            lambda: {"input_values": torch.randn(2, 800), "labels": two()}),
         "clip": (lambda: tf.CLIPModel(tf.CLIPConfig(projection_dim=32, **text_and_image)),
-                 lambda: dict(input_ids=_ids(), pixel_values=_pixels(), return_loss=True)),
+                 lambda: {"input_ids": _ids(), "pixel_values": _pixels(), "return_loss": True}),
         "siglip": (lambda: tf.SiglipModel(tf.SiglipConfig(**text_and_image)),
-                   lambda: dict(input_ids=_ids(), pixel_values=_pixels(), return_loss=True)),
+                   lambda: {"input_ids": _ids(), "pixel_values": _pixels(), "return_loss": True}),
         "swinv2": (lambda: tf.Swinv2ForImageClassification(tf.Swinv2Config(
             image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=3)),
-            lambda: dict(pixel_values=_pixels(), labels=torch.tensor([0, 2]))),
+            lambda: {"pixel_values": _pixels(), "labels": torch.tensor([0, 2])}),
         "segformer": (lambda: tf.SegformerForSemanticSegmentation(tf.SegformerConfig(
             num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
             decoder_hidden_size=32, num_labels=3)),
-            lambda: dict(pixel_values=_pixels(), labels=torch.randint(0, 3, (2, 32, 32)))),
+            lambda: {"pixel_values": _pixels(), "labels": torch.randint(0, 3, (2, 32, 32))}),
         "vitmae": (lambda: tf.ViTMAEForPreTraining(tf.ViTMAEConfig(
             image_size=32, patch_size=8, num_hidden_layers=2, decoder_num_hidden_layers=1, decoder_hidden_size=32,
             decoder_intermediate_size=64, decoder_num_attention_heads=2, mask_ratio=0.5, **_TEXT)),
-            lambda: dict(pixel_values=_pixels())),
+            lambda: {"pixel_values": _pixels()}),
         "mamba": (lambda: tf.MambaForCausalLM(tf.MambaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
                                                               state_size=8, expand=2)),
-                  lambda: dict(input_ids=_ids(), labels=_ids())),
+                  lambda: {"input_ids": _ids(), "labels": _ids()}),
         "deberta-v2": (lambda: tf.DebertaV2ForSequenceClassification(tf.DebertaV2Config(
             vocab_size=100, num_hidden_layers=2, max_position_embeddings=64, relative_attention=True,
             pos_att_type=["p2c", "c2p"], **_TEXT)),
-            lambda: dict(input_ids=_ids(), labels=two())),
+            lambda: {"input_ids": _ids(), "labels": two()}),
         "dinov2": (lambda: tf.Dinov2ForImageClassification(tf.Dinov2Config(
             image_size=32, patch_size=8, num_hidden_layers=2, num_labels=3, **_TEXT)),
-            lambda: dict(pixel_values=_pixels(), labels=torch.tensor([0, 2]))),
+            lambda: {"pixel_values": _pixels(), "labels": torch.tensor([0, 2])}),
         "yolos": (lambda: tf.YolosModel(tf.YolosConfig(image_size=[32, 32], patch_size=8, num_hidden_layers=2,
                                                        num_detection_tokens=4, **_TEXT)),
-                  lambda: dict(pixel_values=_pixels())),
+                  lambda: {"pixel_values": _pixels()}),
     }
 
 
@@ -138,8 +138,8 @@ def measure(name: str, bits: float) -> dict:
         import timm
 
         size = TIMM_MODELS[name]
-        build = lambda: timm.create_model(name, pretrained=False, num_classes=5)  # noqa: E731
-        make_inputs = lambda: (torch.randn(2, 3, size, size), torch.tensor([0, 3]))  # noqa: E731
+        build = lambda: timm.create_model(name, pretrained=False, num_classes=5)
+        make_inputs = lambda: (torch.randn(2, 3, size, size), torch.tensor([0, 3]))
         loss_of = _timm_loss
     torch.manual_seed(0)
     ref = build().train()
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.models:
         try:
             rows.append(measure(name, args.bits))
-        except Exception as e:  # noqa: BLE001  (a model that cannot run is a result too)
+        except Exception as e:  # noqa: BLE001 -- a model that cannot be built or run is a result too
             traceback.print_exc(limit=2)
             rows.append({"model": name, "verdict": f"error: {type(e).__name__}: {str(e)[:200]}"})
         r = rows[-1]
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "bits": args.bits}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, timm {meta['timm']}; "
-             f"act_hf.patch(bits={args.bits:g}) against the unpatched model, one step, tiny random-init configs", "",
+    lines = [(f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, timm {meta['timm']}; "
+              f"act_hf.patch(bits={args.bits:g}) against the unpatched model, one step, tiny random-init configs"), "",
              "| model | act_hf family | loss bit-equal | gradient relative error | worst cosine | tests' criterion |",
              "|---|---|---|---|---|---|"]
     for r in rows:
