@@ -3,8 +3,8 @@
 Each (task, setting, seed) is one ``run_glue.py`` run in its own subprocess on the local GLUE TSVs; the
 settings are the uncompressed baseline, fixed ``bits=3`` and ``2``, adaptive budgets (``2.5``, ``2``), and
 gradient checkpointing with packed layer inputs (``ckpt4+bits3``, opt-in: its gradient is biased, see
-:mod:`act_hf.checkpoint`). Each compressed setting also has ``-unscaled`` and ``-scaled`` twins with channel scaling
-forced off or on (``ActConfig(channel_scale=False/True)``; the default is on), not run by default. Writes
+:mod:`act_hf.checkpoint`). Each compressed setting also has ``-unscaled`` and ``-scaled`` twins with channel
+scaling forced off or on (``ActConfig(channel_scale=False/True)``; the default is on), not run by default. Writes
 ``glue_accuracy.json`` and ``glue_accuracy.md`` under ``--out`` (the dev-set metric of every run, the mean per
 task and setting, and the difference to the baseline), and records the device and versions.
 

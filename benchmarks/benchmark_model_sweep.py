@@ -52,9 +52,10 @@ def _hf_cases() -> dict[str, tuple[Callable, Callable]]:
 
     two = lambda: torch.tensor([0, 1])
     text_and_image = {"text_config": dict(vocab_size=100, num_hidden_layers=2, max_position_embeddings=32, **_TEXT),
-                          "vision_config": dict(image_size=32, patch_size=8, num_hidden_layers=2, **_TEXT)}
-    seq2seq = {"vocab_size": 100, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
-                   "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128}
+                      "vision_config": dict(image_size=32, patch_size=8, num_hidden_layers=2, **_TEXT)}
+    seq2seq = {"vocab_size": 100, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+               "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
+               "decoder_ffn_dim": 128}
     return {
         "bart": (lambda: tf.BartForConditionalGeneration(tf.BartConfig(max_position_embeddings=64, **seq2seq)),
                  lambda: {"input_ids": _ids(), "labels": _ids()}),

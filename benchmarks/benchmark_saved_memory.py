@@ -3,9 +3,9 @@
 The analogue of ActNN's Table 5, measured with :func:`act_hf.track_saved` (unique storages saved for
 backward during one training-mode forward, parameters excluded, packed payloads at packed size), on CPU or
 GPU. Models are built from their standard configs with random weights (attention-probability dropout off,
-see ``MODELS``) (bert-base, bert-large, roberta-base,
-gpt2, a LLaMA-style decoder, and timm's vit-base, swin-tiny, convnext-tiny, convnextv2-tiny, resnet50); text at
-sequence length 128, images at 224x224. act_hf runs under bf16 autocast, so its ratio is against the bf16 baseline. A
+see ``MODELS``) (bert-base, bert-large, roberta-base, gpt2, a LLaMA-style decoder, and timm's vit-base,
+swin-tiny, convnext-tiny, convnextv2-tiny, resnet50); text at sequence length 128, images at 224x224. act_hf
+runs under bf16 autocast, so its ratio is against the bf16 baseline. A
 fractional ``--bits`` value is an adaptive average budget (default columns: 1, 2, 3, 4, 8 bits and adaptive 2.5).
 
     python benchmarks/benchmark_saved_memory.py [--models bert-base swin-tiny] [--bits 1 2 3 4 8 2.5] [--batch 2]

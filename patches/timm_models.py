@@ -4,9 +4,9 @@ layers).
 timm passes ``norm_layer``/``act_layer`` into constructors, so these rules walk the built modules: timm's
 own ``LayerNorm`` (plain F.layer_norm unless fast-norm is on), ``LayerNorm2d`` (channels-first ConvNeXt
 norm), ``BatchNormAct2d`` (EfficientNet: BN + activation fused, In-Place ABN form after an identity or ELU; a
-leaky ReLU keeps the input form, whose inversion would amplify the noise by 1/slope), timm's activation classes (few-bit), and the attention modules of ViT and Swin. Layer scale
-(``LayerScale``, ``LayerScale2d``, and the ``gamma`` of ``ConvNeXtBlock``) keeps its input quantized for gamma's
-gradient. The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
+leaky ReLU keeps the input form, whose inversion would amplify the noise by 1/slope), timm's activation
+classes (few-bit), and the attention modules of ViT and Swin. Layer scale (``LayerScale``, ``LayerScale2d``,
+and the ``gamma`` of ``ConvNeXtBlock``) keeps its input quantized for gamma's gradient. The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
 """
 
 from __future__ import annotations

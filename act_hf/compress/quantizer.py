@@ -56,8 +56,8 @@ def quantize(
 
     With ``channel_scale``, every channel of the last dimension is first multiplied by a power of two
     ``2**k[c]`` that brings its largest magnitude within a factor 2 of the largest channel's, never above
-    it, and decoding divides it back out. Transformer hidden states have a few outlier channels (tens of times the typical
-    magnitude) that set the range of every group they fall in; equalized, a group's levels cover all its
+    it, and decoding divides it back out. Transformer hidden states have a few outlier channels (tens of times
+    the typical magnitude) that set the range of every group they fall in; equalized, a group's levels cover all its
     channels (pretrained MiniLM's layer inputs at 4 bits: relative error 0.42 -> 0.18, README). The shift is
     exact (a power of two, never past the largest channel, so nothing overflows), so the estimate stays
     unbiased; decoding's division rounds only results below the dtype's smallest normal number (fp16:

@@ -36,12 +36,18 @@ from ._saving import OpSettings, load_context, save_context
 __all__ = ["ActGRNFunction", "act_grn", "grn_reference"]
 
 
+def _layout(ndim: int, channel_dim: int) -> tuple[int, tuple[int, ...], list[int]]:
+    """``channel_dim`` made non-negative, the spatial dims (all but batch and channels), and the broadcast shape
+    of a per-channel vector."""
+    channel_dim %= ndim
+    shape = [1] * ndim
+    shape[channel_dim] = -1
+    return channel_dim, tuple(d for d in range(1, ndim) if d != channel_dim), shape
+
+
 def grn_reference(x: Tensor, weight: Tensor, bias: Tensor, channel_dim: int, eps: float) -> Tensor:
     """GRN by its formula (any float dtype; ``weight`` and ``bias`` of ``C`` elements in any shape)."""
-    channel_dim = channel_dim % x.dim()
-    spatial = tuple(d for d in range(1, x.dim()) if d != channel_dim)
-    shape = [1] * x.dim()
-    shape[channel_dim] = -1
+    channel_dim, spatial, shape = _layout(x.dim(), channel_dim)
     g = torch.linalg.vector_norm(x, 2, dim=spatial, keepdim=True)
     n = g / (g.mean(dim=channel_dim, keepdim=True) + eps)
     return x + weight.reshape(shape) * (x * n) + bias.reshape(shape)
@@ -55,8 +61,7 @@ class ActGRNFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, forward: Callable[[Tensor], Tensor], channel_dim: int,
                 eps: float, settings: OpSettings) -> Tensor:
         out = forward(x)
-        channel_dim = channel_dim % x.dim()
-        spatial = tuple(d for d in range(1, x.dim()) if d != channel_dim)
+        channel_dim, spatial, _ = _layout(x.dim(), channel_dim)
         packed = g = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             z = x.to(torch.float32, copy=True)  # the one full-width temporary: normalized in place below
@@ -84,9 +89,7 @@ class ActGRNFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = (dy * z * (g * n)).sum(reduce).reshape(w_shape).to(w_dtype)
         if ctx.needs_input_grad[0]:
-            shape = [1] * dy.dim()
-            shape[channel_dim] = -1
-            u = dy * weight.float().reshape(shape)
+            u = dy * weight.float().reshape(_layout(dy.dim(), channel_dim)[2])
             t = g * (u * z).sum(spatial, keepdim=True)
             dg = t / d - (t * g).sum(channel_dim, keepdim=True) / (g.shape[channel_dim] * d * d)
             grad_x = (dy + u * n + z * dg).to(x_dtype)

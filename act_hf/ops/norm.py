@@ -51,11 +51,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compress import dequantize, pack_bits, unpack_bits
+from ..compress import dequantize, unpack_bits
 from ..context import store
 from ..derived import note_affine
 from ..errors import ActHFValueError
 from ._saving import OpSettings, load_context, save_context
+from .activation import _pack_codes
 
 logger = logging.getLogger(__name__)
 
@@ -579,9 +580,9 @@ class ActBatchNormActFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.meta = (x.shape, x.dtype, activation, param)
         # the sign of z, exactly: rounding can flip small z across 0, where the derivative jumps
-        mask = pack_bits(y > 0, 1) if activation != "identity" and (need_x or need_w or need_b) else None
-        if mask is not None:
-            store.register((mask,), slot=settings.slot, original_nbytes=0)  # for track_saved: the slot's bytes
+        mask = None
+        if activation != "identity" and (need_x or need_w or need_b):
+            mask = _pack_codes(y > 0, 1, settings.slot, original_nbytes=0)
         if need_x or need_w:
             packed = store.compress_as(z, settings)
             save_context(ctx, packed, mask, invstd, weight, bias)
