@@ -1,12 +1,14 @@
-"""timm models: ResNet, ViT/DeiT, Swin, ConvNeXt, EfficientNet (and every timm model built from the same
-layers).
+"""timm models: ResNet, ViT/DeiT, Swin, ConvNeXt, EfficientNet, EfficientViT (MIT: B and L), and every timm
+model built from the same layers.
 
 timm passes ``norm_layer``/``act_layer`` into constructors, so these rules walk the built modules: timm's
 own ``LayerNorm`` (plain F.layer_norm unless fast-norm is on), ``LayerNorm2d`` (channels-first ConvNeXt
 norm), ``BatchNormAct2d`` (EfficientNet: BN + activation fused, In-Place ABN form after an identity or ELU; a
 leaky ReLU keeps the input form, whose inversion would amplify the noise by 1/slope), timm's activation
-classes (few-bit), and the attention modules of ViT and Swin. Layer scale (``LayerScale``, ``LayerScale2d``,
-and the ``gamma`` of ``ConvNeXtBlock``) keeps its input quantized for gamma's gradient. The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
+classes (few-bit), the attention modules of ViT and Swin, and EfficientViT's ReLU linear attention
+(``LiteMLA``, through :func:`act_hf.ops.linear_attention.act_linear_attention`). Layer scale (``LayerScale``,
+``LayerScale2d``, and the ``gamma`` of ``ConvNeXtBlock``) keeps its input quantized for gamma's gradient. The
+classifier named by ``pretrained_cfg["classifier"]`` stays exact.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
 from act_hf.ops.linear import act_channel_scale
+from act_hf.ops.linear_attention import act_linear_attention
 from act_hf.patcher import Rule, code_fingerprint, patch_modules, register_patch, same_forward
 
 __all__ = ["patch_timm"]
@@ -68,6 +71,28 @@ def _is_convnext_block(m: nn.Module) -> bool:
     return _is_timm(m, "ConvNeXtBlock") and code_fingerprint(type(m).forward) == CONVNEXT_BLOCK_FORWARD
 
 
+class ActLiteMLAMixin(ActModule):
+    """timm's EfficientViT ``LiteMLA`` with its ReLU linear attention through :func:`act_linear_attention` (slots
+    ``<path>:q``, ``:k``, ``:v``, ``:out``), which keeps the normalizer exact: quantized, it divides the rounding
+    noise of small query rows by their small denominators. The rule converts a module only when its ``_attn``
+    is the code this reproduces (:data:`LITE_MLA_ATTN`)."""
+
+    def _attn(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if not self.act_enabled(q, k, v):
+            return super()._attn(q, k, v)
+        dtype = v.dtype
+        q, k, v = q.float(), k.float(), v.float()
+        return act_linear_attention(q, k, v, self.eps, self.act_base_settings()).to(dtype)
+
+
+#: :func:`code_fingerprint` of the ``LiteMLA._attn`` that :class:`ActLiteMLAMixin` computes (timm 1.0.x).
+LITE_MLA_ATTN = "310d5e8d3c3642e5"
+
+
+def _is_lite_mla(m: nn.Module) -> bool:
+    return _is_timm(m, "LiteMLA") and code_fingerprint(type(m)._attn) == LITE_MLA_ATTN
+
+
 def timm_rules() -> list[Rule]:
     """Rules for timm's layers, in front of the generic torch ones."""
     from timm import layers
@@ -79,6 +104,7 @@ def timm_rules() -> list[Rule]:
     ln_attrs = lambda m, c: {"act_norm_context": c.norm_context}
     return [
         Rule("attention", lambda m: _timm_attention.mixin_for(m) is not None, _timm_attention.mixin_for),
+        Rule("attention", _is_lite_mla, lambda m: ActLiteMLAMixin),
         Rule("norm", lambda m: _is_timm(m, "LayerNorm2d"), lambda m: norm.ActLayerNorm2dMixin, attrs=ln_attrs),
         Rule("norm", lambda m: _is_timm(m, "LayerNorm") and not getattr(m, "_fast_norm", False),
              lambda m: norm.ActLayerNormMixin, attrs=ln_attrs),
@@ -104,6 +130,6 @@ def timm_head_paths(model: nn.Module) -> list[str]:
 
 
 @register_patch("timm:ResNet", "timm:VisionTransformer", "timm:SwinTransformer", "timm:ConvNeXt",
-                "timm:EfficientNet")
+                "timm:EfficientNet", "timm:EfficientVit", "timm:EfficientVitLarge")
 def patch_timm(model, config) -> list[str]:
     return patch_modules(model, config, rules=timm_rules(), head_paths=timm_head_paths(model))

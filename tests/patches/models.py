@@ -215,6 +215,11 @@ TIMM_CASES = [
     Case("timm-convnext", timm_model("convnext_atto"), "timm:ConvNeXt", timm=True),
     Case("timm-convnextv2", timm_convnextv2, "timm:ConvNeXt", timm=True),
     Case("timm-efficientnet", timm_model("efficientnet_b0", batch=4, size=64), "timm:EfficientNet", timm=True),
+    Case("timm-efficientvit", timm_model("efficientvit_b0", batch=4, size=64, depths=(1, 1, 1, 1, 1), head_widths=(64, 80)),
+         "timm:EfficientVit", timm=True),
+    Case("timm-efficientvit-large", timm_model("efficientvit_l1", batch=4, size=64, widths=(8, 16, 32, 64, 128),
+                                               depths=(1, 1, 1, 1, 1), head_widths=(64, 80)),
+         "timm:EfficientVitLarge", timm=True),
 ]
 
 ALL_CASES = HF_CASES + TIMM_CASES
