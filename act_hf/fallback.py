@@ -13,18 +13,30 @@ the step, not activations, and mostly shared by every layer.
 Only the innermost saved-tensor hooks apply, so these hooks report every tensor to active
 :func:`act_hf.track_saved` trackers themselves. What they keep of a tensor has no history (see
 :func:`act_hf.context._without_history`), so a forward never run backward is freed.
+
+``F.scaled_dot_product_attention`` called where the hooks compress (custom attention code of any library) runs
+as :func:`act_hf.ops.attention.act_sdpa`, through a ``TorchFunctionMode`` active during the root's forward:
+the same call, with ``q``, ``k``, ``v`` packed and attention recomputed in backward. Through the hooks, SDPA's
+own backward read the quantized q, k, v *and* output, the combination the table in
+:mod:`act_hf.ops.attention` shows to be far less accurate, and a fifth tensor (on the CPU's math path, the whole
+``L x S`` attention matrix). Slots: ``<root class>:sdpa:q``, ``:k``, ``:v`` for every such call.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .compress import PackedTensor, dequantize
 from .context import _is_parameter_like, _without_history, store
 from .nn._base import ActModule
+from .ops._saving import OpSettings
+from .ops.attention import act_sdpa
 
 __all__ = ["MIN_NUMEL", "install_fallback_hooks"]
 
@@ -69,6 +81,37 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_COMPRESSING, _SHIELDED, _EXACT = "compressing", "shielded", "exact"
+_SDPA_SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                    scale=None, enable_gqa=False: None)
+
+
+class _RouteSDPA(TorchFunctionMode):
+    """Runs ``F.scaled_dot_product_attention`` as :func:`act_sdpa` while the innermost scope compresses (not
+    inside act_hf's modules, not in the exact head); any other call runs as it was, and so does a call it cannot
+    bind, whose q, k, v are not plain tensors, or whose q, k, v are all below :data:`MIN_NUMEL` (the hooks keep
+    such a call's context exact)."""
+
+    def __init__(self, scopes: _HookScopes, settings: OpSettings) -> None:
+        super().__init__()
+        self.scopes, self.settings = scopes, settings
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self.scopes.compressing():
+            try:
+                bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
+            except TypeError:
+                return func(*args, **kwargs)
+            a = bound.arguments
+            qkv = (a["query"], a["key"], a["value"])
+            if all(type(t) in (torch.Tensor, nn.Parameter) and not t.is_nested for t in qkv) \
+                    and max(t.numel() for t in qkv) >= MIN_NUMEL:  # below it the hooks keep all of them exact
+                return act_sdpa(*qkv, a.get("attn_mask"), a.get("dropout_p", 0.0), a.get("is_causal", False),
+                                a.get("scale"), a.get("enable_gqa", False), settings=self.settings)
+        return func(*args, **kwargs)
+
+
 class _HookScopes:
     """The forward hooks that open and close saved-tensor hook scopes around the root and act_hf's modules.
 
@@ -76,50 +119,61 @@ class _HookScopes:
     scopes of its own. The stack of open scopes lives only during a forward; it is neither pickled nor copied.
     """
 
-    def __init__(self, compressing: _Compressing) -> None:
-        self.compressing = compressing
+    def __init__(self, compressing: _Compressing, sdpa: OpSettings | None = None) -> None:
+        self.compressing_hooks, self.sdpa = compressing, sdpa  # sdpa: the routed SDPA's settings, or None
         self.stack: list = []
 
-    def _open(self, module: nn.Module, hooks: tuple) -> None:
+    def compressing(self) -> bool:
+        """Whether the innermost open scope compresses (the root's own code, outside act_hf modules and head)."""
+        return bool(self.stack) and self.stack[-1][2] == _COMPRESSING
+
+    def _open(self, module: nn.Module, hooks: tuple, kind: str) -> None:
         if module.training and torch.is_grad_enabled():
             scope = torch.autograd.graph.saved_tensors_hooks(*hooks)
             scope.__enter__()
-            self.stack.append((module, scope))
+            self.stack.append((module, scope, kind))
 
     def enter_compressing(self, module: nn.Module, args) -> None:
-        self._open(module, (self.compressing.pack, self.compressing.unpack))
+        self._open(module, (self.compressing_hooks.pack, self.compressing_hooks.unpack), _COMPRESSING)
+        if self.sdpa is not None and self.stack and self.stack[-1][0] is module:
+            mode = _RouteSDPA(self, self.sdpa)
+            mode.__enter__()
+            self.stack.append((module, mode, _COMPRESSING))
 
     def enter_shielded(self, module: nn.Module, args) -> None:
-        self._open(module, (_pass_through, _identity))
+        self._open(module, (_pass_through, _identity), _SHIELDED)
 
     def enter_exact_rest(self, module: nn.Module, args) -> None:
         """Before a task-head module: the rest of the root's forward (the head, the loss after it) saves exact
         tensors. The scope belongs to the root, so the root's :meth:`leave` closes it."""
-        if len(self.stack) == 1 and module.training and torch.is_grad_enabled():  # directly under the root
-            root = self.stack[0][0]
-            self._open(root, (_pass_through, _identity))
+        if self.compressing() and all(entry[0] is self.stack[0][0] for entry in self.stack) \
+                and module.training and torch.is_grad_enabled():  # directly under the root
+            self._open(self.stack[0][0], (_pass_through, _identity), _EXACT)
 
     def leave(self, module: nn.Module, args, output) -> None:
         while self.stack and self.stack[-1][0] is module:
             self.stack.pop()[1].__exit__(None, None, None)
 
     def __getstate__(self) -> dict:
-        return {"compressing": self.compressing}
+        return {"compressing": self.compressing_hooks, "sdpa": self.sdpa}
 
     def __setstate__(self, state: dict) -> None:
-        self.compressing, self.stack = state["compressing"], []
+        self.compressing_hooks, self.sdpa, self.stack = state["compressing"], state.get("sdpa"), []
 
 
 def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False,
-                           heads: list[nn.Module] | tuple[nn.Module, ...] = ()) -> list:
+                           heads: list[nn.Module] | tuple[nn.Module, ...] = (), route_sdpa: bool = True) -> list:
     """Install the hooks on ``model``; returns the hook handles (remove them to uninstall).
 
     The compressing hooks are active during the root module's forward in training with grad enabled; every
     act_hf module pushes a pass-through hook around its own forward. From the first call of a module in
     ``heads`` (the task head, ``ActConfig.exclude_head``) to the end of the root's forward, saved tensors stay
-    exact: the head and the loss computed on its output, as the families keep them.
+    exact: the head and the loss computed on its output, as the families keep them. With ``route_sdpa``,
+    ``F.scaled_dot_product_attention`` runs as :func:`act_sdpa` where the hooks would compress its context.
     """
-    scopes = _HookScopes(_Compressing(f"{type(model).__name__}:saved", bits, group_size, swap))
+    name = type(model).__name__
+    sdpa = OpSettings(slot=f"{name}:sdpa", bits=bits, group_size=group_size, swap=swap) if route_sdpa else None
+    scopes = _HookScopes(_Compressing(f"{name}:saved", bits, group_size, swap), sdpa)
     handles = [
         model.register_forward_pre_hook(scopes.enter_compressing),
         model.register_forward_hook(scopes.leave, always_call=True),
