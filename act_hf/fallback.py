@@ -4,7 +4,8 @@ For models act_hf has no family for, the known leaf modules are converted as usu
 floating tensor that autograd saves during the model's forward (matmuls in custom attention code,
 element-wise products, unknown layers) is quantized through ``torch.autograd.graph.saved_tensors_hooks``.
 Tensors saved inside act_hf's own modules are left to those modules (an inner pass-through hook shields
-them), parameters and their casts are never touched, and tiny tensors (statistics, scalars) stay exact.
+them), parameters and their casts are never touched, and tiny tensors (statistics, scalars, and broadcast
+views of them) stay exact.
 So do tensors without autograd history (``requires_grad`` false): attention masks (``-inf`` or the dtype's
 minimum, which a quantizer's range turns into noise of that size on every element: a Falcon model got NaN
 gradients from its quantized SDPA mask even at 8 bits), rotary tables, the input batch. They are constants of
@@ -46,6 +47,13 @@ logger = logging.getLogger(__name__)
 MIN_NUMEL = 4096
 
 
+def _is_small(t: torch.Tensor) -> bool:
+    """Fewer than :data:`MIN_NUMEL` elements, or a broadcast view of fewer in memory (``F.normalize`` saves its
+    per-row norm expanded to the input's shape: packing the view would write every repeat, and round the
+    divisor)."""
+    return t.numel() < MIN_NUMEL or t.untyped_storage().nbytes() < MIN_NUMEL * t.element_size()
+
+
 def _report(t: torch.Tensor) -> None:
     for tracker in store._trackers:
         tracker._pack(t)
@@ -56,7 +64,7 @@ class _Compressing:
         self.slot, self.bits, self.group_size, self.swap = slot, bits, group_size, swap
 
     def pack(self, t: torch.Tensor):
-        if not t.is_floating_point() or not t.requires_grad or t.numel() < MIN_NUMEL or _is_parameter_like(t):
+        if not t.is_floating_point() or not t.requires_grad or _is_small(t) or _is_parameter_like(t):
             _report(t)
             return _without_history(t)
         packed = store.compress(t, slot=self.slot, bits=store.bits_for(self.slot, self.bits),

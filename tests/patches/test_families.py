@@ -324,6 +324,38 @@ def test_routed_sdpa_draws_dropout_as_sdpa_and_act_hf_attention_is_not_routed_tw
     assert_grads_match(ref, model, name="routed sdpa with dropout")
 
 
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+def test_the_fallback_keeps_a_broadcast_view_of_a_small_tensor_exact():
+    """``F.normalize`` saves its per-row norm expanded to the input's shape (stride 0). Packed as a view it cost
+    a full-size packed tensor and rounded the divisor; its storage is one value per row, kept exact."""
+
+    class Cosine(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = torch.nn.functional.normalize(self.proj(x), dim=-1)
+            return h.square().mean(-1) + h.mean(-1)
+
+    torch.manual_seed(0)
+    ref = Cosine().train()
+    model = act_hf.patch(copy.deepcopy(ref), bits=3)
+    x = torch.randn(4, 256, 32, generator=torch.Generator().manual_seed(1))
+    with act_hf.track_saved(model) as saved:
+        out = model(x)
+    assert torch.equal(out, ref(x))
+    packed = x.numel() * 3 // 8 + x.numel() // 256 * 4  # one packed (4, 256, 32) tensor and its group scales
+    # proj's output (read by the norm and the division: packed once) and h (for the square); the norm's
+    # expanded view had been a third
+    assert saved.by_slot["Cosine:saved"] <= 2 * packed
+    assert saved.by_slot["<uncompressed:torch.float32>"] >= 4 * 256 * 4  # the norm itself, one value per row
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_match(ref, model, name="normalize")
+
+
 def _fallback_pair(ref, bits=3, **config):
     model = copy.deepcopy(ref)
     with pytest.warns(act_hf.ActHFWarning, match="has no family") as record:
