@@ -14,6 +14,13 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     return math.inf if err == 0 else 20 * math.log10(ref.norm().item() / err)
 
 
+def relative_error(got, exact) -> float:
+    """``||got - exact|| / ||exact||`` over tensor lists taken as one vector (a whole gradient), in float64."""
+    pairs = [(a.double(), b.double()) for a, b in zip(got, exact)]
+    total = math.sqrt(sum(b.norm().item() ** 2 for _, b in pairs)) or 1.0
+    return math.sqrt(sum((a - b).norm().item() ** 2 for a, b in pairs)) / total
+
+
 def assert_verbose_allclose(actual: torch.Tensor, expected: torch.Tensor, *, atol: float = 0, rtol: float = 0,
                             equal_nan: bool = False, name: str = "tensor") -> None:
     """``torch.allclose`` that reports the mismatch count, the first indices and NaN/Inf differences."""

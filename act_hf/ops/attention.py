@@ -76,6 +76,7 @@ __all__ = [
     "ActSDPAFunction",
     "act_eager_attention",
     "act_sdpa",
+    "compress_role",
     "repeat_kv",
     "role_settings",
 ]
@@ -95,9 +96,9 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None, :, :].expand(batch, heads, n_rep, slen, dim).reshape(batch, heads * n_rep, slen, dim)
 
 
-def _compress(t: Tensor, settings: OpSettings, role: str):
-    s = role_settings(settings, role)
-    return store.compress_as(t, s)
+def compress_role(t: Tensor, settings: OpSettings, role: str):
+    """``t`` packed through the context store in the slot ``<settings.slot>:<role>`` (:func:`role_settings`)."""
+    return store.compress_as(t, role_settings(settings, role))
 
 
 def _pack_keep(attn_after_dropout: Tensor, settings: OpSettings) -> Tensor:
@@ -180,9 +181,9 @@ class ActSDPAFunction(torch.autograd.Function):
                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         need_q, need_k, need_v, need_m = ctx.needs_input_grad[:4]
         any_grad = need_q or need_k or need_v or need_m
-        pq = _compress(q, settings, "q") if any_grad else None
-        pk = _compress(k, settings, "k") if any_grad else None
-        pv = _compress(v, settings, "v") if need_q or need_k or need_m else None
+        pq = compress_role(q, settings, "q") if any_grad else None
+        pk = compress_role(k, settings, "k") if any_grad else None
+        pv = compress_role(v, settings, "v") if need_q or need_k or need_m else None
         save_context(ctx, pq, pk, pv, attn_mask if any_grad else None)
         ctx.v_shape = v.shape
         ctx.args = (dropout_p, is_causal, scale, enable_gqa, n_rep)
@@ -367,9 +368,9 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         ctx.keep_shape = w.shape
         need_q, need_k, need_v, need_m, need_e = ctx.needs_input_grad[:5]
         any_grad = need_q or need_k or need_v or need_m or need_e
-        pq = _compress(q, settings, "q") if any_grad else None
-        pk = _compress(k, settings, "k") if any_grad else None
-        pv = _compress(v, settings, "v") if need_q or need_k or need_m or need_e else None
+        pq = compress_role(q, settings, "q") if any_grad else None
+        pk = compress_role(k, settings, "k") if any_grad else None
+        pv = compress_role(v, settings, "v") if need_q or need_k or need_m or need_e else None
         save_context(ctx, pq, pk, pv, attn_mask if any_grad else None, window_mask if any_grad else None,
                      keep_payload)
         ctx.v_shape = v.shape

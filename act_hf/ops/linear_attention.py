@@ -46,10 +46,9 @@ import torch
 from torch import Tensor
 
 from ..compress import dequantize
-from ..context import store
 from ..errors import ActHFTypeError
 from ._saving import OpSettings, load_context, save_context
-from .attention import role_settings
+from .attention import compress_role
 
 __all__ = ["ActLinearAttentionFunction", "act_linear_attention"]
 
@@ -70,13 +69,12 @@ class ActLinearAttentionFunction(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, eps: float, settings: OpSettings) -> Tensor:
         out, den = _forward(q, k, v, eps)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        pack = lambda t, role: store.compress_as(t, role_settings(settings, role))
         save_context(
             ctx,
-            pack(q / den, "q") if need_k or need_v else None,
-            pack(k, "k") if need_q or need_v else None,
-            pack(v, "v") if need_q or need_k else None,
-            pack(out, "out"),
+            compress_role(q / den, settings, "q") if need_k or need_v else None,
+            compress_role(k, settings, "k") if need_q or need_v else None,
+            compress_role(v, settings, "v") if need_q or need_k else None,
+            compress_role(out, settings, "out"),
             den,
         )
         return out

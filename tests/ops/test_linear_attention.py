@@ -4,7 +4,6 @@ autograd, the normalizer kept exact, and what is saved."""
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from act_hf.context import track_saved
 from act_hf.errors import ActHFTypeError
 from act_hf.ops._saving import OpSettings
 from act_hf.ops.linear_attention import act_linear_attention
+from tests.utils import relative_error
 
 EPS = 1e-5
 
@@ -42,11 +42,6 @@ def _qkv(dtype=torch.float64, shape=(2, 3, 64, 8), seed=0, small_rows=False):
 def _grads(fn, q, k, v, g):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     return torch.autograd.grad(fn(*leaves), leaves, g)
-
-
-def _rel(got, exact):
-    return math.sqrt(sum((a - b).norm().item() ** 2 for a, b in zip(got, exact))) / math.sqrt(
-        sum(b.norm().item() ** 2 for b in exact))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -81,7 +76,7 @@ def test_gradients_are_unbiased_over_draws():
         for a, d in zip(acc, _grads(lambda *t: act_linear_attention(*t, EPS, OpSettings("m", 2)), q, k, v, g)):
             a += d
         if n in (25, 400):
-            errors.append(_rel([a / n for a in acc], exact))
+            errors.append(relative_error([a / n for a in acc], exact))
     assert errors[1] < errors[0] / 2.5, errors  # the mean's error shrinks like 1/sqrt(draws): no bias left
     assert errors[1] < 0.1, errors
 
@@ -101,9 +96,9 @@ def test_small_normalizers_do_not_amplify_the_rounding():
     hooked = Attn().train()
     install_fallback_hooks(hooked, bits=4, group_size=256)
     manual_seed(0)
-    with_hooks = _rel(_grads(hooked, q, k, v, g), exact)
+    with_hooks = relative_error(_grads(hooked, q, k, v, g), exact)
     manual_seed(0)
-    with_op = _rel(_grads(lambda *t: act_linear_attention(*t, EPS, OpSettings("m", 4)), q, k, v, g), exact)
+    with_op = relative_error(_grads(lambda *t: act_linear_attention(*t, EPS, OpSettings("m", 4)), q, k, v, g), exact)
     assert with_op < 0.2 and with_hooks > 1.0, (with_op, with_hooks)  # measured 0.16 and 5.7e7
 
 
@@ -140,7 +135,7 @@ def _lite_mla_grad_error(kinds, bits: int, seed: int) -> float:
     xa = x.clone().requires_grad_()
     manual_seed(seed)
     model(xa).square().sum().backward()
-    return _rel([xa.grad] + [p.grad for p in model.parameters()], [xr.grad] + [p.grad for p in ref.parameters()])
+    return relative_error([xa.grad] + [p.grad for p in model.parameters()], [xr.grad] + [p.grad for p in ref.parameters()])
 
 
 @pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
