@@ -76,9 +76,14 @@ __all__ = [
     "ActSDPAFunction",
     "act_eager_attention",
     "act_sdpa",
+    "add_window_mask",
     "compress_role",
+    "grads_of",
+    "math_attention",
+    "pack_keep_mask",
     "repeat_kv",
     "role_settings",
+    "unpack_keep_mask",
 ]
 
 
@@ -101,26 +106,32 @@ def compress_role(t: Tensor, settings: OpSettings, role: str):
     return store.compress_as(t, role_settings(settings, role))
 
 
-def _pack_keep(attn_after_dropout: Tensor, settings: OpSettings) -> Tensor:
+def pack_keep_mask(attn_after_dropout: Tensor, settings: OpSettings) -> Tensor:
+    """Dropout's keep mask (the nonzero entries of the probabilities after dropout) at 1 bit per element,
+    registered with the store in the slot ``<settings.slot>:dropout_mask``."""
     payload = pack_bits(attn_after_dropout != 0, 1)
     store.register((payload,), slot=f"{settings.slot}:dropout_mask", original_nbytes=attn_after_dropout.numel())
     return payload
 
 
-def _unpack_keep(payload: Tensor, shape: torch.Size) -> Tensor:
+def unpack_keep_mask(payload: Tensor, shape: torch.Size) -> Tensor:
+    """The boolean keep mask of ``shape`` that :func:`pack_keep_mask` packed."""
     return unpack_bits(payload, 1, math.prod(shape)).view(shape).bool()
 
 
-def _add_window_mask(scores: Tensor, window_mask: Tensor) -> Tensor:
+def add_window_mask(scores: Tensor, window_mask: Tensor) -> Tensor:
     """Swin's shifted-window mask: scores viewed ``(-1, num_windows, H, L, S)`` plus ``mask[None, :, None]``."""
     heads, L, S = scores.shape[-3:]
     scores = scores.view(-1, window_mask.shape[0], heads, L, S) + window_mask.unsqueeze(1).unsqueeze(0)
     return scores.view(-1, heads, L, S)
 
 
-def _math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, ...], keep: Tensor | None,
-                    dropout_p: float, scale: float, window_mask: Tensor | None = None) -> Tensor:
-    """Differentiable fp32 eager attention used by the backward recomputation (k, v already repeated)."""
+def math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, ...], keep: Tensor | None,
+                   dropout_p: float, scale: float | Tensor, window_mask: Tensor | None = None,
+                   window_mask_adds: int = 1) -> Tensor:
+    """Differentiable eager attention used by backward recomputations (k, v already repeated), in fp32 for half
+    inputs: ``softmax(q k^T * scale + masks + window_mask (added window_mask_adds times)) * keep / (1 - p) @ v``.
+    ``scale`` may be a tensor (cosine attention's learned per-head logit scale)."""
     dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
     for mask in masks:
@@ -131,7 +142,8 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None,
         else:
             scores = scores + mask.to(dtype)
     if window_mask is not None:
-        scores = _add_window_mask(scores, window_mask.to(dtype))
+        for _ in range(window_mask_adds):
+            scores = add_window_mask(scores, window_mask.to(dtype))
     probs = torch.softmax(scores, -1)
     if keep is not None:
         probs = probs * keep * (1.0 / (1.0 - dropout_p))
@@ -148,7 +160,8 @@ def _load_qkv(ctx, pq, pk, pv, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tens
     return q, k, v
 
 
-def _grads(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list[Tensor | None]:
+def grads_of(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list[Tensor | None]:
+    """``d out / d leaf`` for the leaves that require grad (``None`` for the others), with upstream ``grad_out``."""
     wanted = [t for t in leaves if t is not None and t.requires_grad]
     got = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True)) if wanted else iter(())
     return [next(got) if t is not None and t.requires_grad else None for t in leaves]
@@ -212,7 +225,7 @@ class ActSDPAFunction(torch.autograd.Function):
                         torch.autocast(q.device.type, enabled=False):
                     out = F.scaled_dot_product_attention(*inputs, dropout_p=dropout_p, is_causal=is_causal,
                                                          scale=scale, enable_gqa=enable_gqa)
-            dq, dk, dv, dm = _grads(out, [q, k, v, m], grad_out)
+            dq, dk, dv, dm = grads_of(out, [q, k, v, m], grad_out)
         return dq, dk, dv, dm, None, None, None, None, None, None
 
 
@@ -356,7 +369,7 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         if attn_mask is not None:
             w = w + attn_mask
         if window_mask is not None:
-            w = _add_window_mask(w, window_mask)
+            w = add_window_mask(w, window_mask)
         if softmax_dtype is None:
             w = F.softmax(w, dim=-1)
         else:
@@ -364,7 +377,7 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         w = F.dropout(w, p=dropout_p, training=training)
         out = torch.matmul(w, v_full)
         dropped = training and dropout_p > 0.0
-        keep_payload = _pack_keep(w, settings) if dropped else None
+        keep_payload = pack_keep_mask(w, settings) if dropped else None
         ctx.keep_shape = w.shape
         need_q, need_k, need_v, need_m, need_e = ctx.needs_input_grad[:5]
         any_grad = need_q or need_k or need_v or need_m or need_e
@@ -385,16 +398,16 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         scaling, dropout_p, n_rep = ctx.args
         need = ctx.needs_input_grad
         q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
-        keep = _unpack_keep(keep_payload, ctx.keep_shape) if keep_payload is not None else None
+        keep = unpack_keep_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
         with torch.enable_grad():
             q = q.requires_grad_(need[0])
             k = k.requires_grad_(need[1])
             v = v.requires_grad_(need[2])
             m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
             e = extra.detach().requires_grad_(True) if extra is not None and need[4] else extra
-            out = _math_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), (m,), keep, dropout_p, scaling,
+            out = math_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), (m,), keep, dropout_p, scaling,
                                   window_mask=e)
-            dq, dk, dv, dm, de = _grads(out, [q, k, v, m, e], grad_out)
+            dq, dk, dv, dm, de = grads_of(out, [q, k, v, m, e], grad_out)
         return dq, dk, dv, dm, de, None, None, None, None, None, None, None
 
 
