@@ -5,7 +5,10 @@ Attach with ``act_hf.nn._base.convert(module, ActTimmAttentionMixin, slot=..., b
 :func:`mixin_for` picks the mixin for a module. Each ``forward`` reproduces timm's (1.0.x) line by line and
 replaces only the attention itself: ``F.scaled_dot_product_attention`` by :func:`act_sdpa` when
 ``self.fused_attn`` (ViT's default), the unfused block by :func:`act_eager_attention` otherwise (Swin's default:
-timm marks its fused path experimental). Out of training, without grad or under inference mode the original
+timm marks its fused path experimental). Swin V2's scaled cosine attention (``swin_transformer_v2.WindowAttention``
+and V2-CR's ``WindowMultiHeadAttention``) runs as :func:`act_cosine_attention`, which saves the normalized q and k
+quantized with their norms exact; those two mixins apply only while the module's ``forward`` is the code they
+reproduce (:data:`COSINE_ATTENTION_FORWARDS`). Out of training, without grad or under inference mode the original
 ``forward`` runs. Slots: ``<act_slot>:q``, ``:k``, ``:v``.
 
 Swin's relative position bias is passed as the attention mask (it requires grad and gets its gradient); the
@@ -17,24 +20,32 @@ bias and shift mask into one ``(B*num_windows, heads, N, N)`` tensor, which is s
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
 from act_hf.ops.attention import act_eager_attention, act_sdpa
+from act_hf.ops.cosine_attention import act_cosine_attention
+from act_hf.ops.linear import act_linear
+from act_hf.patcher import code_fingerprint
 
 try:
     import timm
     from timm.layers.attention import Attention, resolve_self_attn_mask
     from timm.models.swin_transformer import WindowAttention
+    from timm.models.swin_transformer_v2 import WindowAttention as WindowAttentionV2
+    from timm.models.swin_transformer_v2_cr import WindowMultiHeadAttention
 except ImportError as exc:  # pragma: no cover - exercised only without timm
     raise ImportError(f"act_hf.patches._timm_attention needs timm >= 1.0: {exc}") from exc
 
 if int(timm.__version__.split(".")[0]) < 1:
     raise ImportError(f"act_hf needs timm >= 1.0 for its attention mixins, found {timm.__version__}")
 
-__all__ = ["ActTimmAttentionMixin", "ActWindowAttentionMixin", "mixin_for"]
+__all__ = ["COSINE_ATTENTION_FORWARDS", "ActTimmAttentionMixin", "ActWindowAttentionMixin", "ActWindowAttentionV2Mixin",
+           "ActWindowMultiHeadAttentionMixin", "mixin_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +116,76 @@ class ActWindowAttentionMixin(ActModule):
         return x
 
 
+class ActWindowAttentionV2Mixin(ActModule):
+    """For Swin V2's ``WindowAttention``: scaled cosine attention through :func:`act_cosine_attention`; the
+    ``F.linear`` that adds the q/v biases saves its input quantized through the ``qkv`` Linear's slot."""
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        if not _compressing(self):
+            return super().forward(x, mask)
+        B_, N, C = x.shape
+        if self.q_bias is None:
+            qkv = self.qkv(x)
+        else:
+            qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+            if self.qkv_bias_separate:
+                qkv = self.qkv(x)
+                qkv += qkv_bias
+            elif isinstance(self.qkv, ActModule) and self.qkv.act_enabled(x):
+                qkv = act_linear(x, self.qkv.weight, qkv_bias, self.qkv.act_settings("input"))
+            else:
+                qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
+        qkv = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+
+        logit_scale = torch.clamp(self.logit_scale, max=math.log(1. / 0.01)).exp()
+        relative_position_bias_table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
+        window_area = self.window_size[0] * self.window_size[1]
+        relative_position_bias = relative_position_bias_table[self.relative_position_index.view(-1)].view(
+            window_area, window_area, -1)
+        relative_position_bias = relative_position_bias.permute(2, 0, 1).contiguous()
+        relative_position_bias = 16 * torch.sigmoid(relative_position_bias)
+        x, _ = act_cosine_attention(q, k, v, logit_scale, relative_position_bias.unsqueeze(0), window_mask=mask,
+                                    dropout_p=self.attn_drop.p, training=self.attn_drop.training,
+                                    settings=self.act_base_settings())
+
+        x = x.transpose(1, 2).reshape(B_, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+class ActWindowMultiHeadAttentionMixin(ActModule):
+    """For Swin V2-CR's ``WindowMultiHeadAttention``: scaled cosine attention through :func:`act_cosine_attention`
+    (the meta-MLP's positional encodings are computed before it, as timm does, so dropout draws keep their
+    order)."""
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        if not _compressing(self):
+            return super().forward(x, mask)
+        Bw, L, C = x.shape
+        qkv = self.qkv(x).view(Bw, L, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        query, key, value = qkv.unbind(0)
+
+        logit_scale = torch.clamp(self.logit_scale.reshape(1, self.num_heads, 1, 1), max=math.log(1. / 0.01)).exp()
+        x, _ = act_cosine_attention(query, key, value, logit_scale, self._relative_positional_encodings(),
+                                    window_mask=mask, dropout_p=self.attn_drop.p, training=self.attn_drop.training,
+                                    settings=self.act_base_settings())
+
+        x = x.transpose(1, 2).reshape(Bw, L, -1)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+#: :func:`code_fingerprint` of the ``forward`` each cosine-attention mixin reproduces (timm 1.0.x); a module whose
+#: forward differs keeps its own.
+COSINE_ATTENTION_FORWARDS = {
+    WindowAttentionV2: ("3c2c55bc64155095", ActWindowAttentionV2Mixin),
+    WindowMultiHeadAttention: ("2272de5d5686212c", ActWindowMultiHeadAttentionMixin),
+}
+
+
 def mixin_for(module: nn.Module) -> type | None:
     """The act_hf mixin for a timm attention module, or ``None`` if it is not one this file handles.
 
@@ -115,4 +196,7 @@ def mixin_for(module: nn.Module) -> type | None:
         return ActTimmAttentionMixin
     if cls is WindowAttention:
         return ActWindowAttentionMixin
+    fingerprint, mixin = COSINE_ATTENTION_FORWARDS.get(cls, (None, None))
+    if mixin is not None and code_fingerprint(cls.forward) == fingerprint:
+        return mixin
     return None

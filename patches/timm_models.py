@@ -1,11 +1,12 @@
-"""timm models: ResNet, ViT/DeiT, Swin, ConvNeXt, EfficientNet, EfficientViT (MIT: B and L), and every timm
+"""timm models: ResNet, ViT/DeiT, Swin (V1, V2 and V2-CR), ConvNeXt, EfficientNet, EfficientViT (MIT: B and L), and every timm
 model built from the same layers.
 
 timm passes ``norm_layer``/``act_layer`` into constructors, so these rules walk the built modules: timm's
 own ``LayerNorm`` (plain F.layer_norm unless fast-norm is on), ``LayerNorm2d`` (channels-first ConvNeXt
 norm), ``BatchNormAct2d`` (EfficientNet: BN + activation fused, In-Place ABN form after an identity or ELU; a
 leaky ReLU keeps the input form, whose inversion would amplify the noise by 1/slope), timm's activation
-classes (few-bit), the attention modules of ViT and Swin, and EfficientViT's ReLU linear attention
+classes (few-bit), the attention modules of ViT and Swin (Swin V2's scaled cosine attention through
+:func:`act_hf.ops.cosine_attention.act_cosine_attention`), and EfficientViT's ReLU linear attention
 (``LiteMLA``, through :func:`act_hf.ops.linear_attention.act_linear_attention`). Layer scale (``LayerScale``,
 ``LayerScale2d``, and the ``gamma`` of ``ConvNeXtBlock``) keeps its input quantized for gamma's gradient. The
 classifier named by ``pretrained_cfg["classifier"]`` stays exact.
@@ -129,7 +130,8 @@ def timm_head_paths(model: nn.Module) -> list[str]:
     return [p for p in paths if p and p in names]
 
 
-@register_patch("timm:ResNet", "timm:VisionTransformer", "timm:SwinTransformer", "timm:ConvNeXt",
-                "timm:EfficientNet", "timm:EfficientVit", "timm:EfficientVitLarge")
+@register_patch("timm:ResNet", "timm:VisionTransformer", "timm:SwinTransformer", "timm:SwinTransformerV2",
+                "timm:SwinTransformerV2Cr", "timm:ConvNeXt", "timm:EfficientNet", "timm:EfficientVit",
+                "timm:EfficientVitLarge")
 def patch_timm(model, config) -> list[str]:
     return patch_modules(model, config, rules=timm_rules(), head_paths=timm_head_paths(model))

@@ -3,6 +3,7 @@ autograd at 8 bits, the norms kept exact, and what is saved."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -154,3 +155,48 @@ def test_without_grad_it_is_the_plain_computation_and_bad_arguments_are_named():
     with pytest.raises(ActHFTypeError, match="one floating dtype"):
         act_cosine_attention(q.requires_grad_(), k.double(), v, log_scale, settings=OpSettings("m", 3))
 
+
+def _swin_v2_attentions():
+    """(name, module, mixin, call) for transformers' and timm's Swin V2 attentions at width 16, 2 heads, 4 x 4
+    windows; ``call(module, x, mask)`` returns the attention output."""
+    import transformers as tf
+    from timm.models.swin_transformer_v2 import WindowAttention
+    from timm.models.swin_transformer_v2_cr import WindowMultiHeadAttention
+    from transformers.models.swinv2.modeling_swinv2 import Swinv2SelfAttention
+
+    from act_hf.patches._timm_attention import ActWindowAttentionV2Mixin, ActWindowMultiHeadAttentionMixin
+    from act_hf.patches.vision_hf import ActSwinv2SelfAttentionMixin
+
+    torch.manual_seed(0)
+    return [
+        ("transformers", Swinv2SelfAttention(tf.Swinv2Config(), 16, 2, 4), ActSwinv2SelfAttentionMixin,
+         lambda m, x, mask: m(x, mask)[0]),
+        ("timm", WindowAttention(16, (4, 4), 2), ActWindowAttentionV2Mixin, lambda m, x, mask: m(x, mask)),
+        ("timm-cr", WindowMultiHeadAttention(16, 2, (4, 4), drop_attn=0.0), ActWindowMultiHeadAttentionMixin,
+         lambda m, x, mask: m(x, mask)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(3), ids=["transformers", "timm", "timm-cr"])
+def test_the_mixins_reproduce_the_modules_with_any_window_mask(index):
+    """A mask of arbitrary values (Swin's are 0 and -100, where adding it once or twice leaves the same softmax
+    in fp32) tells whether each mixin adds it as its module does: twice in transformers, once in timm."""
+    from act_hf.nn._base import convert
+    from tests.utils import assert_grads_match
+
+    _, ref, mixin, call = _swin_v2_attentions()[index]
+    ref.train()
+    model = convert(copy.deepcopy(ref), mixin, slot="attn", bits=8)
+    x = torch.randn(2 * NUM_WINDOWS, 16, 16)
+    mask = torch.randn(NUM_WINDOWS, 16, 16)
+    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(1)  # V2-CR's position-bias MLP has dropout
+    out = call(model, xa, mask)
+    torch.manual_seed(1)
+    expected = call(ref, xr, mask)
+    assert torch.equal(out, expected)
+    manual_seed(0)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_grads_match(ref, model, name=type(ref).__name__)
+    assert (xa.grad - xr.grad).norm() < 0.05 * xr.grad.norm()

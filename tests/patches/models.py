@@ -126,6 +126,16 @@ def swin_hf(dropout=0.0):
     return tf.SwinForImageClassification(cfg), {"pixel_values": _image_inputs(), "labels": torch.tensor([0, 2])}
 
 
+def swinv2_hf(dropout=0.0):
+    """Two blocks in the first stage: the second shifts its windows, so the shift mask is used."""
+    import transformers as tf
+
+    cfg = tf.Swinv2Config(image_size=32, patch_size=4, embed_dim=16, depths=[2, 1], num_heads=[2, 4], window_size=4,
+                          hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, drop_path_rate=0.0,
+                          num_labels=3)
+    return tf.Swinv2ForImageClassification(cfg), {"pixel_values": _image_inputs(), "labels": torch.tensor([0, 2])}
+
+
 def convnext_hf(dropout=0.0):
     import transformers as tf
 
@@ -152,6 +162,30 @@ def _random_grn(model):
                 m.weight.normal_(0, 0.5)
                 m.bias.normal_(0, 0.5)
     return model
+
+
+def _open_post_norms(model):
+    """Give every LayerNorm with a zero weight (timm's Swin V2 zero-initializes its residual post-norms) a random
+    one: at zero, each block's branch is cut off and none of its parameters gets a gradient to check."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm) and m.weight is not None and not m.weight.any():
+                m.weight.normal_(1.0, 0.2)
+    return model
+
+
+def timm_swinv2(name: str, **kwargs):
+    """A small timm Swin V2 (two blocks in the first stage: the second shifts its windows) with open post-norms;
+    every dropout at ``dropout`` (V2-CR's position-bias MLP has a fixed 0.125)."""
+    def factory(dropout=0.0):
+        model, inputs = timm_model(name, img_size=32, window_size=4, embed_dim=16, depths=(2, 1), num_heads=(1, 2),
+                                   drop_path_rate=0.0, **kwargs)(dropout)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = dropout
+        return _open_post_norms(model), inputs
+
+    return factory
 
 
 def timm_convnextv2(dropout=0.0):
@@ -200,6 +234,7 @@ HF_CASES = [
     Case("t5", t5, "t5"),
     Case("vit-hf", vit_hf, "vit"),
     Case("swin-hf", swin_hf, "swin"),
+    Case("swinv2-hf", swinv2_hf, "swinv2"),
     Case("convnext-hf", convnext_hf, "convnext"),
     Case("convnextv2-hf", convnextv2_hf, "convnextv2"),
 ]
@@ -212,6 +247,8 @@ TIMM_CASES = [
          "timm:VisionTransformer", timm=True),
     Case("timm-swin", timm_model("swin_tiny_patch4_window7_224", img_size=56, window_size=7, embed_dim=24,
                                  depths=(1, 1), num_heads=(1, 2)), "timm:SwinTransformer", timm=True),
+    Case("timm-swinv2", timm_swinv2("swinv2_tiny_window8_256"), "timm:SwinTransformerV2", timm=True),
+    Case("timm-swinv2-cr", timm_swinv2("swinv2_cr_tiny_224"), "timm:SwinTransformerV2Cr", timm=True),
     Case("timm-convnext", timm_model("convnext_atto"), "timm:ConvNeXt", timm=True),
     Case("timm-convnextv2", timm_convnextv2, "timm:ConvNeXt", timm=True),
     Case("timm-efficientnet", timm_model("efficientnet_b0", batch=4, size=64), "timm:EfficientNet", timm=True),
