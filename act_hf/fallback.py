@@ -20,7 +20,10 @@ as :func:`act_hf.ops.attention.act_sdpa`, through a ``TorchFunctionMode`` active
 the same call, with ``q``, ``k``, ``v`` packed and attention recomputed in backward. Through the hooks, SDPA's
 own backward read the quantized q, k, v *and* output, the combination the table in
 :mod:`act_hf.ops.attention` shows to be far less accurate, and a fifth tensor (on the CPU's math path, the whole
-``L x S`` attention matrix). Slots: ``<root class>:sdpa:q``, ``:k``, ``:v`` for every such call.
+``L x S`` attention matrix). Slots: ``<root class>:sdpa:q``, ``:k``, ``:v`` for every such call. The same mode
+runs ``amax`` / ``amin`` and the whole-tensor ``max()`` / ``min()`` as :func:`act_hf.ops.extremum.act_extremum`
+(slot ``<root class>:extremum``): autograd finds their maxima again as ``input == result``, which quantized
+copies no longer satisfy (NaN gradients).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from .context import _is_parameter_like, _without_history, store
 from .nn._base import ActModule
 from .ops._saving import OpSettings
 from .ops.attention import act_sdpa
+from .ops.extremum import act_extremum
 
 __all__ = ["MIN_NUMEL", "install_fallback_hooks"]
 
@@ -94,29 +98,58 @@ _SDPA_SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dr
                                     scale=None, enable_gqa=False: None)
 
 
-class _RouteSDPA(TorchFunctionMode):
-    """Runs ``F.scaled_dot_product_attention`` as :func:`act_sdpa` while the innermost scope compresses (not
-    inside act_hf's modules, not in the exact head); any other call runs as it was, and so does a call it cannot
-    bind, whose q, k, v are not plain tensors, or whose q, k, v are all below :data:`MIN_NUMEL` (the hooks keep
-    such a call's context exact)."""
+_EXTREMUM_SIGNATURE = inspect.signature(lambda input, dim=(), keepdim=False: None)
+#: reductions autograd differentiates by comparing its saved input and result -> whether each takes the maximum
+_MASKED_REDUCTIONS = {torch.amax: True, torch.Tensor.amax: True, torch.amin: False, torch.Tensor.amin: False}
+_WHOLE_REDUCTIONS = {torch.max: True, torch.Tensor.max: True, torch.min: False, torch.Tensor.min: False}
 
-    def __init__(self, scopes: _HookScopes, settings: OpSettings) -> None:
+
+def _plain(t) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter) and not t.is_nested
+
+
+class _FallbackOps(TorchFunctionMode):
+    """While the innermost scope compresses (not inside act_hf's modules, not in the exact head), runs two kinds
+    of call as act_hf ops instead of leaving their context to the hooks; any other call runs as it was, and so
+    does one it cannot bind or whose tensors are not plain tensors.
+
+    * ``F.scaled_dot_product_attention`` as :func:`act_sdpa` (when ``sdpa`` settings are given), unless q, k, v
+      are all below :data:`MIN_NUMEL` (the hooks keep such a call's context exact);
+    * ``amax`` / ``amin`` and the whole-tensor ``max()`` / ``min()`` as :func:`act_extremum` (a 1-bit mask of the
+      extremal elements; through the hooks, the quantized input and result no longer compare equal and the
+      gradient is NaN), from :data:`MIN_NUMEL` input elements on.
+    """
+
+    def __init__(self, scopes: _HookScopes, sdpa: OpSettings | None, slot: str) -> None:
         super().__init__()
-        self.scopes, self.settings = scopes, settings
+        self.scopes, self.sdpa, self.slot = scopes, sdpa, slot
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and self.scopes.compressing():
+        if func is F.scaled_dot_product_attention and self.sdpa is not None and self.scopes.compressing():
             try:
                 bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
             except TypeError:
                 return func(*args, **kwargs)
             a = bound.arguments
             qkv = (a["query"], a["key"], a["value"])
-            if all(type(t) in (torch.Tensor, nn.Parameter) and not t.is_nested for t in qkv) \
-                    and max(t.numel() for t in qkv) >= MIN_NUMEL:  # below it the hooks keep all of them exact
+            if all(_plain(t) for t in qkv) and max(t.numel() for t in qkv) >= MIN_NUMEL:
                 return act_sdpa(*qkv, a.get("attn_mask"), a.get("dropout_p", 0.0), a.get("is_causal", False),
-                                a.get("scale"), a.get("enable_gqa", False), settings=self.settings)
+                                a.get("scale"), a.get("enable_gqa", False), settings=self.sdpa)
+        elif func in _MASKED_REDUCTIONS or func in _WHOLE_REDUCTIONS:
+            x = args[0] if args else None
+            if _plain(x) and x.requires_grad and x.is_floating_point() and x.numel() >= MIN_NUMEL \
+                    and self.scopes.compressing():
+                if func in _WHOLE_REDUCTIONS:
+                    if len(args) == 1 and not kwargs:
+                        return act_extremum(x, largest=_WHOLE_REDUCTIONS[func], slot=self.slot)
+                else:
+                    try:
+                        a = _EXTREMUM_SIGNATURE.bind(*args, **kwargs).arguments
+                    except TypeError:
+                        return func(*args, **kwargs)
+                    return act_extremum(x, largest=_MASKED_REDUCTIONS[func], dim=a.get("dim", ()),
+                                        keepdim=a.get("keepdim", False), slot=self.slot)
         return func(*args, **kwargs)
 
 
@@ -131,6 +164,11 @@ class _HookScopes:
         self.compressing_hooks, self.sdpa = compressing, sdpa  # sdpa: the routed SDPA's settings, or None
         self.stack: list = []
 
+    @property
+    def extremum_slot(self) -> str:
+        """The slot of the reductions' masks, beside the hooks' own (``<root class>:extremum``)."""
+        return self.compressing_hooks.slot.rsplit(":", 1)[0] + ":extremum"
+
     def compressing(self) -> bool:
         """Whether the innermost open scope compresses (the root's own code, outside act_hf modules and head)."""
         return bool(self.stack) and self.stack[-1][2] == _COMPRESSING
@@ -143,8 +181,8 @@ class _HookScopes:
 
     def enter_compressing(self, module: nn.Module, args) -> None:
         self._open(module, (self.compressing_hooks.pack, self.compressing_hooks.unpack), _COMPRESSING)
-        if self.sdpa is not None and self.stack and self.stack[-1][0] is module:
-            mode = _RouteSDPA(self, self.sdpa)
+        if self.stack and self.stack[-1][0] is module:
+            mode = _FallbackOps(self, self.sdpa, self.extremum_slot)
             mode.__enter__()
             self.stack.append((module, mode, _COMPRESSING))
 
@@ -177,7 +215,8 @@ def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap
     act_hf module pushes a pass-through hook around its own forward. From the first call of a module in
     ``heads`` (the task head, ``ActConfig.exclude_head``) to the end of the root's forward, saved tensors stay
     exact: the head and the loss computed on its output, as the families keep them. With ``route_sdpa``,
-    ``F.scaled_dot_product_attention`` runs as :func:`act_sdpa` where the hooks would compress its context.
+    ``F.scaled_dot_product_attention`` runs as :func:`act_sdpa` where the hooks would compress its context; max
+    and min reductions run as :func:`act_extremum` there in any case.
     """
     name = type(model).__name__
     sdpa = OpSettings(slot=f"{name}:sdpa", bits=bits, group_size=group_size, swap=swap) if route_sdpa else None

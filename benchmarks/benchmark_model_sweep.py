@@ -111,7 +111,7 @@ TIMM_MODELS = {
     "cspresnet50": 64, "darknet53": 64, "cspresnext50": 64, "edgenext_xx_small": 64, "fastvit_t8": 224,
     "mobileone_s0": 64, "hgnetv2_b0": 64, "tiny_vit_5m_224": 224, "rdnet_tiny": 64, "efficientformerv2_s0": 224,
     "inception_next_atto": 64, "mambaout_femto": 64, "starnet_s050": 64, "efficientvit_b0": 128,
-    "mobilenetv3_small_050": 128,
+    "mobilenetv3_small_050": 128, "hiera_tiny_224": 224,
 }
 
 

@@ -175,6 +175,7 @@ def test_unknown_model_fallback_warns_and_strict_raises():
     with act_hf.track_saved(model) as saved:
         out = model(x)
     assert torch.equal(out, ref(x))
+    q_numel = 2 * 4 * 256 * 4
     assert "Custom:saved" in saved.by_slot  # the matmul/product operands went through the hooks
     out.sum().backward()
     ref(x).sum().backward()
@@ -321,6 +322,47 @@ def test_routed_sdpa_draws_dropout_as_sdpa_and_act_hf_attention_is_not_routed_tw
     assert_grads_match(ref, model, name="routed sdpa with dropout")
 
 
+class _QueryPooling(torch.nn.Module):
+    """Hiera's pooled attention queries: ``amax`` over strided groups of tokens, then attention."""
+
+    def __init__(self, reduction: str = "amax"):
+        super().__init__()
+        self.qkv, self.reduction = torch.nn.Linear(16, 48), reduction
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 256, 3, 4, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        pooled = q.reshape(2, 4, 4, 64, 4)
+        if self.reduction == "amax":
+            q = pooled.amax(dim=2)
+        elif self.reduction == "amin":
+            q = torch.amin(pooled, 2, keepdim=False)
+        else:  # a whole-tensor max as a scale
+            q = pooled.mean(2) / pooled.max()
+        attn = (q @ k.transpose(-2, -1)).softmax(-1)
+        return (attn @ v).sum(-2).flatten(1)
+
+
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+@pytest.mark.parametrize("reduction", ["amax", "amin", "max"])
+def test_the_fallback_keeps_max_reductions_exact_with_a_one_bit_mask(reduction):
+    """Autograd finds the maxima of ``amax`` / ``amin`` / ``max()`` again as ``input == result``. Through the
+    hooks, input and result were quantized separately and no longer compared equal: timm's Hiera had NaN in every
+    gradient at 8 bits. The fallback runs them as act_hf's reduction, which keeps the comparison at one bit."""
+    torch.manual_seed(0)
+    ref = _QueryPooling(reduction).train()
+    x = torch.randn(2, 256, 16, generator=torch.Generator().manual_seed(1))
+    model = act_hf.patch(copy.deepcopy(ref), bits=8, kinds=("linear",))  # the reductions are in no kind
+    ref(x).square().sum().backward()
+    with act_hf.track_saved(model) as saved:
+        out = model(x)
+    assert torch.equal(out, ref(x))
+    q_numel = 2 * 4 * 256 * 4
+    out.square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert_grads_match(ref, model, name=reduction)
+    assert saved.by_slot["_QueryPooling:extremum"] == q_numel // 8  # one bit per element of q
+
+
 @pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
 def test_the_fallback_keeps_a_broadcast_view_of_a_small_tensor_exact():
     """``F.normalize`` saves its per-row norm expanded to the input's shape (stride 0). Packed as a view it cost
@@ -342,6 +384,7 @@ def test_the_fallback_keeps_a_broadcast_view_of_a_small_tensor_exact():
     with act_hf.track_saved(model) as saved:
         out = model(x)
     assert torch.equal(out, ref(x))
+    q_numel = 2 * 4 * 256 * 4
     packed = x.numel() * 3 // 8 + x.numel() // 256 * 4  # one packed (4, 256, 32) tensor and its group scales
     # proj's output (read by the norm and the division: packed once) and h (for the square); the norm's
     # expanded view had been a third
@@ -548,6 +591,7 @@ def test_timm_layer_scale_keeps_its_input_quantized(name, kwargs, role):
     with act_hf.track_saved(model) as saved:
         out = model(x)
     assert torch.equal(out, ref(x))
+    q_numel = 2 * 4 * 256 * 4
     assert any(slot.endswith(f":{role}") and slot.split(":")[0] in scaled for slot in saved.by_slot)
     out.pow(2).mean().backward()
     ref(x).pow(2).mean().backward()
