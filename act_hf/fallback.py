@@ -99,9 +99,10 @@ _SDPA_SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dr
 
 
 _EXTREMUM_SIGNATURE = inspect.signature(lambda input, dim=(), keepdim=False: None)
-#: reductions autograd differentiates by comparing its saved input and result -> whether each takes the maximum
-_MASKED_REDUCTIONS = {torch.amax: True, torch.Tensor.amax: True, torch.amin: False, torch.Tensor.amin: False}
-_WHOLE_REDUCTIONS = {torch.max: True, torch.Tensor.max: True, torch.min: False, torch.Tensor.min: False}
+#: reductions autograd differentiates by comparing its saved input and result -> (takes the maximum, whole tensor)
+_EXTREMA = {torch.amax: (True, False), torch.Tensor.amax: (True, False), torch.amin: (False, False),
+            torch.Tensor.amin: (False, False), torch.max: (True, True), torch.Tensor.max: (True, True),
+            torch.min: (False, True), torch.Tensor.min: (False, True)}
 
 
 def _plain(t) -> bool:
@@ -136,20 +137,21 @@ class _FallbackOps(TorchFunctionMode):
             if all(_plain(t) for t in qkv) and max(t.numel() for t in qkv) >= MIN_NUMEL:
                 return act_sdpa(*qkv, a.get("attn_mask"), a.get("dropout_p", 0.0), a.get("is_causal", False),
                                 a.get("scale"), a.get("enable_gqa", False), settings=self.sdpa)
-        elif func in _MASKED_REDUCTIONS or func in _WHOLE_REDUCTIONS:
+        elif func in _EXTREMA:
+            largest, whole = _EXTREMA[func]
             x = args[0] if args else None
-            if _plain(x) and x.requires_grad and x.is_floating_point() and x.numel() >= MIN_NUMEL \
-                    and self.scopes.compressing():
-                if func in _WHOLE_REDUCTIONS:
-                    if len(args) == 1 and not kwargs:
-                        return act_extremum(x, largest=_WHOLE_REDUCTIONS[func], slot=self.slot)
-                else:
-                    try:
-                        a = _EXTREMUM_SIGNATURE.bind(*args, **kwargs).arguments
-                    except TypeError:
-                        return func(*args, **kwargs)
-                    return act_extremum(x, largest=_MASKED_REDUCTIONS[func], dim=a.get("dim", ()),
-                                        keepdim=a.get("keepdim", False), slot=self.slot)
+            if not (_plain(x) and x.requires_grad and x.is_floating_point() and x.numel() >= MIN_NUMEL
+                    and self.scopes.compressing()):
+                return func(*args, **kwargs)
+            if whole:  # max(x, dim) saves indices and max(x, other) compares two inputs: both run as they are
+                return act_extremum(x, largest=largest, slot=self.slot) if len(args) == 1 and not kwargs \
+                    else func(*args, **kwargs)
+            try:
+                a = _EXTREMUM_SIGNATURE.bind(*args, **kwargs).arguments
+            except TypeError:
+                return func(*args, **kwargs)
+            return act_extremum(x, largest=largest, dim=a.get("dim", ()), keepdim=a.get("keepdim", False),
+                                slot=self.slot)
         return func(*args, **kwargs)
 
 

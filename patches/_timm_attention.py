@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
 from act_hf.ops.attention import act_eager_attention, act_sdpa
-from act_hf.ops.cosine_attention import act_cosine_attention
+from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
 from act_hf.ops.linear import act_linear
 from act_hf.patcher import code_fingerprint
 
@@ -138,14 +138,10 @@ class ActWindowAttentionV2Mixin(ActModule):
         qkv = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
 
-        logit_scale = torch.clamp(self.logit_scale, max=math.log(1. / 0.01)).exp()
-        relative_position_bias_table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
-        window_area = self.window_size[0] * self.window_size[1]
-        relative_position_bias = relative_position_bias_table[self.relative_position_index.view(-1)].view(
-            window_area, window_area, -1)
-        relative_position_bias = relative_position_bias.permute(2, 0, 1).contiguous()
-        relative_position_bias = 16 * torch.sigmoid(relative_position_bias)
-        x, _ = act_cosine_attention(q, k, v, logit_scale, relative_position_bias.unsqueeze(0), window_mask=mask,
+        logit_scale, relative_position_bias = swin_v2_scale_and_bias(
+            self.logit_scale, self.cpb_mlp, self.relative_coords_table, self.relative_position_index, self.window_size,
+            self.num_heads)
+        x, _ = act_cosine_attention(q, k, v, logit_scale, relative_position_bias, window_mask=mask,
                                     dropout_p=self.attn_drop.p, training=self.attn_drop.training,
                                     settings=self.act_base_settings())
 

@@ -8,13 +8,10 @@ Linears save quantized inputs; V2's Global Response Norm keeps its input packed 
 classifier stays exact.
 """
 
-import math
-
-import torch
 from torch import Tensor
 
 from act_hf.nn._base import ActModule
-from act_hf.ops.cosine_attention import act_cosine_attention
+from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
 from act_hf.patcher import Rule, code_fingerprint, register_patch
 
 from ._hf import patch_hf
@@ -36,16 +33,12 @@ class ActSwinv2SelfAttentionMixin(ActModule):
         key_layer = self.key(hidden_states).view(batch_size, -1, heads, head_size).transpose(1, 2)
         value_layer = self.value(hidden_states).view(batch_size, -1, heads, head_size).transpose(1, 2)
 
-        logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()
-        relative_position_bias_table = self.continuous_position_bias_mlp(self.relative_coords_table).view(-1, heads)
-        window_area = self.window_size[0] * self.window_size[1]
-        relative_position_bias = relative_position_bias_table[self.relative_position_index.view(-1)].view(
-            window_area, window_area, -1)
-        relative_position_bias = relative_position_bias.permute(2, 0, 1).contiguous()
-        relative_position_bias = 16 * torch.sigmoid(relative_position_bias)
+        logit_scale, relative_position_bias = swin_v2_scale_and_bias(
+            self.logit_scale, self.continuous_position_bias_mlp, self.relative_coords_table, self.relative_position_index,
+            self.window_size, heads)
 
         context_layer, attention_probs = act_cosine_attention(
-            query_layer, key_layer, value_layer, logit_scale, relative_position_bias.unsqueeze(0),
+            query_layer, key_layer, value_layer, logit_scale, relative_position_bias,
             window_mask=attention_mask, window_mask_adds=2, dropout_p=self.dropout.p,
             training=self.dropout.training, settings=self.act_base_settings())
 

@@ -142,8 +142,9 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, 
         else:
             scores = scores + mask.to(dtype)
     if window_mask is not None:
+        window_mask = window_mask.to(dtype)
         for _ in range(window_mask_adds):
-            scores = add_window_mask(scores, window_mask.to(dtype))
+            scores = add_window_mask(scores, window_mask)
     probs = torch.softmax(scores, -1)
     if keep is not None:
         probs = probs * keep * (1.0 / (1.0 - dropout_p))

@@ -42,6 +42,8 @@ backward with the exact norms: ``grad_q = (g - u (u . g)) / max(|q|, eps)``, the
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -51,7 +53,7 @@ from ..errors import ActHFTypeError, ActHFValueError
 from ._saving import OpSettings, load_context, save_context
 from .attention import add_window_mask, compress_role, grads_of, math_attention, pack_keep_mask, unpack_keep_mask
 
-__all__ = ["NORMALIZE_EPS", "ActCosineAttentionFunction", "act_cosine_attention"]
+__all__ = ["NORMALIZE_EPS", "ActCosineAttentionFunction", "act_cosine_attention", "swin_v2_scale_and_bias"]
 
 #: ``F.normalize``'s default ``eps``, the one every Swin V2 uses.
 NORMALIZE_EPS = 1e-12
@@ -177,3 +179,17 @@ def act_cosine_attention(q: Tensor, k: Tensor, v: Tensor, logit_scale: Tensor, b
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
         return _forward(*inputs, window_mask_adds, float(dropout_p), bool(training))[:2]
     return ActCosineAttentionFunction.apply(*inputs, window_mask_adds, float(dropout_p), bool(training), settings)
+
+
+def swin_v2_scale_and_bias(logit_scale: Tensor, cpb_mlp: torch.nn.Module, coords_table: Tensor,
+                           position_index: Tensor, window_size: tuple[int, int],
+                           heads: int) -> tuple[Tensor, Tensor]:
+    """Swin V2's multiplier of the cosines, ``clamp(logit_scale, max=log 100).exp()``, and its continuous position
+    bias ``16 * sigmoid(cpb_mlp(coords_table)[position_index])`` as ``(1, heads, area, area)``: the ``logit_scale``
+    and ``bias`` arguments of :func:`act_cosine_attention`, computed as transformers' ``Swinv2SelfAttention`` and
+    timm's Swin V2 ``WindowAttention`` compute them (same ops, same order)."""
+    scale = torch.clamp(logit_scale, max=math.log(1.0 / 0.01)).exp()
+    table = cpb_mlp(coords_table).view(-1, heads)
+    area = window_size[0] * window_size[1]
+    bias = table[position_index.view(-1)].view(area, area, -1).permute(2, 0, 1).contiguous()
+    return scale, (16 * torch.sigmoid(bias)).unsqueeze(0)

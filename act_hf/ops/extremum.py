@@ -38,6 +38,14 @@ def _reduce(x: Tensor, largest: bool, dims: tuple[int, ...] | None, keepdim: boo
     return torch.amax(x, dims, keepdim) if largest else torch.amin(x, dims, keepdim)
 
 
+def _restore_dims(t: Tensor, dims: tuple[int, ...], keepdim: bool) -> Tensor:
+    """``t`` with the reduced ``dims`` (sorted, non-negative) back as size-1 dimensions."""
+    if not keepdim:
+        for d in dims:
+            t = t.unsqueeze(d)
+    return t
+
+
 class ActExtremumFunction(torch.autograd.Function):
     """``amax`` / ``amin`` over ``dims`` (``None``: the whole-tensor ``max()`` / ``min()``) saving the 1-bit mask
     of the extremal elements (slot ``<slot>``)."""
@@ -48,11 +56,7 @@ class ActExtremumFunction(torch.autograd.Function):
         if dims is None:
             mask = (x == out) | (x.isnan() & out.isnan())
         else:
-            value = out
-            if not keepdim:
-                for d in sorted(dims):
-                    value = value.unsqueeze(d)
-            mask = x == value
+            mask = x == _restore_dims(out, dims, keepdim)
         payload = pack_bits(mask, 1)
         store.register((payload,), slot=slot, original_nbytes=2 * x.numel() * x.element_size())
         ctx.save_for_backward(payload)
@@ -67,9 +71,7 @@ class ActExtremumFunction(torch.autograd.Function):
         mask = unpack_bits(payload, 1, math.prod(shape)).view(shape).bool()
         if dims is None:
             return grad.new_zeros(shape).masked_fill_(mask, grad / mask.sum()), None, None, None, None
-        if not keepdim:
-            for d in sorted(dims):
-                grad = grad.unsqueeze(d)
+        grad = _restore_dims(grad, dims, keepdim)
         return (grad / mask.sum(dims, keepdim=True)) * mask, None, None, None, None
 
 
