@@ -11,6 +11,11 @@ minimum, which a quantizer's range turns into noise of that size on every elemen
 gradients from its quantized SDPA mask even at 8 bits), rotary tables, the input batch. They are constants of
 the step, not activations, and mostly shared by every layer.
 
+So do tensors computed from parameters, buffers and constants alone (:class:`_Statics`: standardized conv
+weights, position-bias tables) where an op reads them beside an activation: they are weights, the same for every
+sample, and their rounding did not average out (timm's BiT ResNetV2 at 3 bits: whole-gradient error 3.7x the
+gradient's norm, 0.14 with them exact).
+
 Only the innermost saved-tensor hooks apply, so these hooks report every tensor to active
 :func:`act_hf.track_saved` trackers themselves. What they keep of a tensor has no history (see
 :func:`act_hf.context._without_history`), so a forward never run backward is freed.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +115,98 @@ def _plain(t) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter) and not t.is_nested
 
 
+_MUTATES: dict = {}  # func -> whether it writes into its first argument (in-place method, operator or setitem)
+
+
+def _mutates(func) -> bool:
+    hit = _MUTATES.get(func)
+    if hit is None:
+        name = getattr(func, "__name__", "")
+        hit = _MUTATES[func] = name == "__setitem__" or name.startswith("__i") or (
+            name.endswith("_") and not name.endswith("__"))
+    return hit
+
+
+#: calls that copy a tensor once per sample or head (DeBERTa repeats its relative-position keys for the batch):
+#: each copy is rounded with draws of its own, so their results are activations, not weights
+_REPLICATING = frozenset({torch.Tensor.repeat, torch.Tensor.repeat_interleave, torch.repeat_interleave,
+                          torch.Tensor.expand, torch.Tensor.expand_as, torch.Tensor.tile, torch.tile,
+                          torch.Tensor.broadcast_to, torch.broadcast_to})
+
+
+class _Statics:
+    """The tensors of one forward computed from parameters, the root's buffers and constants only ("static"):
+    standardized weights (timm's ``StdConv2d``, NFNets' ``ScaledStdConv2d``), position-bias tables.
+
+    An op that reads a static tensor beside an activation uses it as a weight: the same for every sample, so
+    its rounding would not average out over the batch but go into every sample's gradient the same way, and on
+    through every layer below (timm's ``resnetv2_50x1_bit`` at 3 bits: whole-gradient error 3.7x the gradient's
+    norm with its standardized weights quantized, 0.14 with them exact). The hooks keep such a tensor exact, as
+    they keep parameters. What an op on static tensors alone saves (a position-bias MLP's hidden states) only
+    reaches those parameters' gradients, summed over many rows, and is compressed like any activation.
+
+    A copy made per sample or head (:data:`_REPLICATING`) is rounded with draws of its own in every copy, and
+    is compressed like an activation: its size grows with the batch.
+
+    :class:`_FallbackOps` marks static tensors as calls run; the marks are weak (a temporary is freed when it
+    would have been) and end with the root's forward. A tensor it has not seen made (an input, the output of a
+    custom autograd function) is not static: a missed mark can only leave a tensor compressed, as without marks.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, weakref.ref] = {}  # id -> the marked tensor
+        self.nodes: dict[int, weakref.ref] = {}  # id of a marked tensor's grad_fn -> the tensor
+        self.in_static_call = 0  # inside a call on static tensors alone: what it saves is compressed as usual
+
+    def start(self, root: nn.Module) -> None:
+        self.tensors, self.nodes = {}, {}
+        self.add(tuple(root.buffers()))
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """``t`` is a parameter or a marked tensor."""
+        ref = self.tensors.get(id(t))
+        return (ref is not None and ref() is t) or isinstance(t, nn.Parameter)
+
+    def keeps_exact(self, t: torch.Tensor) -> bool:
+        """``t``, saved by an op that also reads an activation, is static: :meth:`holds`, or autocast's cast of a
+        marked tensor made inside the op."""
+        if self.in_static_call:
+            return False
+        if self.holds(t):
+            return True
+        fn = t.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0":
+            return False
+        source = fn.next_functions[0][0]
+        ref = self.nodes.get(id(source)) if source is not None else None
+        marked = ref() if ref is not None else None
+        return marked is not None and marked.grad_fn is source
+
+    def all_hold(self, args, kwargs) -> bool:
+        """Every tensor among the arguments (and in list or tuple arguments) is static; true when there is none."""
+        for group in (args, kwargs.values()):
+            for a in group:
+                if isinstance(a, torch.Tensor):
+                    if not self.holds(a):
+                        return False
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if isinstance(b, torch.Tensor) and not self.holds(b):
+                            return False
+        return True
+
+    def add(self, out) -> None:
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                ref = self.tensors[id(t)] = weakref.ref(t)
+                if t.grad_fn is not None:
+                    self.nodes[id(t.grad_fn)] = ref
+
+    def discard(self, t) -> None:
+        if isinstance(t, torch.Tensor):
+            self.tensors.pop(id(t), None)
+
+
 class _FallbackOps(TorchFunctionMode):
     """While the innermost scope compresses (not inside act_hf's modules, not in the exact head), runs two kinds
     of call as act_hf ops instead of leaving their context to the hooks; any other call runs as it was, and so
@@ -119,6 +217,9 @@ class _FallbackOps(TorchFunctionMode):
     * ``amax`` / ``amin`` and the whole-tensor ``max()`` / ``min()`` as :func:`act_extremum` (a 1-bit mask of the
       extremal elements; through the hooks, the quantized input and result no longer compare equal and the
       gradient is NaN), from :data:`MIN_NUMEL` input elements on.
+
+    Throughout the root's forward it also marks the results of calls on static tensors alone as static
+    (:class:`_Statics`), and unmarks a static tensor written in place with anything else.
     """
 
     def __init__(self, scopes: _HookScopes, sdpa: OpSettings | None, slot: str) -> None:
@@ -127,6 +228,18 @@ class _FallbackOps(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        statics = self.scopes.statics
+        if statics.all_hold(args, kwargs):
+            statics.in_static_call += 1
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                statics.in_static_call -= 1
+            if func not in _REPLICATING:
+                statics.add(out)
+            return out
+        if _mutates(func) and args:  # written with a tensor that is not static
+            statics.discard(args[0])
         if func is F.scaled_dot_product_attention and self.sdpa is not None and self.scopes.compressing():
             try:
                 bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
@@ -165,6 +278,14 @@ class _HookScopes:
     def __init__(self, compressing: _Compressing, sdpa: OpSettings | None = None) -> None:
         self.compressing_hooks, self.sdpa = compressing, sdpa  # sdpa: the routed SDPA's settings, or None
         self.stack: list = []
+        self.statics = _Statics()
+
+    def pack(self, t: torch.Tensor):
+        """The compressing hooks' pack, except for static tensors read beside activations (:class:`_Statics`),
+        which stay exact."""
+        if self.statics.keeps_exact(t):
+            return _pass_through(t)
+        return self.compressing_hooks.pack(t)
 
     @property
     def extremum_slot(self) -> str:
@@ -182,8 +303,9 @@ class _HookScopes:
             self.stack.append((module, scope, kind))
 
     def enter_compressing(self, module: nn.Module, args) -> None:
-        self._open(module, (self.compressing_hooks.pack, self.compressing_hooks.unpack), _COMPRESSING)
+        self._open(module, (self.pack, self.compressing_hooks.unpack), _COMPRESSING)
         if self.stack and self.stack[-1][0] is module:
+            self.statics.start(module)
             mode = _FallbackOps(self, self.sdpa, self.extremum_slot)
             mode.__enter__()
             self.stack.append((module, mode, _COMPRESSING))
@@ -201,12 +323,15 @@ class _HookScopes:
     def leave(self, module: nn.Module, args, output) -> None:
         while self.stack and self.stack[-1][0] is module:
             self.stack.pop()[1].__exit__(None, None, None)
+        if not self.stack:
+            self.statics = _Statics()
 
     def __getstate__(self) -> dict:
         return {"compressing": self.compressing_hooks, "sdpa": self.sdpa}
 
     def __setstate__(self, state: dict) -> None:
         self.compressing_hooks, self.sdpa, self.stack = state["compressing"], state.get("sdpa"), []
+        self.statics = _Statics()
 
 
 def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False,
