@@ -124,13 +124,16 @@ def code_fingerprint(fn) -> str:
 
 
 def generic_rules() -> list[Rule]:
-    """Rules shared by every family (family rules go in front of these): torch's own modules, and Global
-    Response Norm, which any library may define (found by name, confirmed by its formula)."""
+    """Rules shared by every family (family rules go in front of these): torch's own modules, Global Response
+    Norm, which any library may define (found by name, confirmed by its formula), and timm's weight-standardized
+    convs (found by their forward's code)."""
     from .nn import activation, dropout, linear, norm, pooling
 
     return [
         Rule("linear", same_forward(nn.Linear), lambda m: linear.ActLinearMixin),
         Rule("conv", same_forward(nn.Conv1d, nn.Conv2d, nn.Conv3d), lambda m: linear.ActConvMixin),
+        Rule("conv", linear.is_standardized_conv, lambda m: linear.ActStandardizedConvMixin,
+             attrs=lambda m, c: {"act_forward_fingerprint": code_fingerprint(type(m).forward)}),
         Rule("norm", same_forward(nn.LayerNorm), lambda m: norm.ActLayerNormMixin,
              attrs=lambda m, c: {"act_norm_context": c.norm_context}),
         Rule("norm", same_forward(nn.RMSNorm), lambda m: norm.ActRMSNormMixin,

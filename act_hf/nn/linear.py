@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.linear import act_channel_scale, act_conv, act_linear
+from ..ops.linear import act_channel_scale, act_conv, act_linear, act_standardized_conv
 from ._base import ActModule, register_act_class
 
-__all__ = ["ActConv1d", "ActConv2d", "ActConv3d", "ActConvMixin", "ActLayerScaleMixin", "ActLinear",
-           "ActLinearMixin", "ActTransposedLinearMixin"]
+__all__ = ["STANDARDIZED_CONV_FORWARDS", "ActConv1d", "ActConv2d", "ActConv3d", "ActConvMixin", "ActLayerScaleMixin",
+           "ActLinear", "ActLinearMixin", "ActStandardizedConvMixin", "ActTransposedLinearMixin",
+           "is_standardized_conv"]
 
 
 class ActLinearMixin(ActModule):
@@ -43,6 +46,51 @@ class ActConvMixin(ActModule):
             padding = (0,) * len(self.kernel_size)
         return act_conv(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
                         self.act_settings("input"))
+
+
+#: :func:`act_hf.patcher.code_fingerprint` of the forwards of timm's weight-standardized convs (timm 1.0) ->
+#: (scaled: ``ScaledStdConv2d``'s ``gain * scale``, same: SAME padding computed from the input's size)
+STANDARDIZED_CONV_FORWARDS = {
+    "79f2d3e02e2db04d": (False, False),  # StdConv2d (BiT ResNetV2)
+    "017f1a6be8d6bb5b": (False, True),  # StdConv2dSame (ViT hybrids)
+    "b32fb791ee11f7c1": (True, False),  # ScaledStdConv2d (NFNets, NF-ResNets)
+    "29e8d6489eacea30": (True, True),  # ScaledStdConv2dSame (DeepMind's NFNets)
+}
+
+
+def is_standardized_conv(module: nn.Module) -> bool:
+    """A ``Conv2d`` whose class's forward is one of :data:`STANDARDIZED_CONV_FORWARDS`, statement for statement
+    (any library's copy of timm's code qualifies; changed code does not and keeps its forward)."""
+    if not isinstance(module, nn.Conv2d) or type(module).forward is nn.Conv2d.forward:
+        return False
+    from ..patcher import code_fingerprint
+
+    try:
+        return code_fingerprint(type(module).forward) in STANDARDIZED_CONV_FORWARDS
+    except (OSError, TypeError):  # no source to read
+        return False
+
+
+def _same_padding(size: int, kernel: int, stride: int, dilation: int) -> int:
+    return max((math.ceil(size / stride) - 1) * stride + (kernel - 1) * dilation + 1 - size, 0)
+
+
+class ActStandardizedConvMixin(ActModule):
+    """For timm's weight-standardized convs (:func:`is_standardized_conv`): slot ``<path>:input``; the
+    standardized weight is made again in backward instead of being kept (see
+    :class:`act_hf.ops.linear.ActStandardizedConvFunction`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x) or self.padding_mode != "zeros":
+            return super().forward(x)
+        scaled, same = STANDARDIZED_CONV_FORWARDS[self.act_forward_fingerprint]
+        if same and self.same_pad:
+            (ih, iw), (kh, kw), (sh, sw), (dh, dw) = x.shape[-2:], self.kernel_size, self.stride, self.dilation
+            pad_h, pad_w = _same_padding(ih, kh, sh, dh), _same_padding(iw, kw, sw, dw)
+            x = F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0)
+        return act_standardized_conv(x, self.weight, self.gain if scaled else None, self.bias,
+                                     self.scale if scaled else 1.0, self.eps, self.stride, self.padding,
+                                     self.dilation, self.groups, self.act_settings("input"))
 
 
 class ActLayerScaleMixin(ActModule):

@@ -297,3 +297,118 @@ def test_channel_scale_needs_input_grad_and_bad_gamma():
     assert saved.by_slot["ls"] < 4 * 16 * 32 * 4 / 8  # 3 bits + metadata, far below fp32
     with pytest.raises(ValueError, match="gamma"):
         act_channel_scale(x, torch.ones(16), -1, OpSettings(slot="ls", bits=3))
+
+
+# ------------------------------------------------------------------------------------ weight-standardized conv
+
+
+def _standardized_convs():
+    """timm's four weight-standardized conv classes, small, with odd input sizes for the SAME forms."""
+    layers = pytest.importorskip("timm.layers")
+    return [("StdConv2d", lambda: layers.StdConv2d(4, 6, 3, stride=2, eps=1e-8)),
+            ("StdConv2dSame", lambda: layers.StdConv2dSame(4, 6, 3, stride=2, bias=True)),
+            ("ScaledStdConv2d", lambda: layers.ScaledStdConv2d(4, 6, 3, gamma=1.7)),
+            ("ScaledStdConv2dSame", lambda: layers.ScaledStdConv2dSame(4, 6, (3, 2), stride=2, groups=2))]
+
+
+def _random_gain(module):
+    if hasattr(module, "gain"):
+        with torch.no_grad():
+            module.gain.uniform_(0.5, 1.5)
+    return module
+
+
+@pytest.mark.parametrize("index", range(4), ids=["StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame"])
+def test_standardized_conv_is_the_module_forward_and_backward_without_rounding(monkeypatch, index):
+    """Forward is timm's own, bit for bit. With packing turned into the identity, every gradient (input, weight,
+    gain, bias) is float64 autograd's through the module's forward: the standardization made again in backward
+    and the map of the standardized weight's gradient through it are right."""
+    from act_hf.nn.linear import ActStandardizedConvMixin, is_standardized_conv
+    from act_hf.ops import linear as linear_ops
+
+    name, make = _standardized_convs()[index]
+    torch.manual_seed(0)
+    ref = _random_gain(make()).double()
+    assert is_standardized_conv(ref)
+    act = copy.deepcopy(ref)
+    from act_hf.patcher import generic_rules
+
+    rule = next(r for r in generic_rules() if r.match(act))
+    attrs = rule.attrs(act, None)
+    convert(act, ActStandardizedConvMixin, slot="m", bits=3)
+    for key, value in attrs.items():
+        setattr(act, key, value)
+    monkeypatch.setattr(linear_ops, "saved_input", lambda x, settings: x)
+    monkeypatch.setattr(linear_ops, "input_values", lambda saved: saved)
+    x = torch.randn(2, 4, 9, 11, dtype=torch.float64)
+    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ya = ref(xr), act(xa)
+    assert torch.equal(ya, yr), name
+    g = torch.randn_like(yr)
+    yr.backward(g)
+    ya.backward(g)
+    torch.testing.assert_close(xa.grad, xr.grad, rtol=1e-10, atol=0)
+    for (pname, p), q in zip(ref.named_parameters(), act.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-14, msg=pname)
+
+
+def test_standardized_conv_saves_its_input_packed_and_no_weight_and_follows_needs_input_grad():
+    from act_hf.nn.linear import ActStandardizedConvMixin
+
+    _, make = _standardized_convs()[2]  # ScaledStdConv2d: weight, gain and bias
+    torch.manual_seed(0)
+    ref = _random_gain(make())
+    act = convert(copy.deepcopy(ref), ActStandardizedConvMixin, slot="m", bits=8)
+    act.act_forward_fingerprint = "b32fb791ee11f7c1"
+    x = torch.randn(2, 4, 16, 16)
+    with track_saved(act) as saved:
+        ya = act(x)
+    assert set(saved.by_slot) == {"m:input"}  # the parameters are not counted; no standardized weight is kept
+    packed = x.numel() + x.numel() // 256 * 4  # 8-bit codes and the per-group scales
+    assert saved.bytes <= packed + 64
+    ref(x).square().sum().backward()
+    ya.square().sum().backward()
+    for p, q in zip(ref.parameters(), act.parameters()):
+        assert sqnr_db(p.grad, q.grad) > 30
+    # frozen weight and gain: only the input gradient, and nothing but the parameters saved
+    act.weight.requires_grad_(False)
+    act.gain.requires_grad_(False)
+    xa = x.clone().requires_grad_()
+    with track_saved(act) as saved:
+        ya = act(xa)
+    assert saved.bytes == 0
+    ya.sum().backward()
+    assert act.bias.grad is not None
+
+
+def test_standardized_conv_under_bf16_autocast_is_the_module_and_grads_stay_fp32():
+    from act_hf.nn.linear import ActStandardizedConvMixin
+
+    _, make = _standardized_convs()[0]
+    torch.manual_seed(0)
+    ref = make()
+    act = convert(copy.deepcopy(ref), ActStandardizedConvMixin, slot="m", bits=8)
+    act.act_forward_fingerprint = "79f2d3e02e2db04d"
+    x = torch.randn(2, 4, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya, yr = act(x), ref(x)
+    assert ya.dtype == yr.dtype == torch.bfloat16 and torch.equal(ya, yr)
+    ya.float().square().sum().backward()
+    yr.float().square().sum().backward()
+    assert act.weight.grad.dtype == torch.float32
+    assert sqnr_db(ref.weight.grad, act.weight.grad) > 20
+
+
+def test_a_changed_standardized_conv_keeps_its_own_forward():
+    """Recognised by its forward's code: a subclass that computes anything else is not converted."""
+    layers = pytest.importorskip("timm.layers")
+    from act_hf.nn.linear import is_standardized_conv
+
+    class Centered(layers.StdConv2d):
+        def forward(self, x):
+            return torch.nn.functional.conv2d(x, self.weight - self.weight.mean(), self.bias, self.stride,
+                                              self.padding)
+
+    assert is_standardized_conv(layers.StdConv2d(3, 4, 3))
+    assert not is_standardized_conv(Centered(3, 4, 3))
+    assert not is_standardized_conv(nn.Conv2d(3, 4, 3))

@@ -404,28 +404,37 @@ def _compressions(monkeypatch) -> list[tuple[str, tuple]]:
     return seen
 
 
-@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_the_fallback_keeps_standardized_conv_weights_exact(monkeypatch, autocast):
-    """timm's ``StdConv2d`` (BiT's ResNetV2) standardizes its weight in every forward and convolves with the
-    result. The hooks quantized that weight like an activation, rounding every sample's input gradient the
-    same way: whole-gradient error 0.29-0.30 at 3 bits here, 3.7x the gradient's norm for ``resnetv2_50x1_bit``.
-    Tensors computed from parameters only stay exact (0.12 here, 0.14), autocast's bf16 copies of them too."""
-    pytest.importorskip("timm")
+def _bit_resnet_v2():
     import functools
 
     from timm.layers import StdConv2d
     from timm.models.resnetv2 import ResNetV2
 
     torch.manual_seed(0)
-    ref = ResNetV2(layers=[1, 1], channels=(128, 256), stem_chs=32, num_classes=5, stem_type="fixed",
-                   conv_layer=functools.partial(StdConv2d, eps=1e-8)).train()
+    return ResNetV2(layers=[1, 1], channels=(128, 256), stem_chs=32, num_classes=5, stem_type="fixed",
+                    conv_layer=functools.partial(StdConv2d, eps=1e-8)).train()
+
+
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_fallback_keeps_standardized_conv_weights_exact(monkeypatch, autocast):
+    """A weight-standardized conv left to the hooks (here: ``kinds`` without convs) convolves with a weight
+    made in every forward. The hooks quantized it like an activation, rounding every sample's input gradient the
+    same way: whole-gradient error 0.29-0.30 at 3 bits here, 3.7x the gradient's norm for
+    ``resnetv2_50x1_bit``. Tensors computed from parameters only stay exact where an op reads them beside an
+    activation (0.12 here, 0.14), autocast's bf16 copies of them too."""
+    pytest.importorskip("timm")
+    from timm.layers import StdConv2d
+
+    ref = _bit_resnet_v2()
     weights = {tuple(m.weight.shape) for m in ref.modules() if isinstance(m, StdConv2d)}
     x, labels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 3])
     torch.nn.functional.cross_entropy(ref(x), labels).backward()
     seen = _compressions(monkeypatch)
+    no_convs = tuple(k for k in act_hf.config.ACT_KINDS if k != "conv")
     for draw in range(2):
-        model = act_hf.patch(copy.deepcopy(ref), bits=3)
+        model = act_hf.patch(copy.deepcopy(ref), config=act_hf.ActConfig(bits=3, kinds=no_convs))
+        assert not isinstance(model.stem.conv, ActModule)
         act_hf.manual_seed(draw)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = torch.nn.functional.cross_entropy(model(x), labels)
@@ -434,6 +443,33 @@ def test_the_fallback_keeps_standardized_conv_weights_exact(monkeypatch, autocas
         assert (2, 128, 8, 8) in compressed and not compressed & weights  # activations packed, weights exact
         if not autocast:
             assert relative_error([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]) < 0.2
+
+
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+def test_weight_standardized_convs_are_converted_in_any_model_and_keep_no_weight():
+    """timm's ``StdConv2d`` is recognised by its forward's code (a generic rule): BiT's ResNetV2 has no family,
+    and the fallback converts its convs, which keep their input packed and make the standardized weight again
+    in backward. Fewer bytes than the exact standardized weights through the hooks."""
+    pytest.importorskip("timm")
+    ref = _bit_resnet_v2()
+    x, labels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 3])
+    no_convs = tuple(k for k in act_hf.config.ACT_KINDS if k != "conv")
+    saved_bytes = {}
+    for kinds in (act_hf.config.ACT_KINDS, no_convs):
+        model = copy.deepcopy(ref)
+        with pytest.warns(act_hf.ActHFWarning, match="has no family") as record:
+            act_hf.patch(model, config=act_hf.ActConfig(bits=8, kinds=kinds))
+        with act_hf.track_saved(model) as saved:
+            loss = torch.nn.functional.cross_entropy(model(x), labels)
+        saved_bytes[kinds] = saved.bytes
+        if kinds == no_convs:
+            continue
+        assert isinstance(model.stem.conv, ActModule) and "stem.conv:input" in saved.by_slot
+        assert "StdConv2d" not in str(record[0].message)
+        loss.backward()
+        torch.nn.functional.cross_entropy(ref(x), labels).backward()
+        assert_grads_match(ref, model, name="bit")
+    assert saved_bytes[act_hf.config.ACT_KINDS] < saved_bytes[no_convs] / 2
 
 
 class _PositionBias(torch.nn.Module):
