@@ -106,7 +106,7 @@ def _hf_cases() -> dict[str, tuple[Callable, Callable]]:
 #: timm models by name, with the image size they need (the rest take 64 x 64).
 TIMM_MODELS = {
     "maxvit_nano_rw_256": 256, "coatnet_nano_rw_224": 224, "efficientnet_b0": 64, "resnext26ts": 64,
-    "regnety_002": 64, "swinv2_cr_tiny_ns_224": 224, "poolformer_s12": 64, "mobilevitv2_050": 64,
+    "regnety_002": 64, "resnetv2_50x1_bit": 64, "swinv2_cr_tiny_ns_224": 224, "poolformer_s12": 64, "mobilevitv2_050": 64,
     "ghostnet_050": 64, "convmixer_768_32": 64, "nfnet_f0": 64, "dla34": 64, "repvgg_a0": 64, "cspdarknet53": 64,
     "cspresnet50": 64, "darknet53": 64, "cspresnext50": 64, "edgenext_xx_small": 64, "fastvit_t8": 224,
     "mobileone_s0": 64, "hgnetv2_b0": 64, "tiny_vit_5m_224": 224, "rdnet_tiny": 64, "efficientformerv2_s0": 224,

@@ -81,8 +81,8 @@ class ActStandardizedConvMixin(ActModule):
     :class:`act_hf.ops.linear.ActStandardizedConvFunction`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.act_enabled(x) or self.padding_mode != "zeros":
-            return super().forward(x)
+        if not self.act_enabled(x) or self.padding_mode != "zeros" or isinstance(self.padding, str):
+            return super().forward(x)  # timm pads with zeros; a string padding stays on the original op
         scaled, same = STANDARDIZED_CONV_FORWARDS[self.act_forward_fingerprint]
         if same and self.same_pad:
             (ih, iw), (kh, kw), (sh, sw), (dh, dw) = x.shape[-2:], self.kernel_size, self.stride, self.dilation

@@ -412,3 +412,16 @@ def test_a_changed_standardized_conv_keeps_its_own_forward():
     assert is_standardized_conv(layers.StdConv2d(3, 4, 3))
     assert not is_standardized_conv(Centered(3, 4, 3))
     assert not is_standardized_conv(nn.Conv2d(3, 4, 3))
+
+
+def test_a_standardized_conv_with_string_padding_runs_its_own_forward():
+    layers = pytest.importorskip("timm.layers")
+    from act_hf.nn.linear import ActStandardizedConvMixin
+
+    ref = layers.ScaledStdConv2d(3, 4, 3, padding="same")
+    act = convert(copy.deepcopy(ref), ActStandardizedConvMixin, slot="m", bits=3)
+    act.act_forward_fingerprint = "b32fb791ee11f7c1"
+    x = torch.randn(2, 3, 8, 8)
+    with track_saved(act) as saved:
+        y = act(x)
+    assert torch.equal(y, ref(x)) and "m:input" not in saved.by_slot
