@@ -132,8 +132,7 @@ def generic_rules() -> list[Rule]:
     return [
         Rule("linear", same_forward(nn.Linear), lambda m: linear.ActLinearMixin),
         Rule("conv", same_forward(nn.Conv1d, nn.Conv2d, nn.Conv3d), lambda m: linear.ActConvMixin),
-        Rule("conv", linear.is_standardized_conv, lambda m: linear.ActStandardizedConvMixin,
-             attrs=lambda m, c: {"act_forward_fingerprint": code_fingerprint(type(m).forward)}),
+        Rule("conv", linear.is_standardized_conv, lambda m: linear.ActStandardizedConvMixin),
         Rule("norm", same_forward(nn.LayerNorm), lambda m: norm.ActLayerNormMixin,
              attrs=lambda m, c: {"act_norm_context": c.norm_context}),
         Rule("norm", same_forward(nn.RMSNorm), lambda m: norm.ActRMSNormMixin,

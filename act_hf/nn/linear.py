@@ -58,17 +58,21 @@ STANDARDIZED_CONV_FORWARDS = {
 }
 
 
-def is_standardized_conv(module: nn.Module) -> bool:
-    """A ``Conv2d`` whose class's forward is one of :data:`STANDARDIZED_CONV_FORWARDS`, statement for statement
-    (any library's copy of timm's code qualifies; changed code does not and keeps its forward)."""
-    if not isinstance(module, nn.Conv2d) or type(module).forward is nn.Conv2d.forward:
-        return False
+def _standardized_form(cls: type) -> tuple[bool, bool] | None:
+    """``(scaled, same)`` of a class whose forward is one of :data:`STANDARDIZED_CONV_FORWARDS`, else ``None``."""
     from ..patcher import code_fingerprint
 
     try:
-        return code_fingerprint(type(module).forward) in STANDARDIZED_CONV_FORWARDS
+        return STANDARDIZED_CONV_FORWARDS.get(code_fingerprint(cls.forward))
     except (OSError, TypeError):  # no source to read
-        return False
+        return None
+
+
+def is_standardized_conv(module: nn.Module) -> bool:
+    """A ``Conv2d`` whose class's forward is one of :data:`STANDARDIZED_CONV_FORWARDS`, statement for statement
+    (any library's copy of timm's code qualifies; changed code does not and keeps its forward)."""
+    return isinstance(module, nn.Conv2d) and type(module).forward is not nn.Conv2d.forward \
+        and _standardized_form(type(module)) is not None
 
 
 def _same_padding(size: int, kernel: int, stride: int, dilation: int) -> int:
@@ -83,7 +87,7 @@ class ActStandardizedConvMixin(ActModule):
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x) or self.padding_mode != "zeros" or isinstance(self.padding, str):
             return super().forward(x)  # timm pads with zeros; a string padding stays on the original op
-        scaled, same = STANDARDIZED_CONV_FORWARDS[self.act_forward_fingerprint]
+        scaled, same = _standardized_form(self.act_original_class)
         if same and self.same_pad:
             (ih, iw), (kh, kw), (sh, sw), (dh, dw) = x.shape[-2:], self.kernel_size, self.stride, self.dilation
             pad_h, pad_w = _same_padding(ih, kh, sh, dh), _same_padding(iw, kw, sw, dw)

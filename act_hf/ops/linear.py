@@ -88,6 +88,14 @@ def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSetti
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
+def _conv_input(packed: PackedTensor | RectifiedAffine | None, grad_out: Tensor, input_shape) -> Tensor:
+    """What ``convolution_backward`` reads as the input: the saved input's values in the gradient's dtype, or,
+    when only the input gradient is wanted, a zero-stride stand-in (only its shape is read)."""
+    if packed is None:
+        return grad_out.new_zeros(()).expand(input_shape)
+    return input_values(packed).to(grad_out.dtype)
+
+
 class ActConvFunction(torch.autograd.Function):
     """N-d convolution (any groups, stride, dilation, zero padding); saves ``quantize(x)`` and ``weight``.
 
@@ -112,10 +120,7 @@ class ActConvFunction(torch.autograd.Function):
         stride, padding, dilation, groups = ctx.conv_args
         dtype = grad_out.dtype
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.bias_shape is not None]
-        if packed is not None:
-            x_hat = input_values(packed).to(dtype)
-        else:  # only the input gradient is wanted: the input's values are not needed, only its shape
-            x_hat = grad_out.new_zeros(()).expand(ctx.input_shape)
+        x_hat = _conv_input(packed, grad_out, ctx.input_shape)
         grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
             grad_out, x_hat, weight.to(dtype), ctx.bias_shape, list(stride), list(padding), list(dilation), False,
             [0] * len(stride), groups, mask,
@@ -167,10 +172,7 @@ class ActStandardizedConvFunction(torch.autograd.Function):
             gain_leaf = None if gain is None else gain.detach().requires_grad_(need_gain)
             standardized = standardize_weight(w_leaf, gain_leaf, scale, eps)
         dtype = grad_out.dtype
-        if packed is not None:
-            x_hat = input_values(packed).to(dtype)
-        else:  # only the input gradient is wanted: the input's values are not needed, only its shape
-            x_hat = grad_out.new_zeros(()).expand(input_shape)
+        x_hat = _conv_input(packed, grad_out, input_shape)
         grad_x, grad_std, grad_b = torch.ops.aten.convolution_backward(
             grad_out, x_hat, standardized.detach().to(dtype), bias_shape, list(stride), list(padding), list(dilation),
             False, [0, 0], groups, [need_x, need_w or need_gain, need_b and bias_shape is not None],
