@@ -18,7 +18,8 @@ from ..compress import PackedTensor
 from ..context import store
 from ..derived import RectifiedAffine
 
-__all__ = ["OpSettings", "RngState", "autocast_state", "load_context", "replayed_rng", "rng_state", "save_context"]
+__all__ = ["OpSettings", "RngState", "autocast_state", "load_context", "owned_output", "replayed_rng", "rng_state",
+           "save_context"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class OpSettings:
     group_size: int = 256
     swap: bool = False
     channel_scale: bool = False
+
+
+def owned_output(out: torch.Tensor) -> torch.Tensor:
+    """``out``, or when it is a view of a tensor made inside an op's ``forward`` (``F.linear`` of a 3-d input,
+    a permute, a squeeze), the same storage as a tensor of its own: autograd forbids in-place ops on a view a
+    custom Function returns, while the unpatched op's output takes them (``ReLU(inplace=True)`` after a Linear).
+    Only for views of the op's own intermediates, never of its inputs; call it before packing the output, since
+    the context store knows a packed copy by the tensor object it was made from."""
+    return torch.ops.aten._unsafe_view(out, out.shape) if out._is_view() else out
 
 
 def autocast_state(device_type: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..compress import PackedTensor, dequantize
 from ..context import store
 from ..derived import RectifiedAffine, rectified_input
-from ._saving import OpSettings, autocast_state, load_context, save_context
+from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
 
 __all__ = ["ActChannelScaleFunction", "ActConvFunction", "ActLinearFunction", "ActStandardizedConvFunction",
            "act_channel_scale", "act_conv", "act_linear", "act_standardized_conv", "standardize_weight"]
@@ -50,7 +50,7 @@ class ActLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSettings,
                 transposed: bool = False) -> Tensor:
-        out = _transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias)
+        out = owned_output(_transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias))
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         packed = saved_input(x, settings) if need_w else None
         save_context(ctx, packed, weight if need_x else None)

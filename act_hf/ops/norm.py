@@ -55,7 +55,7 @@ from ..compress import dequantize, unpack_bits
 from ..context import store
 from ..derived import note_affine
 from ..errors import ActHFValueError
-from ._saving import OpSettings, load_context, save_context
+from ._saving import OpSettings, load_context, owned_output, save_context
 from .activation import _pack_codes
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class ActLayerNormFunction(torch.autograd.Function):
                 rstd = torch.rsqrt(var + eps)
         else:
             y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-        out = y if out_perm is None else y.permute(out_perm)
+        out = owned_output(y if out_perm is None else y.permute(out_perm))
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.meta = (x.shape, x.dtype, k, context, out_perm, None if bias is None else bias.dtype)
         if not (need_x or need_w):

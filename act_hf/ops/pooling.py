@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from ..compress import unpack_bits
 from ..errors import ActHFValueError
-from ._saving import OpSettings
+from ._saving import OpSettings, owned_output
 from .activation import _pack_codes
 
 __all__ = ["MAX_WINDOW", "ActMaxPoolFunction", "act_max_pool", "act_max_pool1d", "act_max_pool2d", "act_max_pool3d",
@@ -118,7 +118,7 @@ class ActMaxPoolFunction(torch.autograd.Function):
         if nd == 1:  # as ATen: 1-d pooling is the 2-d op on a height-1 input
             out, indices = torch.ops.aten.max_pool2d_with_indices(
                 x.unsqueeze(-2), [1, kernel[0]], [1, stride[0]], [0, padding[0]], [1, dilation[0]], ceil_mode)
-            out, indices = out.squeeze(-2), indices.squeeze(-2)
+            out, indices = owned_output(out.squeeze(-2)), indices.squeeze(-2)
         elif nd == 2:
             out, indices = torch.ops.aten.max_pool2d_with_indices(
                 x, list(kernel), list(stride), list(padding), list(dilation), ceil_mode)
