@@ -189,7 +189,8 @@ def patch_modules(model: nn.Module, config: ActConfig, *, rules: list[Rule] = ()
             if rule.kind in config.kinds and rule.match(module):
                 attrs = rule.attrs(module, config)  # read the original module, before its class changes
                 convert(module, rule.mixin(module), slot=path, bits=rule.bits(config),
-                        group_size=config.group_size, swap=config.swap, channel_scale=config.scales_channels)
+                        group_size=config.group_size, swap=config.swap, channel_scale=config.scales_channels,
+                        data_bits=config.data_bits_floor)
                 module.act_kind = rule.kind
                 for name, value in attrs.items():
                     setattr(module, name, value)

@@ -351,6 +351,14 @@ def _bits(value: str) -> int | float:
     return int(number) if number.is_integer() else number
 
 
+def _data_bits(value: str) -> int | None:
+    if value.lower() == "none":
+        return None
+    if value not in {str(b) for b in range(1, 9)}:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 8, or 'none', got {value!r}")
+    return int(value)
+
+
 def _json_dict(value: str) -> dict:
     try:
         out = json.loads(value)
@@ -414,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--act-bits budget (default: act_hf's)")
     a.add_argument("--act-swap", action="store_true", help="keep the packed activations in pinned host memory "
                    "until backward (GPU)")
+    a.add_argument("--act-data-bits", type=_data_bits, default=8, help="fewest bits of the image batch a stem conv "
+                   "packs, 1..8, or 'none' for --act-bits (ActConfig.data_bits) (default: %(default)s)")
     a.add_argument("--act-no-share-bn-relu", dest="act_share_bn_relu", action="store_false",
                    help="a conv after BatchNorm + ReLU packs its own input instead of reading BatchNorm's")
     r = p.add_argument_group("run")
@@ -474,6 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
             overrides["swap"] = True
         if not args.act_share_bn_relu:
             overrides["share_bn_relu"] = False
+        overrides["data_bits"] = args.act_data_bits
         bits = float(args.act_bits) if args.act_adaptive else args.act_bits  # a float is an adaptive budget
         act_hf.patch(model, bits=bits, **overrides)
     allocator = getattr(model, "act_hf_allocator", None)  # adaptive bits: a fractional --act-bits budget
@@ -577,6 +588,7 @@ def main(argv: list[str] | None = None) -> dict:
         "act_bits": args.act_bits if args.act_compress else None,
         "act_group_size": (getattr(model, "act_hf_config", None).group_size if args.act_compress else None),
         "act_share_bn_relu": model.act_hf_config.share_bn_relu if args.act_compress else None,
+        "act_data_bits": model.act_hf_config.data_bits if args.act_compress else None,
         "act_avg_bits": allocator.average_bits() if allocator is not None else None,
         "act_variance_ratio": allocator.variance_ratio if allocator is not None else None,
         "act_adapt_overhead": allocator.overhead if allocator is not None else None,

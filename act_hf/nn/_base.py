@@ -40,11 +40,12 @@ class ActModule:
     act_swap: bool = False
     act_channel_scale: bool = False
     act_channel_scalable: bool = False
+    act_data_bits: int = 0
     act_original_class: type | None = None
 
     def act_configure(self, *, slot: str | None = None, bits: int | None = None, group_size: int | None = None,
-                      swap: bool | None = None, channel_scale: bool | None = None):
-        """Set slot name, bits, group size, swap and channel scaling (only the ones given)."""
+                      swap: bool | None = None, channel_scale: bool | None = None, data_bits: int | None = None):
+        """Set slot name, bits, group size, swap, channel scaling and the data-bits floor (only the ones given)."""
         if slot is not None:
             self.act_slot = slot
         if bits is not None:
@@ -55,13 +56,16 @@ class ActModule:
             self.act_swap = swap
         if channel_scale is not None:
             self.act_channel_scale = channel_scale
+        if data_bits is not None:
+            self.act_data_bits = data_bits
         return self
 
     def act_base_settings(self) -> OpSettings:
         """Settings named after the module itself (slot ``<act_slot>``); ops derive per-role slots from them."""
         return OpSettings(slot=self.act_slot or type(self).__name__, bits=self.act_bits,
                           group_size=self.act_group_size, swap=self.act_swap,
-                          channel_scale=self.act_channel_scale and self.act_channel_scalable)
+                          channel_scale=self.act_channel_scale and self.act_channel_scalable,
+                          data_bits=self.act_data_bits)
 
     def act_settings(self, role: str = "input") -> OpSettings:
         """Settings for the slot ``<act_slot>:<role>``, with the bits the allocator gave it."""
@@ -113,11 +117,11 @@ def _new_act_module(original: type, mixin: type) -> nn.Module:
 
 
 def convert(module: nn.Module, mixin: type, *, slot: str = "", bits: int = 3, group_size: int = 256,
-            swap: bool = False, channel_scale: bool = False) -> nn.Module:
+            swap: bool = False, channel_scale: bool = False, data_bits: int = 0) -> nn.Module:
     """Turn ``module`` into its act_hf version in place (same object, parameters and state dict)."""
     module.__class__ = act_class_for(type(module), mixin)
     module.act_configure(slot=slot, bits=bits, group_size=group_size, swap=swap,  # type: ignore[attr-defined]
-                         channel_scale=channel_scale)
+                         channel_scale=channel_scale, data_bits=data_bits)
     return module
 
 

@@ -25,14 +25,16 @@ __all__ = ["OpSettings", "RngState", "autocast_state", "load_context", "owned_ou
 @dataclass(frozen=True)
 class OpSettings:
     """What an op needs to compress one saved tensor: the slot name, its bits, the group size, whether the
-    packed copy is swapped to host memory, and whether the last dimension's channels are equalized first
-    (``channel_scale``, see :func:`act_hf.compress.quantize`)."""
+    packed copy is swapped to host memory, whether the last dimension's channels are equalized first
+    (``channel_scale``, see :func:`act_hf.compress.quantize`), and the fewest bits of an input without autograd
+    history (``data_bits``, ``ActConfig.data_bits``; 0: no floor; linears and convs apply it)."""
 
     slot: str
     bits: int
     group_size: int = 256
     swap: bool = False
     channel_scale: bool = False
+    data_bits: int = 0
 
 
 def owned_output(out: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ input does; a frozen layer fed by a frozen input saves nothing.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -25,7 +27,10 @@ __all__ = ["ActChannelScaleFunction", "ActConvFunction", "ActLinearFunction", "A
 
 def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffine:
     """What a linear or conv keeps of its input for the weight gradient: the context BatchNorm and ReLU already
-    saved when ``x = relu(batch_norm(.))`` (:mod:`act_hf.derived`), else ``x`` packed through the store."""
+    saved when ``x = relu(batch_norm(.))`` (:mod:`act_hf.derived`), else ``x`` packed through the store, at no
+    fewer than ``settings.data_bits`` bits when ``x`` has no autograd history (the batch the model is fed)."""
+    if not x.requires_grad and settings.data_bits > settings.bits:
+        settings = replace(settings, bits=settings.data_bits)
     return rectified_input(x, settings) or store.compress_as(x, settings)
 
 

@@ -106,6 +106,17 @@ def test_read_idx_rejects_bad_files(tmp_path):
         train_timm.read_idx(tmp_path / "short")
 
 
+def test_act_data_bits_takes_1_to_8_or_none(capsys):
+    parser = train_timm.build_parser()
+    assert parser.parse_args([]).act_data_bits == 8
+    assert parser.parse_args(["--act-data-bits", "4"]).act_data_bits == 4
+    assert parser.parse_args(["--act-data-bits", "none"]).act_data_bits is None
+    for bad in ("0", "9", "2.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--act-data-bits", bad])
+        assert "--act-data-bits: must be an integer from 1 to 8, or 'none'" in capsys.readouterr().err
+
+
 def test_missing_fashion_mnist_names_the_package(tmp_path, monkeypatch):
     monkeypatch.setattr(train_timm, "_dpkg_dir", lambda: None)
     monkeypatch.setattr(train_timm, "FASHION_MNIST_DEFAULT_DIR", tmp_path / "nowhere")
@@ -132,6 +143,7 @@ def test_fashion_mnist_resnet_with_and_without_compression(tmp_path, fmnist_dir)
     own = _run(tmp_path, "own", *_fmnist_args(fmnist_dir, *TINY_RESNET, "--act-compress", "--act-bits", "3",
                                               "--act-no-share-bn-relu"))
     assert comp["act_share_bn_relu"] is True and own["act_share_bn_relu"] is False
+    assert comp["act_data_bits"] == 8 and base["act_data_bits"] is None
     assert own["saved_mib_per_step"] > comp["saved_mib_per_step"]  # each conv after BN + ReLU packs its input
 
 
