@@ -34,6 +34,8 @@ def report(model: nn.Module, saved: SavedTracker | None = None, *, top: int = 10
             f"act_hf: {type(model).__name__} (family {getattr(model, 'act_hf_family', '?')}), bits={config.bits}, "
             f"group_size={config.group_size}{'' if config.scales_channels else ' (channels unscaled)'}, "
             f"kinds={','.join(config.kinds)}"
+            + (f", inputs without history at {config.data_bits_floor} bits"
+               if config.data_bits_floor > config.default_bits else "")
         )
         kinds: dict[str, Counter] = defaultdict(Counter)
         for path in getattr(model, "act_hf_patched_modules", []):

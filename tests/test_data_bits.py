@@ -45,6 +45,9 @@ def test_the_floor_applies_to_fixed_bits_only():
     assert ActConfig(bits=2.5).data_bits_floor == 0  # the allocator weighs every slot
     model = act_hf.patch(_resnet(), bits=2.5)
     assert {m.act_data_bits for m in model.modules() if hasattr(m, "act_data_bits")} == {0}
+    assert "without history" not in act_hf.report(model, file=False)
+    assert "inputs without history at 8 bits" in act_hf.report(act_hf.patch(_resnet(), bits=3), file=False)
+    assert "without history" not in act_hf.report(act_hf.patch(_resnet(), bits=8), file=False)
 
 
 def test_the_image_a_stem_conv_reads_is_packed_at_data_bits():
