@@ -9,8 +9,9 @@ input ``Q(x)``::
     y = act_hf.checkpoint.checkpoint(layer, x, bits=8)   # like torch.utils.checkpoint.checkpoint(layer, x)
 
 or, for a Hugging Face model, ``act_hf.patch(model, bits=3, checkpoint_bits=8)`` and HF gradient checkpointing
-(``model.gradient_checkpointing_enable()`` or ``TrainingArguments(gradient_checkpointing=True)``, before or
-after the patch).
+(``model.activation_checkpointing_enable()``, its older name ``gradient_checkpointing_enable()``, which
+transformers 5.2x deprecates, or ``TrainingArguments(gradient_checkpointing=True)``, before or after the patch;
+:func:`enable_hf_checkpointing` calls whichever the installed transformers has).
 
 Contract:
     - The forward output is exactly the uncheckpointed one (forward runs on ``x`` itself).
@@ -53,7 +54,7 @@ from .context import store
 from .errors import ActHFRuntimeError
 from .ops._saving import autocast_state, load_context, replayed_rng, rng_state, save_context
 
-__all__ = ["checkpoint", "enable_hf_checkpoint_compression"]
+__all__ = ["checkpoint", "enable_hf_checkpoint_compression", "enable_hf_checkpointing"]
 
 _TORCH_CHECKPOINT = torch.utils.checkpoint.checkpoint
 
@@ -253,12 +254,23 @@ def _set_gradient_checkpointing(self: nn.Module, enable: bool = True,
         _convert_modules(self, options)
 
 
+def enable_hf_checkpointing(model: nn.Module) -> None:
+    """Switch HF gradient checkpointing on in ``model`` with torch's non-reentrant checkpoint:
+    ``activation_checkpointing_enable`` where transformers has it (``gradient_checkpointing_enable`` is its
+    deprecated alias there, to be removed in v6), else ``gradient_checkpointing_enable``."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size: int = 256,
                                      swap: bool = False, channel_scale: bool = True) -> Callable[[], None]:
     """Make HF gradient checkpointing in ``model`` keep its layer inputs packed at ``bits``.
 
     Works whether checkpointing is switched on before or after this call: the checkpoint function HF has set
-    is replaced now, and ``model._set_gradient_checkpointing`` (which ``gradient_checkpointing_enable`` calls)
+    is replaced now, and ``model._set_gradient_checkpointing`` (which ``activation_checkpointing_enable`` calls)
     is wrapped for later. Only torch's own ``checkpoint`` is replaced (with any keyword arguments); another
     function (HF's ``offload=True`` wrapper, a user's) is left in place, with a warning.
 

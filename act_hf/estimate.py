@@ -61,6 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint import enable_hf_checkpointing
 from .errors import ActHFRuntimeError, ActHFValueError
 
 __all__ = ["TASKS", "Estimate", "SavedFit", "build_model", "checkpointed_layers", "estimate", "format_bytes",
@@ -778,4 +779,4 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
 def _enable_hf_checkpointing(model: nn.Module) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes about use_cache
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)

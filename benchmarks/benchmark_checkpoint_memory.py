@@ -28,7 +28,6 @@ import copy
 import json
 import re
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ import act_hf
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_saved_memory import MODELS, _meta, make_inputs, save_log_plot
 
+from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.estimate import saved_with_checkpointing
 
 DEFAULT_SETTINGS = ["unpatched", "ckpt", "bits3", "ckpt+bits3", "ckpt8+bits3", "ckpt4+bits3", "ckpt2+bits3",
@@ -62,9 +62,7 @@ def measure(model: torch.nn.Module, inputs: dict, setting: str, dtype: torch.dty
     checkpointing, checkpoint_bits, bits = parse_setting(setting)
     model = copy.deepcopy(model).train()
     if checkpointing:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)
     if bits is not None:
         act_hf.patch(model, bits=bits, checkpoint_bits=checkpoint_bits)
     device_type = inputs["input_ids"].device.type

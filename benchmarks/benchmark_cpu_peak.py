@@ -32,12 +32,12 @@ import os
 import resource
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
 import act_hf
+from act_hf.checkpoint import enable_hf_checkpointing
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_checkpoint_memory import parse_setting
@@ -61,9 +61,7 @@ def measure_step(model_name: str, setting: str, batch: int, seq: int, dtype: str
     model, kind = MODELS[model_name]()
     model.train()
     if checkpointing:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)
     # The word-embedding gradient is a dense vocab x hidden buffer made at the end of backward (90-120 MiB for
     # BERT), the same at every batch: at small batches it, not the activations, would set the peak.
     model.get_input_embeddings().weight.requires_grad_(False)

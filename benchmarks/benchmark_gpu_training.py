@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 import act_hf
+from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.estimate import format_bytes, parse_size
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -116,7 +117,7 @@ _ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attn_pdrop", "attent
 
 def _enable_checkpointing(model: torch.nn.Module) -> None:
     if hasattr(model, "gradient_checkpointing_enable"):  # transformers
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)
     elif hasattr(model, "set_grad_checkpointing"):  # timm
         model.set_grad_checkpointing(True)
     else:

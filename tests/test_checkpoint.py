@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import act_hf
-from act_hf.checkpoint import checkpoint
+from act_hf.checkpoint import checkpoint, enable_hf_checkpointing
 from act_hf.compress import dequantize, quantize
 from tests.patches.models import bert, llama
 from tests.utils import assert_grads_match
@@ -143,22 +143,25 @@ def _step(model, inputs):
     return loss.detach(), saved
 
 
+@pytest.mark.parametrize("api", ["activation_checkpointing_enable", "gradient_checkpointing_enable"])
 @pytest.mark.parametrize("order", ["before", "after"])
-def test_hf_checkpointing_keeps_packed_layer_inputs(order):
-    """Checkpointing switched on before or after the patch: the loss is the uncheckpointed one, gradients
-    agree at 8 bits, the layer inputs are packed, and unpatch restores torch's checkpoint. Layer 0's input is
-    the embedding LayerNorm's output, which that LayerNorm has packed at the same width already: it is shared,
-    not packed twice."""
+def test_hf_checkpointing_keeps_packed_layer_inputs(order, api):
+    """Checkpointing switched on before or after the patch, by transformers' current method or its deprecated
+    name: the loss is the uncheckpointed one, gradients agree at 8 bits, the layer inputs are packed, and
+    unpatch restores torch's checkpoint. Layer 0's input is the embedding LayerNorm's output, which that
+    LayerNorm has packed at the same width already: it is shared, not packed twice."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     model, inputs = bert()
+    if not hasattr(model, api):
+        pytest.skip(f"this transformers has no {api}")
     model.train()
     reference = copy.deepcopy(model)
     act_hf.patch(reference, bits=8)
     if order == "before":
-        model.gradient_checkpointing_enable()
+        getattr(model, api)()
     act_hf.patch(model, bits=8, checkpoint_bits=8)
     if order == "after":
-        model.gradient_checkpointing_enable()
+        getattr(model, api)()
 
     ref_loss, _ = _step(reference, inputs)
     loss, saved = _step(model, inputs)
@@ -174,6 +177,20 @@ def test_hf_checkpointing_keeps_packed_layer_inputs(order):
     assert isinstance(func, functools.partial) and func.func is torch_checkpoint
     assert func.keywords == {"use_reentrant": False}
     assert "_set_gradient_checkpointing" not in model.__dict__
+
+
+def test_enable_hf_checkpointing_uses_the_current_method_with_torch_non_reentrant_checkpoint():
+    model, inputs = bert()
+    model.train()
+    act_hf.patch(model, bits=8, checkpoint_bits=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # not the name transformers 5.2x deprecates
+        enable_hf_checkpointing(model)
+    assert all(layer.gradient_checkpointing for layer in model.bert.encoder.layer)
+    _, saved = _step(model, inputs)
+    assert "bert.encoder.layer.1:checkpoint_input" in saved.by_slot
+    act_hf.unpatch(model)
+    assert model.bert.encoder.layer[0]._gradient_checkpointing_func.keywords == {"use_reentrant": False}
 
 
 def test_a_deep_copy_switches_its_own_layers():
