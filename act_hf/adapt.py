@@ -201,6 +201,7 @@ class BitAllocator:
             raise ActHFValueError(f"a BitAllocator needs a float bits budget (e.g. 2.5 or 2.0), got {config.bits!r}")
         self.model = model
         self.config = config
+        self.owner: int = model.act_hf_bits_owner  # the key of its slots' bits in the context store
         self.budget = float(config.bits)
         self.groups: dict[str, SlotGroup] = {}
         self.variance_ratio: float | None = None
@@ -421,8 +422,8 @@ class BitAllocator:
 
     def _bits_in_probe(self, slots: list[str]) -> int:
         for slot in slots:
-            if slot in store.bits:
-                return store.bits[slot]
+            if (self.owner, slot) in store.bits:
+                return store.bits[self.owner, slot]
         return self.config.default_bits
 
     def _variance_ratio(self, loss_closure, params) -> float | None:
@@ -450,7 +451,7 @@ class BitAllocator:
         """Write the groups' bits into the context store (every slot of a group gets its group's bits)."""
         for group in self.groups.values():
             for slot in group.slots:
-                store.bits[slot] = group.bits
+                store.bits[self.owner, slot] = group.bits
 
     def average_bits(self) -> float:
         """The allocated bits averaged over stored elements (the budget's measure); the starting width before
@@ -498,5 +499,5 @@ class BitAllocator:
         self._hook.remove()
         for group in self.groups.values():
             for slot in group.slots:
-                store.bits.pop(slot, None)
+                store.bits.pop((self.owner, slot), None)
         self.groups = {}

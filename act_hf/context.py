@@ -138,7 +138,9 @@ class ContextStore:
     Thread-local entries (each thread runs its own forward); the per-slot bits are shared.
 
     Attributes:
-        bits: per-slot bits set by the adaptive allocator (slots not listed use their module's bits).
+        bits: per-slot bits set by adaptive allocators, keyed ``(owner, slot)``: ``owner`` is the token
+            :func:`act_hf.patch` gave the model (``model.act_hf_bits_owner``), so two models with the same module
+            paths never read each other's allocation (slots not listed use their module's bits).
         force_bits: when set, every slot is quantized at this width (the allocator's near-exact reference).
         swap: the host-memory swap of contexts compressed with ``swap=True`` (see :mod:`act_hf.swap`).
         uncheckpointed: set while the adaptive allocator probes: its backward passes are
@@ -162,11 +164,11 @@ class ContextStore:
             self._local.inserts = 0
         return entries
 
-    def bits_for(self, slot: str, default: int) -> int:
-        """Bits allocated to ``slot`` (by the adaptive allocator), else ``default``."""
+    def bits_for(self, slot: str, default: int, owner: int = 0) -> int:
+        """Bits that ``owner``'s allocator gave ``slot``, else ``default`` (always, for ``owner`` 0: fixed bits)."""
         if self.force_bits is not None:
             return self.force_bits
-        return self.bits.get(slot, default)
+        return self.bits.get((owner, slot), default) if owner else default
 
     def compress(self, x: torch.Tensor, *, slot: str, bits: int, group_size: int, swap: bool = False,
                  channel_scale: bool = False) -> PackedTensor:
@@ -209,12 +211,6 @@ class ContextStore:
         """:meth:`compress` with an op's :class:`~act_hf.ops._saving.OpSettings`."""
         return self.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size,
                              swap=settings.swap, channel_scale=settings.channel_scale)
-
-    def forget(self, paths: list[str]) -> None:
-        """Drop the per-slot bits of the modules at ``paths`` (their slots are ``<path>:<role>``)."""
-        prefixes = tuple(f"{p}:" for p in paths)
-        for slot in [s for s in self.bits if s.startswith(prefixes)]:
-            del self.bits[slot]
 
     @contextlib.contextmanager
     def probing(self) -> Iterator[Probe]:

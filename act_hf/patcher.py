@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import logging
 import re
+import secrets
 import textwrap
 import warnings
 from collections.abc import Callable, Iterable
@@ -260,6 +261,8 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
     if overrides:
         config = config.with_overrides(**overrides)
     family = family_of(model)
+    # an adaptive model's allocation is its own (ContextStore.bits): a random token outlives pickling
+    model.act_hf_bits_owner = secrets.randbits(62) + 1 if config.adaptive else 0
     if family is None:
         if config.strict:
             raise ActHFValueError(
@@ -273,15 +276,17 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
     else:
         patched = PATCH_FUNCTIONS[family](model, config)
     if not patched:
+        del model.act_hf_bits_owner
         raise NoMatchingModuleError(
             f"act_hf found nothing to patch in {type(model).__name__} (kinds={list(config.kinds)}, "
             f"target_modules={config.target_modules!r}, exclude_modules={config.exclude_modules!r})"
         )
     if config.checkpoint_bits is not None:
         _enable_checkpoint_compression(model, config)
-    from .context import store
-
-    store.forget(patched)  # per-slot bits left by an earlier model with the same module paths
+    if model.act_hf_bits_owner:
+        for module in model.modules():
+            if hasattr(module, "act_bits"):  # converted modules and marked attention modules
+                module.act_bits_owner = model.act_hf_bits_owner
     allocator = None
     if config.adaptive:
         from .adapt import BitAllocator
@@ -324,7 +329,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             revert(module)
     for target in (model, wrapper):
         for attr in ("act_hf_config", "act_hf_family", "act_hf_patched_modules", "act_hf_cleanups",
-                     "act_hf_allocator"):
+                     "act_hf_allocator", "act_hf_bits_owner"):
             target.__dict__.pop(attr, None)
     return wrapper
 

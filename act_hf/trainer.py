@@ -120,16 +120,14 @@ class ActCompressCallback(TrainerCallback):
             self._measure_next = True
 
     def average_bits(self) -> float:
-        """With adaptive bits, the allocated bits averaged over stored elements; otherwise the mean default bits
-        of the patched modules (per-slot overrides from ``store.bits`` included)."""
+        """With adaptive bits, the allocated bits averaged over stored elements; otherwise the mean bits of the
+        patched modules."""
         if self._model is None:
             return float("nan")
         if self.allocator is not None:
             return self.allocator.average_bits()
         bits = [m.act_bits for m in self._model.modules() if hasattr(m, "act_bits")]
-        overrides = list(store.bits.values())
-        values = bits + overrides
-        return sum(values) / len(values) if values else float("nan")
+        return sum(bits) / len(bits) if bits else float("nan")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or self._model is None:
@@ -151,7 +149,9 @@ class ActCompressCallback(TrainerCallback):
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The allocation state saved into checkpoints."""
-        state = {"config": self.config.to_dict(), "slot_bits": dict(store.bits)}
+        owner = self.allocator.owner if self.allocator is not None else 0
+        state = {"config": self.config.to_dict(),
+                 "slot_bits": {slot: bits for (o, slot), bits in store.bits.items() if owner and o == owner}}
         if self.allocator is not None:
             state["allocator"] = self.allocator.state_dict()
         return state
@@ -169,8 +169,11 @@ class ActCompressCallback(TrainerCallback):
             logger.warning("no %s in %s: act_hf keeps its current allocation", STATE_NAME, checkpoint)
             return False
         data = json.loads(path.read_text())
-        store.bits.clear()
-        store.bits.update({k: int(v) for k, v in data.get("slot_bits", {}).items()})
+        if self.allocator is not None:  # fixed bits read no per-slot table
+            owner = self.allocator.owner
+            for key in [k for k in store.bits if k[0] == owner]:
+                del store.bits[key]
+            store.bits.update({(owner, k): int(v) for k, v in data.get("slot_bits", {}).items()})
         if self.allocator is not None and "allocator" in data:
             self.allocator.load_state_dict(data["allocator"])
         return True

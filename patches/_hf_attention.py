@@ -69,7 +69,7 @@ ACT_SDPA = "act_hf_sdpa"
 ACT_EAGER = "act_hf_eager"
 _SWITCH = {"sdpa": ACT_SDPA, "eager": ACT_EAGER}
 _ORIGINAL_ATTR = "_act_hf_attn_original"
-_MARK_ATTRS = ("act_slot", "act_bits", "act_group_size", "act_swap")
+_MARK_ATTRS = ("act_slot", "act_bits", "act_group_size", "act_swap", "act_bits_owner")
 
 sdpa_attention_forward = _sdpa_mod.sdpa_attention_forward
 
@@ -86,7 +86,8 @@ def _settings(module: nn.Module) -> OpSettings:
     base = getattr(module, "act_slot", "") or type(module).__name__
     bits = int(module.act_bits)
     return OpSettings(slot=base, bits=bits, group_size=int(getattr(module, "act_group_size", 256)),
-                      swap=bool(getattr(module, "act_swap", False)))
+                      swap=bool(getattr(module, "act_swap", False)),
+                      bits_owner=int(getattr(module, "act_bits_owner", 0)))
 
 
 def act_sdpa_attention_forward(

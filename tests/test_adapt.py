@@ -151,8 +151,9 @@ def test_a_slot_whose_compression_hurts_gets_more_bits():
 
     def harm(slot_bits):
         model = copy.deepcopy(reference)
-        act_hf.patch(model, bits=8, kinds=("linear",), data_bits=None)  # the input batch at its slot's bits
-        store.bits.update(slot_bits)
+        act_hf.patch(model, bits=8.0, kinds=("linear",))  # adaptive: its slots read the allocation table
+        model.act_hf_allocator.remove()  # no probe: the test writes the slots' bits itself
+        store.bits.update({(model.act_hf_bits_owner, slot): bits for slot, bits in slot_bits.items()})
         errors = []
         for seed in range(20):
             act_hf.manual_seed(seed)
@@ -295,3 +296,36 @@ def test_the_interval_counts_from_an_explicit_update():
         updates.append(allocator.updates)
     assert updates == [1, 1, 1, 2, 2, 2, 3]
     act_hf.unpatch(model)
+
+
+def test_a_model_reads_only_its_own_allocation():
+    """Two models with the same module paths in one process (co-training, a sweep in a notebook): a fixed-bits
+    model beside an adaptive one keeps its bits, and a second adaptive model's allocation leaves the first's."""
+    fixed, inputs = bert()
+    act_hf.patch(fixed, bits=3)
+    fixed.train()
+
+    def saved_bytes(model):
+        with act_hf.track_saved(model) as saved:
+            model(**inputs)
+        return saved.bytes
+
+    alone = saved_bytes(fixed)
+    first, _ = bert()
+    act_hf.patch(first, bits=1.5, adapt_samples=2, variance_alarm=0)
+    first.train()
+    first(**inputs).loss.backward()  # the first training forward allocates
+    allocation = {k: v for k, v in store.bits.items() if k[0] == first.act_hf_bits_owner}
+    assert allocation and {slot for _, slot in allocation} <= {s for g in first.act_hf_allocator.groups.values()
+                                                                for s in g.slots}
+    assert saved_bytes(fixed) == alone
+    second, _ = bert()
+    act_hf.patch(second, bits=4.5, adapt_samples=2, variance_alarm=0)
+    second.train()
+    second(**inputs).loss.backward()
+    assert second.act_hf_bits_owner != first.act_hf_bits_owner
+    assert {k: v for k, v in store.bits.items() if k[0] == first.act_hf_bits_owner} == allocation
+    assert saved_bytes(fixed) == alone
+    for model in (first, second):
+        act_hf.unpatch(model)
+    assert not store.bits

@@ -45,16 +45,21 @@ def test_callback_patches_and_logs(tmp_path):
     assert state["config"]["bits"] == 3
 
 
-def test_resume_restores_the_allocation(tmp_path):
+def test_fixed_bits_neither_read_nor_save_another_models_allocation(tmp_path):
+    """An adaptive model alive beside this one, with the same module paths, has its own allocation: the fixed
+    3-bit run does not read it, save it into its checkpoints, or clear it on resume."""
     store.bits.clear()
+    other = (12345, "bert.encoder.layer.0.intermediate.dense:input")
+    store.bits[other] = 5
     callback = act_hf.ActCompressCallback(bits=3)
     trainer = _trainer(tmp_path, callback, max_steps=2, save_steps=2)
-    store.bits["bert.encoder.layer.0.intermediate.dense:input"] = 5  # an allocation decided during training
     trainer.train()
-    store.bits.clear()
+    assert callback.average_bits() == 3
+    state = json.loads((tmp_path / "checkpoint-2" / "act_hf_state.json").read_text())
+    assert state["slot_bits"] == {}
     resumed = _trainer(tmp_path, act_hf.ActCompressCallback(bits=3), max_steps=3, save_steps=10)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    assert store.bits == {"bert.encoder.layer.0.intermediate.dense:input": 5}
+    assert store.bits == {other: 5}
     store.bits.clear()
 
 
@@ -81,14 +86,14 @@ def test_callback_adapts_bits_under_the_budget(tmp_path):
     assert len(set(seen[0].values())) > 1  # not uniform: the budget is distributed by sensitivity
     assert allocator.average_bits() <= 2.5 and allocator.average_bits() > 2.0
     for group in allocator.groups.values():
-        assert all(store.bits[slot] == group.bits for slot in group.slots)
+        assert all(store.bits[allocator.owner, slot] == group.bits for slot in group.slots)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert all(e["act_hf/avg_bits"] <= 2.5 and e["act_hf/adapt_updates"] >= 1 for e in logs)
     assert all("act_hf/variance_ratio" in e and e["act_hf/adapt_overhead"] > 0 for e in logs)
     state = json.loads((tmp_path / "checkpoint-2" / "act_hf_state.json").read_text())
     assert state["allocator"]["groups"] and state["allocator"]["budget"] == 2.5
     act_hf.unpatch(trainer.model)
-    assert not any(slot in store.bits for group in allocator.groups.values() for slot in group.slots)
+    assert not any(key[0] == allocator.owner for key in store.bits)
 
 
 def test_resume_keeps_the_adaptive_allocation(tmp_path):
@@ -104,7 +109,7 @@ def test_resume_keeps_the_adaptive_allocation(tmp_path):
     assert not calls
     assert {n: (g.bits, g.sensitivity) for n, g in allocator.groups.items()} == saved
     for group in allocator.groups.values():
-        assert all(store.bits[slot] == group.bits for slot in group.slots)
+        assert all(store.bits[allocator.owner, slot] == group.bits for slot in group.slots)
     act_hf.unpatch(resumed.model)
 
 

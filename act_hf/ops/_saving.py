@@ -26,8 +26,10 @@ __all__ = ["OpSettings", "RngState", "autocast_state", "load_context", "owned_ou
 class OpSettings:
     """What an op needs to compress one saved tensor: the slot name, its bits, the group size, whether the
     packed copy is swapped to host memory, whether the last dimension's channels are equalized first
-    (``channel_scale``, see :func:`act_hf.compress.quantize`), and the fewest bits of an input without autograd
-    history (``data_bits``, ``ActConfig.data_bits``; 0: no floor; linears and convs apply it)."""
+    (``channel_scale``, see :func:`act_hf.compress.quantize`), the fewest bits of an input without autograd
+    history (``data_bits``, ``ActConfig.data_bits``; 0: no floor; linears and convs apply it), and the model
+    whose adaptive allocation the op's per-role slots read (``bits_owner``, see ``ContextStore.bits``; 0: fixed
+    bits)."""
 
     slot: str
     bits: int
@@ -35,6 +37,7 @@ class OpSettings:
     swap: bool = False
     channel_scale: bool = False
     data_bits: int = 0
+    bits_owner: int = 0
 
 
 def owned_output(out: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ transformers / timm write it. The context kept for backward is only
 
 * ``q``, ``k``, ``v`` quantized through the context store, one slot each: ``<base>:q``, ``<base>:k``,
   ``<base>:v`` (``<base>`` is ``settings.slot``, e.g. ``bert.encoder.layer.0.attention.self``), each at the
-  bits the allocator gave that slot (``store.bits_for``, default ``settings.bits``);
+  bits the model's allocator gave that slot (``store.bits_for``, default ``settings.bits``);
 * the attention mask / bias as given (not compressed: HF passes one mask tensor shared by every layer, so it is
   stored once; timm's Swin passes a small ``(1, heads, N, N)`` bias);
 * for SDPA with dropout, no mask at all: the state of the generators the forward drew it from (a few KiB of
@@ -90,7 +90,7 @@ __all__ = [
 def role_settings(settings: OpSettings, role: str) -> OpSettings:
     """Settings of the slot ``<settings.slot>:<role>`` with the bits the allocator gave it."""
     slot = f"{settings.slot}:{role}"
-    return replace(settings, slot=slot, bits=store.bits_for(slot, settings.bits))
+    return replace(settings, slot=slot, bits=store.bits_for(slot, settings.bits, settings.bits_owner))
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
