@@ -234,10 +234,13 @@ def _packed_layer_call(options: dict, function: Callable, *args: Any) -> Any:
 
 
 def _convert_modules(model: nn.Module, options: dict) -> None:
+    converted: dict[int, Callable] = {}  # HF sets one function on every layer: converted (or warned about) once
     for path, module in model.named_modules():
         func = module.__dict__.get("_gradient_checkpointing_func")
         if func is not None:
-            module._gradient_checkpointing_func = _compressing(func, options)
+            if id(func) not in converted:
+                converted[id(func)] = _compressing(func, options)
+            module._gradient_checkpointing_func = converted[id(func)]
             module.act_hf_checkpoint_slot = f"{path or 'model'}:checkpoint_input"
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import logging
 import math
 import warnings
 
@@ -265,6 +267,30 @@ def test_adaptive_bits_probe_runs_uncheckpointed():
     assert model.act_hf_allocator.updates == 1
     assert model.act_hf_allocator.average_bits() <= 2.5
     assert any(s.endswith(":checkpoint_input") for s in saved.by_slot)
+
+
+def test_hf_offloaded_checkpointing_keeps_its_own_function_and_warns_once(caplog):
+    """transformers' ``offload=True`` wraps torch's checkpoint in ``save_on_cpu``: act_hf leaves that function
+    on every layer (the inputs stay exact, on the host), says so once, and the step is the plain one."""
+    model, inputs = bert()
+    if "offload" not in inspect.signature(getattr(model, "activation_checkpointing_enable", lambda: None)).parameters:
+        pytest.skip("this transformers has no offloaded checkpointing")
+    model.train()
+    reference = copy.deepcopy(model)
+    act_hf.patch(reference, bits=8)
+    act_hf.patch(model, bits=8, checkpoint_bits=8)
+    with caplog.at_level(logging.WARNING, logger="act_hf.checkpoint"):
+        model.activation_checkpointing_enable(offload=True)
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "checkpoint_bits=8 has no effect" in caplog.text
+    funcs = {id(layer._gradient_checkpointing_func) for layer in model.bert.encoder.layer}
+    assert len(funcs) == 1 and not getattr(model.bert.encoder.layer[0]._gradient_checkpointing_func,
+                                           "act_hf_compressed", False)
+    ref_loss, _ = _step(reference, inputs)
+    loss, saved = _step(model, inputs)
+    assert torch.equal(loss, ref_loss)
+    assert_grads_match(reference, model, cos=0.999)
+    assert not any(s.endswith(":checkpoint_input") for s in saved.by_slot)
 
 
 @pytest.mark.filterwarnings("ignore:act_hf has no family")
