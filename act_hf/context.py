@@ -56,6 +56,10 @@ class _Entry:
             return None
         return PackedTensor.rebuild(tensors, self.spec)
 
+    def form(self, x: torch.Tensor) -> PackedSpec | None:
+        """The spec of the copy made for ``x`` while ``x`` is unchanged, even when the copy itself was freed."""
+        return None if self.source() is None or x._version != self.version else self.spec
+
     def alive(self) -> bool:
         return self.source() is not None and all(r() is not None for r in self.tensors)
 
@@ -188,6 +192,12 @@ class ContextStore:
         if packed is not None and swap:
             self.swap.reused(packed)
         if packed is None:
+            form = entry.form(x) if entry is not None else None
+            if form is not None:
+                # The copy was freed while x lives: a non-reentrant checkpoint's forward drops what ops save.
+                # Pack again in the first packer's form, so the recomputation, where the copy is shared, saves
+                # tensors of the same shapes (torch's checkpoint checks them).
+                channel_scale = form.channel_scaled
             packed = quantize(x, bits, group_size, channel_scale=channel_scale)
             if swap:
                 packed = self.swap.offload(packed)

@@ -45,6 +45,23 @@ def test_the_first_packer_decides_the_channel_scaling_of_a_shared_copy():
     assert first.nbytes == n * 3 // 8 + 4 * (n // 256) + 64  # + one byte per channel
 
 
+def test_a_freed_shared_copy_is_packed_again_in_the_first_packers_form():
+    """A non-reentrant checkpoint's forward drops the LayerNorm's copy at once; the Linear after it packs its
+    own, channel scaled as the LayerNorm's was, so the recomputation (where the copy is shared) saves tensors
+    of the same shapes. Changed in place, the tensor is new, and the reader's own form applies."""
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    first = store.compress(x, slot="norm:output", bits=3, group_size=256, channel_scale=True)
+    shapes = [t.shape for t in first.tensors]
+    del first
+    gc.collect()
+    again = store.compress(x, slot="lin:input", bits=3, group_size=256, channel_scale=False)
+    assert again.spec.channel_scaled and [t.shape for t in again.tensors] == shapes
+    del again
+    with torch.no_grad():
+        x.mul_(2)
+    assert not store.compress(x, slot="lin:input", bits=3, group_size=256, channel_scale=False).spec.channel_scaled
+
+
 def test_in_place_modification_invalidates_the_entry():
     a, b, _ = _three_linears()
     x = torch.randn(4, 64)

@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 import act_hf
+from act_hf.checkpoint import enable_hf_checkpointing
 from tests.patches.models import ALL_CASES, bert, loss_of
 from tests.utils import assert_grads_match
 
@@ -132,6 +133,27 @@ def test_small_bert_bf16_saved_activations_at_least_5x_smaller():
           f"ratio {ratio:.2f}x")
     act_hf.report(model, saved)
     assert ratio >= 5.0
+
+
+@pytest.mark.parametrize("name", ["timm-vit", "timm-swin", "timm-swinv2", "timm-convnext", "timm-resnet",
+                                  "timm-efficientvit", "vit-hf", "swin-hf"])
+def test_vision_gradient_checkpointing(name):
+    """timm's ``set_grad_checkpointing`` and HF's checkpointing of vision models: torch's non-reentrant
+    checkpoint drops what the forward saves and checks that the recomputation saves tensors of the same shapes.
+    A LayerNorm output shared with the next Linear (one channel-scaled copy in the recomputation) must be
+    packed in that same form in the forward, where the LayerNorm's copy is already gone."""
+    case, ref, model, inputs = _pair(name, bits=8)
+    for m in (ref, model):
+        if case.timm:
+            m.set_grad_checkpointing(True)
+        else:
+            enable_hf_checkpointing(m)
+        m.train()
+    lr, la = loss_of(case, ref, inputs), loss_of(case, model, inputs)
+    assert torch.equal(la, lr)
+    lr.backward()
+    la.backward()
+    assert_grads_match(ref, model, name=name)
 
 
 def _ddp_worker(rank: int, world: int, port: int, results):
