@@ -112,6 +112,13 @@ _EXTREMA = {torch.amax: (True, False), torch.Tensor.amax: (True, False), torch.a
             torch.min: (False, True), torch.Tensor.min: (False, True)}
 
 
+def _top_saved_tensors_hooks() -> tuple | None:
+    """The innermost saved-tensor hooks ``(pack, unpack)`` in force, or ``None`` (none, or a torch without the
+    query, where act_hf's scopes are taken to be innermost)."""
+    query = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return query(False) if query is not None else None
+
+
 def _plain(t) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter) and not t.is_nested
 
@@ -294,8 +301,19 @@ class _HookScopes:
         return self.compressing_hooks.slot.rsplit(":", 1)[0] + ":extremum"
 
     def compressing(self) -> bool:
-        """Whether the innermost open scope compresses (the root's own code, outside act_hf modules and head)."""
-        return bool(self.stack) and self.stack[-1][2] == _COMPRESSING
+        """Whether the innermost open scope compresses (the root's own code, outside act_hf modules and head)
+        and its hooks are the ones autograd applies."""
+        return bool(self.stack) and self.stack[-1][2] == _COMPRESSING and not self._foreign_hooks_inside()
+
+    def _foreign_hooks_inside(self) -> bool:
+        """Whether the innermost saved-tensor hooks are another party's, e.g. those of torch's non-reentrant
+        checkpoint inside a block (timm's ``set_grad_checkpointing``). Its recomputation in backward runs
+        outside the root's forward, without the function mode, so inside such hooks nothing is routed: both
+        passes then save the same tensors, which the checkpoint checks. act_hf modules still open their
+        pass-through scope there, in both passes, so their packed contexts stay with the forward's graph
+        instead of being recomputed."""
+        top = _top_saved_tensors_hooks()
+        return top is not None and not (top[0] == self.pack or top[0] is _pass_through)
 
     def _open(self, module: nn.Module, hooks: tuple, kind: str) -> None:
         if module.training and torch.is_grad_enabled():

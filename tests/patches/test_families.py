@@ -321,6 +321,33 @@ def test_routed_sdpa_draws_dropout_as_sdpa_and_act_hf_attention_is_not_routed_tw
     assert_grads_match(ref, model, name="routed sdpa with dropout")
 
 
+class _CheckpointedAttentionNet(_AttentionNet):
+    """The attention block run through torch's non-reentrant checkpoint, as timm's ``set_grad_checkpointing``
+    runs blocks."""
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.attn, self.embed(x), use_reentrant=False)
+        return self.out(h.mean(1))
+
+
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+def test_the_fallback_routes_nothing_inside_a_non_reentrant_checkpoint():
+    """The checkpoint's recomputation in backward runs outside the root's forward, where nothing is routed, and
+    the checkpoint checks that both passes save tensors of the same shapes: SDPA routed in the forward raised
+    its CheckpointError (timm's MaxViT, CoAtNet, Hiera and XCiT with ``set_grad_checkpointing``). Inside the
+    checkpoint its own hooks keep the tensors, so routing would save nothing there anyway."""
+    torch.manual_seed(0)
+    ref = _CheckpointedAttentionNet().train()
+    x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(1)
+    expected = torch.nn.functional.cross_entropy(ref(x), torch.tensor([0, 2]))
+    expected.backward()
+    model, loss, saved = _attention_step(ref, x, 8, 0)
+    assert torch.equal(loss, expected)
+    assert not any(":sdpa:" in slot for slot in saved.by_slot)
+    assert_grads_match(ref, model, name="checkpointed attention")
+
+
 class _QueryPooling(torch.nn.Module):
     """Hiera's pooled attention queries: ``amax`` over strided groups of tokens, then attention."""
 
