@@ -4,7 +4,6 @@ packed at no fewer than ``data_bits`` bits."""
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import timm
@@ -15,11 +14,7 @@ import act_hf
 from act_hf import ActConfig
 from act_hf.context import track_saved
 from act_hf.errors import ActHFTypeError, ActHFValueError
-from tests.utils import relative_error
-
-
-def _packed_bytes(n: int, bits: int, group: int = 256) -> int:
-    return math.ceil(n * bits / 8) + 4 * math.ceil(n / group)
+from tests.utils import packed_bytes, relative_error
 
 
 def _resnet():
@@ -53,12 +48,12 @@ def test_the_floor_applies_to_fixed_bits_only():
 def test_the_image_a_stem_conv_reads_is_packed_at_data_bits():
     x = torch.randn(2, 3, 32, 32)
     n = x.numel()
-    assert _stem_bytes(act_hf.patch(_resnet(), bits=3), x) == _packed_bytes(n, 8)
-    assert _stem_bytes(act_hf.patch(_resnet(), bits=3, data_bits=4), x) == _packed_bytes(n, 4)
-    assert _stem_bytes(act_hf.patch(_resnet(), bits=3, data_bits=None), x) == _packed_bytes(n, 3)
-    assert _stem_bytes(act_hf.patch(_resnet(), bits=8, data_bits=4), x) == _packed_bytes(n, 8)  # never fewer
+    assert _stem_bytes(act_hf.patch(_resnet(), bits=3), x) == packed_bytes(n, 8)
+    assert _stem_bytes(act_hf.patch(_resnet(), bits=3, data_bits=4), x) == packed_bytes(n, 4)
+    assert _stem_bytes(act_hf.patch(_resnet(), bits=3, data_bits=None), x) == packed_bytes(n, 3)
+    assert _stem_bytes(act_hf.patch(_resnet(), bits=8, data_bits=4), x) == packed_bytes(n, 8)  # never fewer
     # an input with autograd history is an activation like any other
-    assert _stem_bytes(act_hf.patch(_resnet(), bits=3), x.clone().requires_grad_()) == _packed_bytes(n, 3)
+    assert _stem_bytes(act_hf.patch(_resnet(), bits=3), x.clone().requires_grad_()) == packed_bytes(n, 3)
 
 
 def test_a_floored_stem_makes_the_weight_gradient_closer_to_exact():

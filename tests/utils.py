@@ -7,6 +7,11 @@ import math
 import torch
 
 
+def packed_bytes(numel: int, bits: int, group_size: int = 256) -> int:
+    """Bytes of a packed tensor of ``numel`` elements: the bit stream plus a 16-bit zero point and scale per group."""
+    return math.ceil(numel * bits / 8) + 4 * math.ceil(numel / group_size)
+
+
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: ``20*log10(|ref| / |ref - approx|)`` (inf when equal)."""
     ref = ref.double()

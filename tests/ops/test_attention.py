@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 
 import pytest
@@ -21,7 +20,7 @@ from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
 from act_hf.ops._saving import OpSettings
 from act_hf.ops.attention import act_eager_attention, act_sdpa, repeat_kv
-from tests.utils import sqnr_db
+from tests.utils import packed_bytes, sqnr_db
 
 # Minimum gradient SQNR (dB) of dq, dk, dv per bit width for Gaussian q, k, v (B, H, S, D = 2, 4, 64, 32).
 # Measured means (module docstring, larger shape): -7 / 3 / 10 / 35 dB at 2 / 3 / 4 / 8 bits.
@@ -231,21 +230,16 @@ def test_sdpa_dropout_under_autocast_replays_the_cast():
         assert x.dtype == torch.float32 and torch.equal(r, x), name
 
 
-def _packed_bytes(t: torch.Tensor, bits: int, group_size: int = 256) -> int:
-    n = t.numel()
-    return math.ceil(n * bits / 8) + 4 * math.ceil(n / group_size)
-
-
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_sdpa_saved_bytes_formula(bits):
     q, k, v = _qkv(s=48)
     mask = _padding_mask((B, 1, 1, 48))
     with track_saved() as saved:
         out = act_sdpa(q, k, v, mask, 0.1, settings=_settings(bits))
-    expected = 3 * _packed_bytes(q, bits) + mask.numel()  # no dropout mask: backward redraws it
+    expected = 3 * packed_bytes(q.numel(), bits) + mask.numel()  # no dropout mask: backward redraws it
     print(f"bits={bits}: saved {saved.bytes} B (expected {expected}); by slot {saved.by_slot}")
     assert saved.bytes == expected
-    assert saved.by_slot["layer.attn:q"] == _packed_bytes(q, bits)
+    assert saved.by_slot["layer.attn:q"] == packed_bytes(q.numel(), bits)
     with track_saved() as plain:
         F.scaled_dot_product_attention(q, k, v, mask, 0.1)
     print(f"  unpatched SDPA saves {plain.bytes} B")

@@ -29,7 +29,7 @@ from act_hf.nn.norm import (
 )
 from act_hf.ops._saving import OpSettings
 from act_hf.ops.norm import act_batch_norm_act, act_layer_norm, act_rms_norm
-from tests.utils import sqnr_db
+from tests.utils import packed_bytes, sqnr_db
 
 # Minimum gradient SQNR (dB) vs float64 autograd, per bit width, for Gaussian inputs (fp32 / bf16 inputs). The
 # input gradient is mostly exact terms (only its x_hat-weighted term carries noise), the weight gradient is a sum of
@@ -37,11 +37,6 @@ from tests.utils import sqnr_db
 SQNR_MIN = {2: 0.0, 3: 6.0, 4: 12.0, 8: 30.0}
 SQNR_MIN_BF16_8 = 22.0  # bf16 rounding of the forward itself limits the match with float64
 BITS = 8
-GROUP = 256
-
-
-def _packed_bytes(n: int, bits: int, group: int = GROUP) -> int:
-    return math.ceil(n * bits / 8) + 4 * math.ceil(n / group)
 
 
 def _randomize(module: nn.Module, scale: float = 0.1) -> nn.Module:
@@ -165,10 +160,10 @@ def test_layer_norm_saved_bytes_output_and_input():
         act = _act(ln, ActLayerNormMixin, bits=3, act_norm_context=context)
         with track_saved(act) as saved:
             act(x)
-        expected = _packed_bytes(rows * n, 3) + extra
+        expected = packed_bytes(rows * n, 3) + extra
         print(context, saved.bytes, expected, saved.by_slot)
         assert saved.bytes == expected
-        assert saved.by_slot[f"m:{context}"] == _packed_bytes(rows * n, 3)
+        assert saved.by_slot[f"m:{context}"] == packed_bytes(rows * n, 3)
 
 
 def test_layer_norm_needs_input_grad():
@@ -185,14 +180,14 @@ def test_layer_norm_needs_input_grad():
         y = act(xx)
     y.sum().backward()
     assert act.weight.grad is None and act.bias.grad is None and xx.grad is not None
-    assert saved.bytes == _packed_bytes(3 * n, 8) + 3 * 4
+    assert saved.bytes == packed_bytes(3 * n, 8) + 3 * 4
     # input without grad, weight trainable: the output and no rstd
     act = _act(ln, ActLayerNormMixin, bits=8)
     with track_saved(act) as saved:
         y = act(x)
     y.sum().backward()
     assert act.weight.grad is not None
-    assert saved.bytes == _packed_bytes(3 * n, 8)
+    assert saved.bytes == packed_bytes(3 * n, 8)
     # only the bias trains: nothing to save
     act.weight.requires_grad_(False)
     act.bias.grad = None
@@ -217,7 +212,7 @@ def test_layer_norm_feeding_linear_saves_output_once():
         out = model[1](h) + model[2](h)
     print(saved.by_slot)
     assert set(saved.by_slot) == {"ln:output", "<uncompressed:torch.float32>"}
-    assert saved.bytes == _packed_bytes(rows * n, 3) + rows * 4
+    assert saved.bytes == packed_bytes(rows * n, 3) + rows * 4
     out.sum().backward()
     assert x.grad is not None and model[1].weight.grad is not None
 
@@ -232,7 +227,7 @@ def test_layer_norm_small_gamma_falls_back_to_input():
     x, g = torch.randn(4, n), torch.randn(4, n)
     with track_saved(act) as saved:
         y, gx, gp = _run(act, x, g)
-    assert saved.bytes == _packed_bytes(4 * n, 8) + 2 * 4 * 4  # the input form
+    assert saved.bytes == packed_bytes(4 * n, 8) + 2 * 4 * 4  # the input form
     rx, rp = _grads_f64(ln, x, g)
     _check_grads("LN gamma=0", gx, gp, rx, rp, SQNR_MIN[8])
     # the guard is recomputed after the weight changes
@@ -240,7 +235,7 @@ def test_layer_norm_small_gamma_falls_back_to_input():
         act.weight[3] = 1.0
     with track_saved(act) as saved:
         act(x.requires_grad_())
-    assert saved.bytes == _packed_bytes(4 * n, 8) + 4 * 4
+    assert saved.bytes == packed_bytes(4 * n, 8) + 4 * 4
 
 
 def test_layer_norm_eval_and_no_grad_run_original():
@@ -384,7 +379,7 @@ def test_rms_norm_saved_bytes_and_low_bits(context):
         x, g = torch.randn(8, 32, 256), torch.randn(8, 32, 256)
         with track_saved(act) as saved:
             _, gx, gp = _run(act, x, g)
-        assert saved.bytes == _packed_bytes(8 * 32 * 256, bits) + 8 * 32 * 4
+        assert saved.bytes == packed_bytes(8 * 32 * 256, bits) + 8 * 32 * 4
         rx, rp = _grads_f64(mod, x, g)
         _check_grads(f"RMS bits={bits} {context}", gx, gp, rx, rp, SQNR_MIN[bits])
 
@@ -418,7 +413,7 @@ def test_timm_layer_norm2d_feeding_conv_saves_output_once():
         out = conv(norm(x))
     print(saved.by_slot)
     assert "conv:input" not in saved.by_slot
-    assert saved.bytes == _packed_bytes(2 * 8 * 25, 4) + 2 * 25 * 4
+    assert saved.bytes == packed_bytes(2 * 8 * 25, 4) + 2 * 25 * 4
     out.sum().backward()
     assert norm.weight.grad is not None
 
@@ -458,7 +453,7 @@ def test_batch_norm_saved_bytes_eval_and_frozen():
     x = torch.randn(3, 5, 4, 4, requires_grad=True)
     with track_saved(act) as saved:
         act(x)
-    assert saved.bytes == _packed_bytes(x.numel(), 4) + 2 * 5 * 4
+    assert saved.bytes == packed_bytes(x.numel(), 4) + 2 * 5 * 4
     act.eval()
     with track_saved(act) as saved:
         y = act(x)
@@ -571,7 +566,7 @@ def test_batch_norm_act_whose_gamma_the_output_form_rejects_compresses_its_activ
     assert "0.bn:output" in saved.by_slot and "1.bn:input" in saved.by_slot and "1.bn.act:input" in saved.by_slot
     assert not any(k.startswith("<uncompressed") and v > 1024 for k, v in saved.by_slot.items()), saved.by_slot
     n = x.numel() // 3 * 16  # elements of one 16-channel layer's output
-    assert saved.by_slot["0.bn:output"] == _packed_bytes(n, 3) + n // 8  # the quantized output and its sign bits
+    assert saved.by_slot["0.bn:output"] == packed_bytes(n, 3) + n // 8  # the quantized output and its sign bits
 
 
 @pytest.mark.parametrize("activation,param", [("identity", 0.0), ("leaky_relu", 0.2), ("elu", 1.0)])
@@ -586,7 +581,7 @@ def test_batch_norm_act_mixin_on_plain_bn(activation, param):
         y, gx, gp = _run(act, x, g)
     assert torch.equal(y, ref(x))
     mask = 0 if activation == "identity" else math.ceil(x.numel() / 8)
-    assert saved.bytes == _packed_bytes(x.numel(), BITS) + mask + 6 * 4  # z, its sign bits, save_invstd
+    assert saved.bytes == packed_bytes(x.numel(), BITS) + mask + 6 * 4  # z, its sign bits, save_invstd
     rx, rp = _grads_f64(ref, x, g)
     _check_grads(f"BN+{activation}", gx, gp, rx, {n.split(".", 1)[1]: v for n, v in rp.items()}, SQNR_MIN[8])
     act.eval()
@@ -604,5 +599,5 @@ def test_batch_norm_act_zero_gamma_falls_back():
         y, gx, gp = _run(act, x, torch.randn_like(x))
     assert torch.equal(y, F.leaky_relu(bn(x), 0.1))
     # the input form (x, mean, invstd), then F.leaky_relu saving its own fp32 input
-    assert saved.bytes == _packed_bytes(x.numel(), BITS) + 2 * 4 * 4 + x.numel() * 4
+    assert saved.bytes == packed_bytes(x.numel(), BITS) + 2 * 4 * 4 + x.numel() * 4
     assert torch.isfinite(gx).all() and torch.isfinite(gp["weight"]).all()
