@@ -723,7 +723,9 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
             baseline = _calibrate(built, base, **kwargs)
             patched = copy.deepcopy(base)
             if checkpointing:
-                _enable_hf_checkpointing(patched)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # transformers' notes about use_cache
+                    enable_hf_checkpointing(patched)
             patched = act_hf.patch(patched, bits=bits, checkpoint_bits=checkpoint_bits)
             try:
                 avg_bits = _allocate(built, patched, seq, device, amp) if isinstance(bits, float) else None
@@ -774,9 +776,3 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         baseline=baseline, act_hf=fit, avg_bits=avg_bits, checkpointing=checkpointing,
         checkpoint_bits=checkpoint_bits, notes=notes,
     )
-
-
-def _enable_hf_checkpointing(model: nn.Module) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' notes about use_cache
-        enable_hf_checkpointing(model)

@@ -261,15 +261,16 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
     if overrides:
         config = config.with_overrides(**overrides)
     family = family_of(model)
-    # an adaptive model's allocation is its own (ContextStore.bits): a random token outlives pickling
+    if family is None and config.strict:
+        raise ActHFValueError(
+            f"act_hf has no patch for {type(model).__name__} (model_type="
+            f"{getattr(getattr(model, 'config', None), 'model_type', None)!r}); supported families: "
+            f"{sorted(PATCH_FUNCTIONS)}. Pass strict=False for the generic fallback."
+        )
+    # an adaptive model's allocation is its own (ContextStore.bits): a random token outlives pickling; the
+    # fallback's hooks read it while the model is patched
     model.act_hf_bits_owner = secrets.randbits(62) + 1 if config.adaptive else 0
     if family is None:
-        if config.strict:
-            raise ActHFValueError(
-                f"act_hf has no patch for {type(model).__name__} (model_type="
-                f"{getattr(getattr(model, 'config', None), 'model_type', None)!r}); supported families: "
-                f"{sorted(PATCH_FUNCTIONS)}. Pass strict=False for the generic fallback."
-            )
         from .patches import generic
 
         patched = generic.patch_generic(model, config)

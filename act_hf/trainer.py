@@ -149,7 +149,7 @@ class ActCompressCallback(TrainerCallback):
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The allocation state saved into checkpoints."""
-        owner = self.allocator.owner if self.allocator is not None else 0
+        owner = self.allocator.owner if self.allocator is not None else 0  # 0: fixed bits, no slot of its own
         state = {"config": self.config.to_dict(),
                  "slot_bits": {slot: bits for (o, slot), bits in store.bits.items() if owner and o == owner}}
         if self.allocator is not None:
@@ -174,6 +174,6 @@ class ActCompressCallback(TrainerCallback):
             for key in [k for k in store.bits if k[0] == owner]:
                 del store.bits[key]
             store.bits.update({(owner, k): int(v) for k, v in data.get("slot_bits", {}).items()})
-        if self.allocator is not None and "allocator" in data:
-            self.allocator.load_state_dict(data["allocator"])
+            if "allocator" in data:
+                self.allocator.load_state_dict(data["allocator"])
         return True
