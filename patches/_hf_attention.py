@@ -72,6 +72,9 @@ _ORIGINAL_ATTR = "_act_hf_attn_original"
 _MARK_ATTRS = ("act_slot", "act_bits", "act_group_size", "act_swap", "act_bits_owner")
 
 sdpa_attention_forward = _sdpa_mod.sdpa_attention_forward
+#: transformers < 5.24 updates a paged (continuous-batching) cache inside ``sdpa_attention_forward``; later
+#: versions do it before the call and no longer import the class there
+_PAGED_CACHE = getattr(_sdpa_mod, "PagedAttentionCache", None)
 
 
 def _compressing(module: nn.Module, *tensors: torch.Tensor | None) -> bool:
@@ -111,7 +114,7 @@ def act_sdpa_attention_forward(
     cache = kwargs.get("cache")
     if (
         not _compressing(module, query, key, value, position_bias)
-        or isinstance(cache, _sdpa_mod.PagedAttentionCache)
+        or (_PAGED_CACHE is not None and isinstance(cache, _PAGED_CACHE))
         or kwargs.get("softcap") is not None
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
