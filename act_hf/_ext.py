@@ -22,7 +22,9 @@ __all__ = ["CSRC_DIR", "build", "disabled", "is_available", "load", "load_error"
 
 logger = logging.getLogger(__name__)
 
-CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+#: the CUDA sources: ``act_hf/csrc`` in an installed wheel, ``csrc/`` beside the package in a source tree
+CSRC_DIR = next((p for p in (Path(__file__).resolve().parent / "csrc", Path(__file__).resolve().parent.parent / "csrc")
+                 if (p / "bindings.cpp").is_file()), Path(__file__).resolve().parent.parent / "csrc")
 SOURCES = ("bindings.cpp", "quantize_kernel.cu")
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 BUILD_COMMAND = "act-hf build-ext   (or: python -m act_hf.cli build-ext)"
