@@ -54,7 +54,7 @@ from .context import store
 from .errors import ActHFRuntimeError
 from .ops._saving import autocast_state, load_context, replayed_rng, rng_state, save_context
 
-__all__ = ["checkpoint", "enable_hf_checkpoint_compression", "enable_hf_checkpointing"]
+__all__ = ["checkpoint", "checkpointing_argument", "enable_hf_checkpoint_compression", "enable_hf_checkpointing"]
 
 _TORCH_CHECKPOINT = torch.utils.checkpoint.checkpoint
 
@@ -266,6 +266,16 @@ def enable_hf_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def checkpointing_argument() -> str:
+    """The ``TrainingArguments`` field (and ``--flag`` of HF scripts) that switches HF checkpointing on:
+    ``activation_checkpointing`` where transformers has it (``gradient_checkpointing`` is its deprecated alias
+    there, to be removed in v6), else ``gradient_checkpointing``."""
+    from transformers import TrainingArguments
+
+    fields = getattr(TrainingArguments, "__dataclass_fields__", {})
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
 def enable_hf_checkpoint_compression(model: nn.Module, *, bits: int, group_size: int = 256,

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from act_hf.checkpoint import checkpointing_argument
+
 ROOT = Path(__file__).resolve().parents[1]
 #: name -> run_glue.py arguments of the act_hf setting
 _COMPRESSED = {
@@ -32,7 +34,7 @@ _COMPRESSED = {
     "adaptive2.5": ["--act_compress", "--act_adaptive", "--act_bits", "2.5"],
     "adaptive2": ["--act_compress", "--act_adaptive", "--act_bits", "2"],
     # HF gradient checkpointing with each layer's input kept packed at K bits and the rest at 3 (GACT's CB1: K=4)
-    **{f"ckpt{k}+bits3": ["--gradient_checkpointing", "True", "--act_compress", "--act_bits", "3",
+    **{f"ckpt{k}+bits3": [f"--{checkpointing_argument()}", "True", "--act_compress", "--act_bits", "3",
                           "--act_checkpoint_bits", str(k)] for k in (4, 8)},
 }
 # "<setting>-unscaled" / "-scaled": the same with channel scaling forced off / on (the default, since the

@@ -160,7 +160,8 @@ class ActArguments:
         default=False, metadata={"help": "Keep the packed activations in pinned host memory until backward (GPU)."}
     )
     act_checkpoint_bits: int | None = field(
-        default=None, metadata={"help": "With --gradient_checkpointing: keep each layer's checkpointed input packed "
+        default=None, metadata={"help": "With --activation_checkpointing (--gradient_checkpointing before "
+                                        "transformers 5.23): keep each layer's checkpointed input packed "
                                         "at this many bits (1..8) instead of exact. Biased: backward recomputes "
                                         "the layer on the rounded input; 8 kept MiniLM's SST-2 accuracy, 4 "
                                         "(GACT's CB1) cost about 3 points with plain groups and 0.9 with "

@@ -286,9 +286,10 @@ def test_run_glue_adaptive_bits(run_glue, glue_dir, tmp_path):
 
 
 def test_run_glue_checkpointing_with_packed_layer_inputs(run_glue, glue_dir, tmp_path):
-    """--gradient_checkpointing with --act_checkpoint_bits: the Trainer switches checkpointing on after act_hf
-    patched the model, and the layers keep their inputs packed."""
-    from act_hf.checkpoint import checkpoint
+    """--activation_checkpointing (--gradient_checkpointing before transformers 5.23) with --act_checkpoint_bits:
+    the Trainer switches checkpointing on after act_hf patched the model, and the layers keep their inputs
+    packed."""
+    from act_hf.checkpoint import checkpoint, checkpointing_argument
 
     model = _tiny_bert(tmp_path / "tiny-bert", glue_dir)
     calls = []
@@ -300,7 +301,7 @@ def test_run_glue_checkpointing_with_packed_layer_inputs(run_glue, glue_dir, tmp
     args = ["--model_name_or_path", str(model), "--task_name", "sst2", "--glue_dir", str(glue_dir),
             "--max_train_samples", "32", "--max_eval_samples", "32", "--max_seq_length", "32",
             "--pad_to_max_length", "False", "--per_device_train_batch_size", "16", "--metric_backend", "local",
-            "--gradient_checkpointing", "--act_compress", "--act_bits", "3", "--act_checkpoint_bits", "4",
+            f"--{checkpointing_argument()}", "--act_compress", "--act_bits", "3", "--act_checkpoint_bits", "4",
             *_common(tmp_path / "out")]
     with unittest.mock.patch("act_hf.checkpoint.checkpoint", spy):
         results = run_glue.main(args)
