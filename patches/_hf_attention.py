@@ -75,6 +75,11 @@ sdpa_attention_forward = _sdpa_mod.sdpa_attention_forward
 #: transformers < 5.24 updates a paged (continuous-batching) cache inside ``sdpa_attention_forward``; later
 #: versions do it before the call and no longer import the class there
 _PAGED_CACHE = getattr(_sdpa_mod, "PagedAttentionCache", None)
+#: the helpers of ``transformers.integrations.sdpa_attention`` that :func:`act_sdpa_attention_forward` mirrors;
+#: a transformers release without one of them keeps models on its own ``"sdpa"`` (uncompressed, with a warning)
+_SDPA_HELPERS = ("use_gqa_in_sdpa", "pack_gqa", "create_position_bias_mask", "is_torchdynamo_compiling",
+                 "_is_torch_npu_available")
+_SDPA_MISSING = tuple(name for name in _SDPA_HELPERS if not hasattr(_sdpa_mod, name))
 
 
 def _compressing(module: nn.Module, *tensors: torch.Tensor | None) -> bool:
@@ -289,6 +294,12 @@ def enable(model: nn.Module, *, isolate_config: bool = True) -> list[str]:
         target = _SWITCH.get(current)
         if target == ACT_EAGER and getattr(config, "reorder_and_upcast_attn", False):
             target = None  # GPT-2's upcast/reordered eager attention is chosen by `== "eager"`: keep it
+        if target == ACT_SDPA and _SDPA_MISSING:
+            warnings.warn(f"act_hf: transformers {transformers.__version__}'s sdpa_attention has no "
+                          f"{', '.join(_SDPA_MISSING)}, which act_hf's SDPA attention mirrors: the attention of "
+                          f"{type(config).__name__} stays on 'sdpa', uncompressed (the rest of the model is "
+                          "compressed); attn_implementation='eager' compresses it", ActHFWarning, stacklevel=2)
+            continue
         if target is None:
             if current not in (ACT_SDPA, ACT_EAGER):
                 warnings.warn(f"act_hf: attention implementation {current!r} of {type(config).__name__} is not "

@@ -20,7 +20,7 @@ from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
 from act_hf.ops._saving import OpSettings
 from act_hf.ops.attention import act_eager_attention, act_sdpa, repeat_kv
-from tests.utils import packed_bytes, sqnr_db
+from tests.utils import assert_grads_match, packed_bytes, sqnr_db
 
 # Minimum gradient SQNR (dB) of dq, dk, dv per bit width for Gaussian q, k, v (B, H, S, D = 2, 4, 64, 32).
 # Measured means (module docstring, larger shape): -7 / 3 / 10 / 35 dB at 2 / 3 / 4 / 8 bits.
@@ -382,6 +382,29 @@ def test_hf_attention_function(kind, impl, dropout):
     for _, module in marked:
         hf_attn.unmark(module)
         assert not hasattr(module, "act_bits")
+
+
+def test_hf_sdpa_without_a_mirrored_helper_stays_on_sdpa_and_warns(monkeypatch):
+    """A transformers release that drops a helper act_hf's SDPA route mirrors (5.24 dropped the paged-cache
+    import it used): patch warns, naming it, keeps that attention on transformers' own SDPA, and trains."""
+    from act_hf.errors import ActHFWarning
+    from act_hf.patches import _hf_attention as hf_attn
+
+    monkeypatch.setattr(hf_attn, "_SDPA_MISSING", ("pack_gqa",))
+    ids = torch.randint(0, 97, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    ref = _hf_model("bert", "sdpa", 0.0).train()
+    model = _hf_model("bert", "sdpa", 0.0).train()
+    with pytest.warns(ActHFWarning, match="pack_gqa.*stays on 'sdpa'"):
+        act_hf.patch(model, bits=8)
+    assert model.config._attn_implementation == "sdpa"
+    ref_logits, _ = _hf_step(ref, ids, mask)
+    with track_saved(model) as saved:
+        logits, _ = _hf_step(model, ids, mask)
+    assert torch.equal(ref_logits, logits)
+    assert not any(slot.endswith(":q") for slot in saved.by_slot)
+    assert any(slot.endswith("intermediate.intermediate_act_fn:input") for slot in saved.by_slot)
+    assert_grads_match(ref, model, name="bert, sdpa kept")
 
 
 def test_hf_enable_is_per_instance_and_not_saved(tmp_path):
