@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import act_hf
+from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.cli import main
 from act_hf.estimate import Estimate, checkpointed_layers, estimate, parse_size, saved_with_checkpointing
 
@@ -106,7 +107,7 @@ def test_checkpointing_projects_am2_against_the_uncheckpointed_baseline(bert_dir
     batch = 12
     config = transformers.BertConfig(**BERT, attention_probs_dropout_prob=0.0)
     model = transformers.BertForSequenceClassification(config).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_hf_checkpointing(model)
     act_hf.patch(model, bits=3, checkpoint_bits=checkpoint_bits)
     ids = torch.randint(1, BERT["vocab_size"], (batch, 32))
     am1, am2 = saved_with_checkpointing(
