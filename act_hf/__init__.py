@@ -19,6 +19,9 @@ from .config import ActConfig, ActPreset
 from .context import SavedTracker, track_saved
 from .errors import ActHFError, ActHFWarning, NoMatchingModuleError
 from .report import report
+from ._source_tree import install as _find_families_in_a_source_tree
+
+_find_families_in_a_source_tree()  # a checkout on PYTHONPATH: act_hf.patches is the patches/ folder beside it
 
 __version__ = "0.1.0"
 

@@ -39,6 +39,7 @@ try:
     from transformers import AttentionInterface
     from transformers.integrations import sdpa_attention as _sdpa_mod
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+    from transformers.utils.import_utils import is_torchdynamo_compiling
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(f"act_hf.patches._hf_attention needs transformers >= 5.0: {exc}") from exc
 
@@ -75,10 +76,12 @@ sdpa_attention_forward = _sdpa_mod.sdpa_attention_forward
 #: transformers < 5.24 updates a paged (continuous-batching) cache inside ``sdpa_attention_forward``; later
 #: versions do it before the call and no longer import the class there
 _PAGED_CACHE = getattr(_sdpa_mod, "PagedAttentionCache", None)
+#: newer transformers (5.23 does, 5.17 does not) run a single query token's heads on the kv heads
+#: (``pack_gqa``); older ones repeat k and v for it like for longer queries
+_PACK_GQA = getattr(_sdpa_mod, "pack_gqa", None)
 #: the helpers of ``transformers.integrations.sdpa_attention`` that :func:`act_sdpa_attention_forward` mirrors;
 #: a transformers release without one of them keeps models on its own ``"sdpa"`` (uncompressed, with a warning)
-_SDPA_HELPERS = ("use_gqa_in_sdpa", "pack_gqa", "create_position_bias_mask", "is_torchdynamo_compiling",
-                 "_is_torch_npu_available")
+_SDPA_HELPERS = ("use_gqa_in_sdpa", "create_position_bias_mask", "_is_torch_npu_available")
 _SDPA_MISSING = tuple(name for name in _SDPA_HELPERS if not hasattr(_sdpa_mod, name))
 
 
@@ -134,10 +137,10 @@ def act_sdpa_attention_forward(
     if hasattr(module, "num_key_value_groups") and module.num_key_value_groups > 1:
         if _sdpa_mod.use_gqa_in_sdpa(attention_mask, key, value):
             enable_gqa = True
-        elif q_length == 1 and not _sdpa_mod.is_torchdynamo_compiling():
-            query = _sdpa_mod.pack_gqa(query, module.num_key_value_groups)
-            attention_mask = _sdpa_mod.pack_gqa(attention_mask, module.num_key_value_groups)
-            position_bias = _sdpa_mod.pack_gqa(position_bias, module.num_key_value_groups)
+        elif q_length == 1 and _PACK_GQA is not None and not is_torchdynamo_compiling():
+            query = _PACK_GQA(query, module.num_key_value_groups)
+            attention_mask = _PACK_GQA(attention_mask, module.num_key_value_groups)
+            position_bias = _PACK_GQA(position_bias, module.num_key_value_groups)
         else:
             n_rep = module.num_key_value_groups
 

@@ -390,12 +390,12 @@ def test_hf_sdpa_without_a_mirrored_helper_stays_on_sdpa_and_warns(monkeypatch):
     from act_hf.errors import ActHFWarning
     from act_hf.patches import _hf_attention as hf_attn
 
-    monkeypatch.setattr(hf_attn, "_SDPA_MISSING", ("pack_gqa",))
+    monkeypatch.setattr(hf_attn, "_SDPA_MISSING", ("use_gqa_in_sdpa",))
     ids = torch.randint(0, 97, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     ref = _hf_model("bert", "sdpa", 0.0).train()
     model = _hf_model("bert", "sdpa", 0.0).train()
-    with pytest.warns(ActHFWarning, match="pack_gqa.*stays on 'sdpa'"):
+    with pytest.warns(ActHFWarning, match="use_gqa_in_sdpa.*stays on 'sdpa'"):
         act_hf.patch(model, bits=8)
     assert model.config._attn_implementation == "sdpa"
     ref_logits, _ = _hf_step(ref, ids, mask)
