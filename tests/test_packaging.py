@@ -37,3 +37,32 @@ def test_the_wheel_carries_the_cuda_sources_and_finds_them(tmp_path):
     assert Path(out[0]).resolve().parent == site
     assert Path(out[1]).resolve() == site / "csrc"
     assert out[2] == "2"
+
+
+def test_a_source_tree_on_the_path_finds_the_families(tmp_path):
+    """A checkout run with ``PYTHONPATH=.`` and no install (the GPU machine has no pip): ``act_hf.patches`` is
+    the ``patches/`` folder beside the package, and a model patches and trains."""
+    probe = f"""
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+import act_hf
+from transformers import BertConfig, BertForSequenceClassification
+
+model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, intermediate_size=64)).train()
+act_hf.patch(model, bits=3)
+import act_hf.patches
+with act_hf.track_saved(model) as saved:
+    model(input_ids=torch.randint(0, 50, (2, 8)), labels=torch.zeros(2, dtype=torch.long)).loss.backward()
+print(act_hf.patches.__file__)
+print(act_hf.patcher.__file__)
+print(model.act_hf_family, any(slot.endswith(":q") for slot in saved.by_slot))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert Path(lines[0]) == ROOT / "patches" / "__init__.py"
+    assert Path(lines[1]) == ROOT / "act_hf" / "patcher.py"
+    assert lines[2] == "bert True"
