@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._source_tree import install as _find_families_in_a_source_tree
 from .compress import PackedTensor, dequantize, manual_seed, quantize
 from .config import ActConfig, ActPreset
 from .context import SavedTracker, track_saved
 from .errors import ActHFError, ActHFWarning, NoMatchingModuleError
 from .report import report
-from ._source_tree import install as _find_families_in_a_source_tree
 
 _find_families_in_a_source_tree()  # a checkout on PYTHONPATH: act_hf.patches is the patches/ folder beside it
 
