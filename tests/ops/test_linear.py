@@ -94,7 +94,16 @@ def test_channel_scaled_linear_weight_grad_is_exact_at_the_dequantized_input(dty
     q = dequantize(quantize(x.detach(), 3, 256, channel_scale=True))
     expected = (g.reshape(-1, 8).t().float() @ q.reshape(-1, 48).float()).to(dtype)
     torch.testing.assert_close(act.weight.grad, expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
-    assert sqnr_db(g.reshape(-1, 8).t().double() @ x.detach().reshape(-1, 48).double(), act.weight.grad) > 10
+    # and unbiased: one 3-bit draw is 6-18 dB from the exact gradient with this outlier channel (seed-dependent),
+    # the mean of 16 independent draws about 12 dB closer
+    exact = g.reshape(-1, 8).t().double() @ x.detach().reshape(-1, 48).double()
+    mean = torch.zeros_like(exact)
+    for draw in range(16):
+        act.weight.grad = None
+        manual_seed(draw)
+        act_linear(x, act.weight, act.bias, OpSettings("lin", 3, channel_scale=True)).backward(g)
+        mean += act.weight.grad.double() / 16
+    assert sqnr_db(exact, mean) > 15  # 18-30 dB over seeds 3-10; a biased rounding stays near one draw
 
 
 def test_saved_bytes_formula_and_needs_input_grad():
