@@ -130,11 +130,24 @@ def _saving_frame_is_checkpoint(frame) -> bool:
     return frame is not None and frame.f_code.co_filename == _CHECKPOINT_FILE
 
 
+#: torch's query of the innermost saved-tensor hooks (torch 2.11 has it, 2.6 does not), or None
+_TOP_HOOKS_QUERY = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def _top_saved_tensors_hooks() -> tuple | None:
-    """The innermost saved-tensor hooks ``(pack, unpack)`` in force, or ``None`` (none, or a torch without the
-    query, where act_hf's scopes are taken to be innermost)."""
-    query = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return query(False) if query is not None else None
+    """The innermost saved-tensor hooks ``(pack, unpack)`` in force, or ``None``. Needs :data:`_TOP_HOOKS_QUERY`."""
+    return _TOP_HOOKS_QUERY(False)
+
+
+def _checkpoint_frames() -> int:
+    """How many frames of ``torch.utils.checkpoint`` the Python stack holds: where torch cannot say whose
+    saved-tensor hooks are innermost, a frame of it above the root's forward means a checkpoint (a non-reentrant
+    one's forward, or its recomputation) with hooks of its own."""
+    count, frame = 0, sys._getframe(1)
+    while frame is not None:
+        count += frame.f_code.co_filename == _CHECKPOINT_FILE
+        frame = frame.f_back
+    return count
 
 
 def _plain(t) -> bool:
@@ -308,6 +321,7 @@ class _HookScopes:
         self.compressing_hooks, self.sdpa = compressing, sdpa  # sdpa: the routed SDPA's settings, or None
         self.stack: list = []
         self.statics = _Statics()
+        self.checkpoint_frames = 0  # torch without the hooks query: checkpoint frames around the root's forward
 
     def pack(self, t: torch.Tensor):
         """The compressing hooks' pack, except for static tensors read beside activations (:class:`_Statics`)
@@ -333,6 +347,8 @@ class _HookScopes:
         modules open no pass-through scope: both passes then save the same tensors, which the checkpoint checks,
         and it keeps (and frees) act_hf modules' packed contexts like any other (timm MaxViT-nano, 256 x 256,
         batch 2, 8 bits: 116.6 MiB saved, 101.8 with the modules' scopes, 17.0 without)."""
+        if _TOP_HOOKS_QUERY is None:
+            return _checkpoint_frames() > self.checkpoint_frames
         top = _top_saved_tensors_hooks()
         return top is not None and not (top[0] == self.pack or top[0] is _pass_through)
 
@@ -343,6 +359,8 @@ class _HookScopes:
             self.stack.append((module, scope, kind))
 
     def enter_compressing(self, module: nn.Module, args) -> None:
+        if not self.stack and _TOP_HOOKS_QUERY is None:
+            self.checkpoint_frames = _checkpoint_frames()
         self._open(module, (self.pack, self.compressing_hooks.unpack), _COMPRESSING)
         if self.stack and self.stack[-1][0] is module:
             self.statics.start(module)
@@ -373,6 +391,7 @@ class _HookScopes:
     def __setstate__(self, state: dict) -> None:
         self.compressing_hooks, self.sdpa, self.stack = state["compressing"], state.get("sdpa"), []
         self.statics = _Statics()
+        self.checkpoint_frames = 0
 
 
 def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False,

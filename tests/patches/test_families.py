@@ -330,12 +330,28 @@ class _CheckpointedAttentionNet(_AttentionNet):
         return self.out(h.mean(1))
 
 
+#: how the fallback tells that a checkpoint's saved-tensor hooks are innermost: torch's query (2.11 on) or, where
+#: torch has none (2.6), the checkpoint's frames on the Python stack; both are tested on any torch
+HOOKS_QUERY = ["torch-query", "checkpoint-frames"]
+
+
+def _without_the_hooks_query(monkeypatch, how: str) -> None:
+    from act_hf import fallback
+
+    if how == "checkpoint-frames":
+        monkeypatch.setattr(fallback, "_TOP_HOOKS_QUERY", None)
+    elif fallback._TOP_HOOKS_QUERY is None:
+        pytest.skip(f"torch {torch.__version__} has no query of the innermost saved-tensor hooks")
+
+
 @pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
-def test_the_fallback_routes_nothing_inside_a_non_reentrant_checkpoint():
+@pytest.mark.parametrize("how", HOOKS_QUERY)
+def test_the_fallback_routes_nothing_inside_a_non_reentrant_checkpoint(monkeypatch, how):
     """The checkpoint's recomputation in backward runs outside the root's forward, where nothing is routed, and
     the checkpoint checks that both passes save tensors of the same shapes: SDPA routed in the forward raised
     its CheckpointError (timm's MaxViT, CoAtNet, Hiera and XCiT with ``set_grad_checkpointing``). Inside the
     checkpoint its own hooks keep the tensors, so routing would save nothing there anyway."""
+    _without_the_hooks_query(monkeypatch, how)
     torch.manual_seed(0)
     ref = _CheckpointedAttentionNet().train()
     x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(1))
@@ -350,11 +366,13 @@ def test_the_fallback_routes_nothing_inside_a_non_reentrant_checkpoint():
 
 @pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
 @pytest.mark.filterwarnings("ignore:torch.utils.checkpoint")
-def test_the_fallback_keeps_the_inputs_torch_checkpoint_recomputes_from_exact():
+@pytest.mark.parametrize("how", HOOKS_QUERY)
+def test_the_fallback_keeps_the_inputs_torch_checkpoint_recomputes_from_exact(monkeypatch, how):
     """timm's ``set_grad_checkpointing`` keeps each stage's input to recompute the stage from. Packed by the
     hooks, the recomputation ran on rounded inputs (biased: MobileNetV3 and MobileViTv2 at 8 bits had a
     whole-gradient error of 0.11, 0.02-0.035 without checkpointing). Kept exact, the checkpointed model is as
     close to the unpatched one as without checkpointing, and saves less."""
+    _without_the_hooks_query(monkeypatch, how)
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     base = timm.create_model("mobilenetv3_small_050", num_classes=3).train()
