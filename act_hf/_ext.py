@@ -22,9 +22,11 @@ __all__ = ["CSRC_DIR", "build", "disabled", "is_available", "load", "load_error"
 
 logger = logging.getLogger(__name__)
 
+_PACKAGE_DIR = Path(__file__).resolve().parent
 #: the CUDA sources: ``act_hf/csrc`` in an installed wheel, ``csrc/`` beside the package in a source tree
-CSRC_DIR = next((p for p in (Path(__file__).resolve().parent / "csrc", Path(__file__).resolve().parent.parent / "csrc")
-                 if (p / "bindings.cpp").is_file()), Path(__file__).resolve().parent.parent / "csrc")
+CSRC_DIR = _PACKAGE_DIR / "csrc"
+if not (CSRC_DIR / "bindings.cpp").is_file():
+    CSRC_DIR = _PACKAGE_DIR.parent / "csrc"
 SOURCES = ("bindings.cpp", "quantize_kernel.cu")
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 BUILD_COMMAND = "act-hf build-ext   (or: python -m act_hf.cli build-ext)"

@@ -17,7 +17,8 @@ from pathlib import Path
 __all__ = ["install"]
 
 PACKAGE = "act_hf.patches"
-TREE_PATCHES = Path(__file__).resolve().parent.parent / "patches"
+_PACKAGE_DIR = Path(__file__).resolve().parent
+TREE_PATCHES = _PACKAGE_DIR.parent / "patches"
 
 
 class _FamiliesFinder(importlib.abc.MetaPathFinder):
@@ -34,7 +35,7 @@ class _FamiliesFinder(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Add the finder once, last, when this is a source tree (``patches/__init__.py`` beside the package and
     none inside it)."""
-    if (Path(__file__).resolve().parent / "patches").is_dir() or not (TREE_PATCHES / "__init__.py").is_file():
+    if (_PACKAGE_DIR / "patches").is_dir() or not (TREE_PATCHES / "__init__.py").is_file():
         return
     if not any(isinstance(finder, _FamiliesFinder) for finder in sys.meta_path):
         sys.meta_path.append(_FamiliesFinder())

@@ -134,11 +134,6 @@ def _saving_frame_is_checkpoint(frame) -> bool:
 _TOP_HOOKS_QUERY = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def _top_saved_tensors_hooks() -> tuple | None:
-    """The innermost saved-tensor hooks ``(pack, unpack)`` in force, or ``None``. Needs :data:`_TOP_HOOKS_QUERY`."""
-    return _TOP_HOOKS_QUERY(False)
-
-
 def _checkpoint_frames() -> int:
     """How many frames of ``torch.utils.checkpoint`` the Python stack holds: where torch cannot say whose
     saved-tensor hooks are innermost, a frame of it above the root's forward means a checkpoint (a non-reentrant
@@ -219,8 +214,8 @@ class _Statics:
         if fn is None or type(fn).__name__ != "ToCopyBackward0":
             return False
         source = fn.next_functions[0][0]
-        entry = self.nodes.get(id(source)) if source is not None else None
-        marked = entry[0]() if entry is not None and entry[1] is source else None
+        entry = self.nodes.get(id(source)) if source is not None else None  # held node: the id is its own
+        marked = entry[0]() if entry is not None else None
         return marked is not None and marked.grad_fn is source  # and not written in place since
 
     def all_hold(self, args, kwargs) -> bool:
@@ -349,7 +344,7 @@ class _HookScopes:
         batch 2, 8 bits: 116.6 MiB saved, 101.8 with the modules' scopes, 17.0 without)."""
         if _TOP_HOOKS_QUERY is None:
             return _checkpoint_frames() > self.checkpoint_frames
-        top = _top_saved_tensors_hooks()
+        top = _TOP_HOOKS_QUERY(False)  # the innermost (pack, unpack), or None
         return top is not None and not (top[0] == self.pack or top[0] is _pass_through)
 
     def _open(self, module: nn.Module, hooks: tuple, kind: str) -> None:
