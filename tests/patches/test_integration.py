@@ -180,9 +180,6 @@ def test_distributed_data_parallel_gloo_two_processes():
 
 
 def test_torch_compile_trains():
-    if not hasattr(torch.compiler, "is_exporting"):  # torch 2.6: an unpatched BERT fails the same way
-        pytest.skip(f"transformers' masks call torch.compiler.is_exporting under torch.compile, which torch "
-                    f"{torch.__version__} lacks")
     torch._dynamo.reset()
     case, ref, model, inputs = _pair("bert-seqcls", bits=4)
     model.train()

@@ -66,10 +66,12 @@ def test_each_class_gets_the_formula_of_its_forward(module, name, style, dtype):
         probes = [torch.randn(64, 32, dtype=d) * 3 for d in (torch.float32, torch.bfloat16)]  # as the rule's
         if style == "torch" and not all(torch.equal(F.rms_norm(x, (32,), norm.weight, norm.variance_epsilon),
                                                     norm(x)) for x in probes):
-            # F.rms_norm's rounding is torch's to choose (torch 2.6's differs from 2.14's): no formula matches,
-            # and the class stays uncompressed (test_a_norm_no_formula_reproduces_keeps_its_forward_and_warns)
-            pytest.skip(f"torch {torch.__version__}'s F.rms_norm does not reproduce {name} bit for bit")
+            # F.rms_norm's rounding is torch's to choose (torch 2.6's differs from 2.14's): then no formula
+            # matches, and the class stays uncompressed (test_a_norm_no_formula_reproduces_keeps_its_forward...)
+            style = None
     assert matching_rms_style(norm) == style
+    if style is None:
+        return
     ref, model = _patched_twin(norm)
     assert isinstance(model[1], ActModule) and model[1].act_rms_style == style
     x = torch.randn(64, 16)
