@@ -76,6 +76,10 @@ class ActConfig:
         share_bn_relu: a conv or linear fed by ``relu(batch_norm(x))`` reads its input from BatchNorm's packed
             normalized input and the ReLU's 1-bit mask (unbiased, no bytes of its own; :mod:`act_hf.derived`)
             instead of packing it again.
+        share_residual: the same for a conv fed by a residual block's output ``relu(bn(.) + shortcut)`` (a ResNet
+            block's input, when the block adds in place as timm's and torchvision's do): read from the last BatchNorm's packed input, the ReLU's mask and the shortcut's own derived
+            context, so a stage's block inputs cost nothing of their own (unbiased; the shortcut chain's
+            rounding adds up, see :mod:`act_hf.derived`). Fixed bits only: an adaptive budget packs them.
         lm_loss_recompute: a causal LM's loss (transformers' ``ForCausalLMLoss`` after an ``lm_head``) keeps the
             head's input instead of the fp32 logits and recomputes them in backward (exact;
             :mod:`act_hf.ops.loss`).
@@ -123,6 +127,9 @@ class ActConfig:
     swap: bool = field(default=False, metadata={"help": "swap packed contexts to pinned host memory"})
     share_bn_relu: bool = field(default=True, metadata={"help": "a conv after BatchNorm + ReLU reads BatchNorm's "
                                                                    "packed input instead of packing its own"})
+    share_residual: bool = field(default=True, metadata={"help": "a conv after a residual block's relu(bn + "
+                                                                    "shortcut) reads the tensors the ops before "
+                                                                    "it saved"})
     lm_loss_recompute: bool = field(default=True, metadata={"help": "a causal LM's loss recomputes its logits in "
                                                                        "backward instead of keeping them"})
     channel_scale: bool | None = field(default=True, metadata={"help": "equalize feature channels by powers of "
@@ -179,7 +186,7 @@ class ActConfig:
             raise ActHFValueError(f"checkpoint_bits must be an integer from 1 to 8 (or None), got {self.checkpoint_bits!r}")
         if self.data_bits is not None and (isinstance(self.data_bits, bool) or self.data_bits not in range(1, 9)):
             raise ActHFValueError(f"data_bits must be an integer from 1 to 8 (or None), got {self.data_bits!r}")
-        for name in ("swap", "share_bn_relu", "lm_loss_recompute"):
+        for name in ("swap", "share_bn_relu", "share_residual", "lm_loss_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise ActHFTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.channel_scale is not None and not isinstance(self.channel_scale, bool):

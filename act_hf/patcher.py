@@ -130,9 +130,10 @@ def generic_rules() -> list[Rule]:
     convs (found by their forward's code)."""
     from .nn import activation, dropout, linear, norm, pooling
 
+    residual = lambda m, c: {"act_share_residual": c.share_residual}
     return [
         Rule("linear", same_forward(nn.Linear), lambda m: linear.ActLinearMixin),
-        Rule("conv", same_forward(nn.Conv1d, nn.Conv2d, nn.Conv3d), lambda m: linear.ActConvMixin),
+        Rule("conv", same_forward(nn.Conv1d, nn.Conv2d, nn.Conv3d), lambda m: linear.ActConvMixin, attrs=residual),
         Rule("conv", linear.is_standardized_conv, lambda m: linear.ActStandardizedConvMixin),
         Rule("norm", same_forward(nn.LayerNorm), lambda m: norm.ActLayerNormMixin,
              attrs=lambda m, c: {"act_norm_context": c.norm_context}),

@@ -201,3 +201,185 @@ def test_notes_die_with_the_tensors_they_describe():
     gc.collect()
     assert len(derived._notes()) == 0  # that tensor is gone: only the conv's saved references remain
     out.sum().backward()
+
+
+class Stage(nn.Module):
+    """``h = relu(bn0(x))``, then ``blocks`` residual blocks ``h = relu(bn(conv(h)) + h)`` (``add``: ``"in_place"``
+    ``y += h``; ``"new"`` ``z = y + h`` with ``y`` alive; ``"rebound"`` ``y = y + h``, which frees BatchNorm's
+    output and its note; ``"alpha"`` ``torch.add(y, h, alpha=2)``), then a head conv: every conv after the first
+    block reads a residual block's output."""
+
+    def __init__(self, blocks: int = 3, add: str = "in_place", edit_shortcut: bool = False):
+        super().__init__()
+        self.bn0 = nn.BatchNorm2d(C)
+        self.relu0 = nn.ReLU(inplace=True)
+        self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1, bias=False) for _ in range(blocks))
+        self.bns = nn.ModuleList(nn.BatchNorm2d(C) for _ in range(blocks))
+        self.relus = nn.ModuleList(nn.ReLU(inplace=True) for _ in range(blocks))
+        self.head = nn.Conv2d(C, C, 3, padding=1, bias=False)
+        self.add, self.edit_shortcut = add, edit_shortcut
+        with torch.no_grad():
+            for bn in [self.bn0, *self.bns]:
+                bn.weight.uniform_(0.5, 1.5)
+                bn.bias.normal_(0, 0.5)
+
+    def forward(self, x):
+        h = self.relu0(self.bn0(x))
+        for conv, bn, relu in zip(self.convs, self.bns, self.relus):
+            y = bn(conv(h))
+            if self.edit_shortcut:
+                with torch.no_grad():
+                    h.mul_(1.0)  # same values, one more version: the note on h no longer vouches for them
+            if self.add == "in_place":
+                y += h
+            elif self.add == "new":
+                z = y + h
+                h = relu(z)
+                continue
+            elif self.add == "rebound":
+                y = y + h
+            else:
+                y = torch.add(y, h, alpha=2)
+            h = relu(y)
+        return self.head(h)
+
+
+def _stage(bits=3, share=True, **kwargs):
+    torch.manual_seed(0)
+    ref = Stage(**kwargs)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", act_hf.ActHFWarning)  # no family: known leaf modules only
+        act_hf.patch(model, bits=bits, share_residual=share, fallback_hooks=False)
+    return ref, model
+
+
+READERS = ["convs.1:input", "convs.2:input", "head:input"]  # each reads relu(bn(.) + shortcut)
+
+
+@pytest.mark.parametrize("add", ["in_place", "new"])
+def test_convs_after_residual_blocks_save_no_input_of_their_own(add):
+    _, shared = _stage(add=add)
+    _, own = _stage(share=False, add=add)
+    x = _input()
+    with act_hf.track_saved(shared) as s:
+        shared(x.clone().requires_grad_())
+    with act_hf.track_saved(own) as o:
+        own(x.clone().requires_grad_())
+    assert not set(READERS) & set(s.by_slot) and all(o.by_slot[slot] > 0 for slot in READERS)
+    assert "convs.0:input" not in s.by_slot and "convs.0:input" not in o.by_slot  # relu(bn(.)): shared either way
+    assert s.bytes == o.bytes - sum(o.by_slot[slot] for slot in READERS)
+
+
+@pytest.mark.parametrize("add", ["in_place", "new"])
+def test_residual_forward_is_unchanged_and_gradients_match_at_8_bits(add):
+    ref, model = _stage(bits=8, add=add)
+    x = _input()
+    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, expected = model(xm), ref(xr)
+    assert torch.equal(out, expected)
+    g = torch.randn_like(out)
+    out.backward(g)
+    expected.backward(g)
+    assert_grads_match(ref, model, name=f"residual-{add}")
+    assert sqnr_db(xr.grad, xm.grad) > 30
+
+
+def test_residual_conv_weight_gradient_is_unbiased():
+    """The head conv reads a chain of three sums; the mean of many 2-bit draws converges to the exact gradient."""
+    ref, model = _stage(bits=2)
+    x = _input()
+    g = torch.randn(4, C, H, H)
+    ref.double()(x.double()).backward(g.double())
+    exact = ref.head.weight.grad
+    draws = 256
+    total = torch.zeros_like(exact)
+    first_error = None
+    for seed in range(draws):
+        act_hf.manual_seed(seed)
+        model.zero_grad()
+        model(x.clone().requires_grad_()).backward(g)
+        total += model.head.weight.grad.double()
+        if first_error is None:
+            first_error = (model.head.weight.grad.double() - exact).norm()
+    assert (total / draws - exact).norm() < 0.15 * first_error
+
+
+@pytest.mark.parametrize("case", ["alpha", "rebound", "edited_shortcut", "off"])
+def test_an_add_it_cannot_vouch_for_makes_the_conv_pack_its_own_input(case):
+    kwargs = {"alpha": {"add": "alpha"}, "rebound": {"add": "rebound"}, "edited_shortcut": {"edit_shortcut": True},
+              "off": {"share": False}}[case]
+    ref, model = _stage(bits=8, **kwargs)
+    ref.edit_shortcut = False  # autograd's ReLU keeps its output: the reference may not edit it (values unchanged)
+    x = _input()
+    with act_hf.track_saved(model) as saved:
+        out = model(x.clone().requires_grad_())
+    assert all(saved.by_slot.get(slot, 0) > 0 for slot in READERS)
+    out.backward(torch.ones_like(out))
+    ref(x.clone().requires_grad_()).backward(torch.ones_like(out))
+    assert_grads_match(ref, model, name=case)
+
+
+def test_adaptive_bits_pack_residual_outputs():
+    """An adaptive allocation would have to give a whole shortcut chain one width: those convs pack their own."""
+    _, model = _stage()
+    act_hf.unpatch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", act_hf.ActHFWarning)
+        act_hf.patch(model, bits=2.5, variance_alarm=0, fallback_hooks=False)
+    x = _input()
+    model.act_hf_allocator.update_batch(x, lambda b: model(b.requires_grad_()).square().mean())
+    with act_hf.track_saved(model) as saved:
+        model(x.clone().requires_grad_())
+    assert all(saved.by_slot.get(slot, 0) > 0 for slot in READERS)
+    assert "convs.0:input" not in saved.by_slot
+    act_hf.unpatch(model)
+
+
+def test_residual_chain_under_gradient_checkpointing():
+    """A checkpointed block reads a shortcut noted outside it; its recomputation must decide the same way."""
+    ref, model = _stage(bits=8)
+    x = _input()
+
+    def run(stage, inp):
+        h = stage.relu0(stage.bn0(inp))
+        y = stage.bns[0](stage.convs[0](h))
+        y += h
+        h = stage.relus[0](y)
+
+        def block(h):
+            y = stage.bns[1](stage.convs[1](h))
+            y += h
+            return stage.head(stage.relus[1](y))
+
+        return torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+
+    out = run(model, x.clone().requires_grad_())
+    out.backward(torch.ones_like(out))
+    run(ref, x.clone().requires_grad_()).backward(torch.ones_like(out))
+    assert_grads_match(ref, model, name="checkpointed residual")
+
+
+def test_share_residual_is_validated():
+    with pytest.raises(TypeError, match="share_residual must be True or False"):
+        act_hf.ActConfig(share_residual=1)
+
+
+def test_timm_resnet_block_inputs_cost_nothing_of_their_own():
+    """timm's BasicBlock adds its shortcut in place: every block input after the first is read from the ops
+    before it (layer1.0's shortcut is the max-pool output layer1.0.conv1 packed; later stages start with a
+    downsample BatchNorm)."""
+    import timm
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 128, 128)  # layer4's 4 x 4 maps: 32 values per channel, so its BatchNorms pack
+    saved = {}
+    for share in (True, False):
+        model = act_hf.patch(timm.create_model("resnet18", num_classes=3).train(), bits=2, share_residual=share)
+        with act_hf.track_saved(model) as saved[share]:
+            model(x)
+    block_inputs = {slot for slot in saved[False].by_slot if slot.endswith(".conv1:input")}
+    assert len(block_inputs) == 8
+    assert {slot for slot in saved[True].by_slot if slot.endswith(".conv1:input")} == {"layer1.0.conv1:input"}
+    assert saved[True].bytes == saved[False].bytes - sum(saved[False].by_slot[s] for s in block_inputs - {
+        "layer1.0.conv1:input"})

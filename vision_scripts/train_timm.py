@@ -426,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "packs, 1..8, or 'none' for --act-bits (ActConfig.data_bits) (default: %(default)s)")
     a.add_argument("--act-no-share-bn-relu", dest="act_share_bn_relu", action="store_false",
                    help="a conv after BatchNorm + ReLU packs its own input instead of reading BatchNorm's")
+    a.add_argument("--act-no-share-residual", dest="act_share_residual", action="store_false",
+                   help="a conv after a residual block's ReLU(BatchNorm + shortcut) packs its own input")
     r = p.add_argument_group("run")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: %(default)s)")
     r.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
@@ -484,6 +486,8 @@ def main(argv: list[str] | None = None) -> dict:
             overrides["swap"] = True
         if not args.act_share_bn_relu:
             overrides["share_bn_relu"] = False
+        if not args.act_share_residual:
+            overrides["share_residual"] = False
         overrides["data_bits"] = args.act_data_bits
         bits = float(args.act_bits) if args.act_adaptive else args.act_bits  # a float is an adaptive budget
         act_hf.patch(model, bits=bits, **overrides)
@@ -588,6 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
         "act_bits": args.act_bits if args.act_compress else None,
         "act_group_size": (getattr(model, "act_hf_config", None).group_size if args.act_compress else None),
         "act_share_bn_relu": model.act_hf_config.share_bn_relu if args.act_compress else None,
+        "act_share_residual": model.act_hf_config.share_residual if args.act_compress else None,
         "act_data_bits": model.act_hf_config.data_bits if args.act_compress else None,
         "act_avg_bits": allocator.average_bits() if allocator is not None else None,
         "act_variance_ratio": allocator.variance_ratio if allocator is not None else None,

@@ -32,6 +32,8 @@ class ActModule:
             ``channel_scale``); it takes effect only in classes whose saved tensors gain from it
             (``act_channel_scalable``: LayerNorm and RMSNorm, whose contexts are the hidden states; see the
             README, "Channel scaling").
+        act_share_residual: a conv fed by a residual block's ``relu(bn(.) + shortcut)`` reads its input
+            from the tensors the ops before it saved (ActConfig's ``share_residual``, :mod:`act_hf.derived`).
     """
 
     act_slot: str = ""
@@ -42,6 +44,7 @@ class ActModule:
     act_channel_scalable: bool = False
     act_data_bits: int = 0
     act_bits_owner: int = 0
+    act_share_residual: bool = False
     act_original_class: type | None = None
 
     def act_configure(self, *, slot: str | None = None, bits: int | None = None, group_size: int | None = None,
@@ -66,7 +69,8 @@ class ActModule:
         return OpSettings(slot=self.act_slot or type(self).__name__, bits=self.act_bits,
                           group_size=self.act_group_size, swap=self.act_swap,
                           channel_scale=self.act_channel_scale and self.act_channel_scalable,
-                          data_bits=self.act_data_bits, bits_owner=self.act_bits_owner)
+                          data_bits=self.act_data_bits, bits_owner=self.act_bits_owner,
+                          share_residual=self.act_share_residual)
 
     def act_settings(self, role: str = "input") -> OpSettings:
         """Settings for the slot ``<act_slot>:<role>``, with the bits the allocator gave it."""

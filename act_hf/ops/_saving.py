@@ -27,9 +27,10 @@ class OpSettings:
     """What an op needs to compress one saved tensor: the slot name, its bits, the group size, whether the
     packed copy is swapped to host memory, whether the last dimension's channels are equalized first
     (``channel_scale``, see :func:`act_hf.compress.quantize`), the fewest bits of an input without autograd
-    history (``data_bits``, ``ActConfig.data_bits``; 0: no floor; linears and convs apply it), and the model
+    history (``data_bits``, ``ActConfig.data_bits``; 0: no floor; linears and convs apply it), the model
     whose adaptive allocation the op's per-role slots read (``bits_owner``, see ``ContextStore.bits``; 0: fixed
-    bits)."""
+    bits), and whether a conv fed by a residual block's ``relu(bn(.) + shortcut)`` reads it from the
+    tensors other ops saved (``share_residual``, ``ActConfig.share_residual``; :mod:`act_hf.derived`)."""
 
     slot: str
     bits: int
@@ -38,6 +39,7 @@ class OpSettings:
     channel_scale: bool = False
     data_bits: int = 0
     bits_owner: int = 0
+    share_residual: bool = False
 
 
 def owned_output(out: torch.Tensor) -> torch.Tensor:
@@ -113,7 +115,8 @@ def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine
     ctx.save_for_backward(*flat)
     ctx.act_layout = layout
     if store._probe is not None:  # ctx is the op's backward node
-        store._probe.saved_by(ctx, tuple(i.packed if isinstance(i, RectifiedAffine) else i for i in items))
+        store._probe.saved_by(ctx, tuple(leaf for i in items
+                                         for leaf in (i.leaves() if isinstance(i, RectifiedAffine) else (i,))))
 
 
 def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | RectifiedAffine | None]:
@@ -129,9 +132,7 @@ def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | RectifiedAffine
             out.append(store.resolve(PackedTensor.rebuild(saved[i : i + spec.n_tensors], spec)))
         elif entry[0] == "rectified":
             i, n, meta = entry[1:]
-            derived = RectifiedAffine.rebuild(saved[i : i + n], meta)
-            derived.packed = store.resolve(derived.packed)
-            out.append(derived)
+            out.append(RectifiedAffine.rebuild(saved[i : i + n], meta, store.resolve))
         else:
             out.append(saved[entry[1]])
     return out

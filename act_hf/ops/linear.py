@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..compress import PackedTensor, dequantize
 from ..context import store
-from ..derived import RectifiedAffine, rectified_input
+from ..derived import RectifiedAffine, note_packed, rectified_input
 from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
 
 __all__ = ["ActChannelScaleFunction", "ActConvFunction", "ActLinearFunction", "ActStandardizedConvFunction",
@@ -26,12 +26,20 @@ __all__ = ["ActChannelScaleFunction", "ActConvFunction", "ActLinearFunction", "A
 
 
 def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffine:
-    """What a linear or conv keeps of its input for the weight gradient: the context BatchNorm and ReLU already
-    saved when ``x = relu(batch_norm(.))`` (:mod:`act_hf.derived`), else ``x`` packed through the store, at no
-    fewer than ``settings.data_bits`` bits when ``x`` has no autograd history (the batch the model is fed)."""
+    """What a linear or conv keeps of its input for the weight gradient: the context the ops before it already
+    saved when ``x = relu(batch_norm(.))`` or a residual block's ``relu(batch_norm(.) + shortcut)``
+    (:mod:`act_hf.derived`), else ``x`` packed through the store, at no fewer than ``settings.data_bits`` bits
+    when ``x`` has no autograd history (the batch the model is fed); a packed ``x`` is noted for a residual add
+    that takes it as its shortcut."""
     if not x.requires_grad and settings.data_bits > settings.bits:
         settings = replace(settings, bits=settings.data_bits)
-    return rectified_input(x, settings) or store.compress_as(x, settings)
+    derived = rectified_input(x, settings)
+    if derived is not None:
+        return derived
+    packed = store.compress_as(x, settings)
+    if settings.share_residual:
+        note_packed(x, packed, settings.slot)  # a residual add may read x as its shortcut
+    return packed
 
 
 def input_values(saved: PackedTensor | RectifiedAffine) -> Tensor:

@@ -145,6 +145,10 @@ def test_fashion_mnist_resnet_with_and_without_compression(tmp_path, fmnist_dir)
     assert comp["act_share_bn_relu"] is True and own["act_share_bn_relu"] is False
     assert comp["act_data_bits"] == 8 and base["act_data_bits"] is None
     assert own["saved_mib_per_step"] > comp["saved_mib_per_step"]  # each conv after BN + ReLU packs its input
+    packed = _run(tmp_path, "packed", *_fmnist_args(fmnist_dir, *TINY_RESNET, "--act-compress", "--act-bits", "3",
+                                                    "--act-no-share-residual"))
+    assert comp["act_share_residual"] is True and packed["act_share_residual"] is False
+    assert packed["saved_mib_per_step"] > comp["saved_mib_per_step"]  # each block's input packed again
 
 
 def test_fashion_mnist_swin_compressed(tmp_path, fmnist_dir):
