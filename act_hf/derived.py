@@ -52,8 +52,9 @@ draws)::
 
 The block convs lose 2.5 dB, the same for every block of a stage (no build-up with depth), and the whole
 gradient 0.1-0.2 dB. Backward rebuilds each block input from the whole chain (a stage of ``n`` blocks
-dequantizes ``n (n + 1) / 2`` tensors instead of ``n``). ``ActConfig(share_residual=False)`` turns it off;
-adaptive bits leave it off (the allocator would have to give a whole chain one width).
+dequantizes ``n (n + 1) / 2`` tensors instead of ``n``). ``ActConfig(share_residual=False)`` turns it off. With
+adaptive bits a stage's chain (its BatchNorm inputs the shortcuts read, and the convs that read them) is one slot
+group, given one width.
 
 Protocol: BatchNorm calls :func:`note_affine` on its output; the (leaky) ReLU asks :func:`affine_of` for its input and
 calls :func:`note_rectified` on its output; a conv or linear asks :func:`rectified_input` for its input before
@@ -368,15 +369,14 @@ def note_rectified(out: Tensor, source: _Affine | _Sum, mask: Tensor, negative_s
 
 def rectified_input(x: Tensor, settings) -> RectifiedAffine | None:
     """The derived context of ``x`` when it is ``relu(batch_norm(.))`` (or a leaky ReLU), or a residual block's
-    ``relu(batch_norm(.) + shortcut)`` (with ``settings.share_residual``, fixed bits only), noted by the ops that
+    ``relu(batch_norm(.) + shortcut)`` (with ``settings.share_residual``), noted by the ops that
     made it, every packed tensor it reads at ``settings.bits`` and ``settings.group_size`` (an op's
     :class:`~act_hf.ops._saving.OpSettings`); else ``None`` (the op packs ``x`` itself)."""
     found = recall(x, "rectified")
     if found is None:
         return None
-    if isinstance(found.source, _Sum) and (not settings.share_residual or settings.bits_owner
-                                           or store._probe is not None):
-        return None  # adaptive bits would have to give a whole residual chain one width
+    if isinstance(found.source, _Sum) and not settings.share_residual:
+        return None
     sources = found.sources()
     if any((packed.bits, packed.group_size) != (settings.bits, settings.group_size) for _, packed in sources):
         return None
