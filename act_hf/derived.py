@@ -102,14 +102,14 @@ class AffineTerm:
     def leaves(self) -> list[PackedTensor]:
         return [self.packed]
 
-    def add_to(self, values: Tensor | None) -> Tensor:
-        """``values + term``, in place in the fp32 ``values``; the term as a new fp32 tensor when ``values`` is
+    def add_to(self, values: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """``values + term``, in place in ``values``; the term as a new tensor of ``dtype`` when ``values`` is
         ``None``."""
         decoded = dequantize(self.packed)
         channel = (1, -1) + (1,) * (decoded.dim() - 2)
         weight = None if self.weight is None else self.weight.float().view(channel)
         if values is None:
-            values = decoded.float()  # a new tensor: updated in place from here on
+            values = decoded.to(dtype)  # a new tensor: updated in place from here on
             if weight is not None:
                 values.mul_(weight)
         elif weight is not None:
@@ -163,24 +163,21 @@ class RectifiedAffine:
         """Every packed tensor it reads."""
         return [leaf for term in self.terms for leaf in term.leaves()]
 
-    def add_to(self, values: Tensor | None) -> Tensor:
-        """Like :meth:`AffineTerm.add_to`."""
-        return self.values() if values is None else values.add_(self.values())
-
-    def values(self) -> Tensor:
-        """The fp32 estimate (a new tensor). A chain of shortcuts is summed into the innermost one's tensor, so
-        two fp32 tensors of its size are alive at most, however long the chain."""
-        values = None
-        for term in sorted(self.terms, key=lambda t: not isinstance(t, RectifiedAffine)):  # nested ones first
-            values = term.add_to(values)
-        keep = unpack_bits(self.mask, 1, values.numel()).view(values.shape).bool()
-        if self.negative_slope:
-            return torch.where(keep, values, values * self.negative_slope)
-        return values.masked_fill_(~keep, 0)
+    def add_to(self, values: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """Like :meth:`AffineTerm.add_to` (its own :attr:`dtype` is the one it was made with)."""
+        return self.dequantize() if values is None else values.add_(self.dequantize())
 
     def dequantize(self) -> Tensor:
-        """The estimate ``h_hat`` (a new contiguous tensor of the original shape, in ``dtype``)."""
-        return self.values().to(self.dtype)
+        """The estimate ``h_hat`` (a new contiguous tensor of the original shape, in ``dtype``). A chain of
+        shortcuts is summed into the innermost one's tensor, so besides it only one decoded term and the 1-byte
+        mask are alive at a time, however long the chain."""
+        values = None
+        for term in sorted(self.terms, key=lambda t: not isinstance(t, RectifiedAffine)):  # nested ones first
+            values = term.add_to(values, self.dtype)
+        keep = unpack_bits(self.mask, 1, values.numel()).view(values.shape)  # uint8 0 / 1
+        if self.negative_slope:
+            return torch.where(keep.bool(), values, values * self.negative_slope)
+        return values.mul_(keep)
 
 
 def _rebuild(tensors: list[Tensor], i: int, meta: tuple, resolve) -> tuple[AffineTerm | RectifiedAffine, int]:
@@ -289,8 +286,7 @@ class _Rectified:
 
     def context(self, dtype: torch.dtype) -> RectifiedAffine:
         terms = self.source.terms if isinstance(self.source, _Sum) else (self.source,)
-        return RectifiedAffine(tuple(term.context(torch.float32) for term in terms), self.mask, dtype,
-                               self.negative_slope)
+        return RectifiedAffine(tuple(term.context(dtype) for term in terms), self.mask, dtype, self.negative_slope)
 
 
 def note_affine(y: Tensor, packed: PackedTensor, weight: Tensor | None, bias: Tensor | None, slot: str) -> None:
