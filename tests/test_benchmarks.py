@@ -164,14 +164,28 @@ def test_checkpoint_memory_settings_and_measurement():
 cpu_peak = _load("benchmark_cpu_peak")
 
 
-def test_cpu_peak_refuses_bad_arguments():
+def test_cpu_peak_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         cpu_peak.main(["--batches", "1", "4"])  # the warm-up step runs at batch 1
     with pytest.raises(SystemExit):
         cpu_peak.main(["--batches", "4", "4"])
     with pytest.raises(SystemExit, match="--settings"):
         cpu_peak.main(["--settings", "bits3", "zip"])
+    with pytest.raises(SystemExit):
+        cpu_peak.main(["--models", "resnet50", "--settings", "ckpt"])
+    assert "--settings ckpt: HF gradient checkpointing does not apply" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cpu_peak.main(["--act-config", '{"share_residul": false}'])
+    assert "--act-config" in capsys.readouterr().err
     assert cpu_peak._rss() > 0
+
+
+def test_cpu_peak_measures_a_vision_step_with_act_config():
+    """One step of resnet50 (224 x 224, batch 2) in this process (the peak needs the subprocess's malloc
+    settings, so only the saved bytes are checked): the ActConfig fields reach the patch."""
+    shared = cpu_peak.measure_step("resnet50", "bits2", 2, 128, "fp32", {})
+    own = cpu_peak.measure_step("resnet50", "bits2", 2, 128, "fp32", {"share_residual": False})
+    assert own["saved"] > shared["saved"] > 0
 
 
 model_sweep = _load("benchmark_model_sweep")
