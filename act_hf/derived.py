@@ -318,15 +318,15 @@ def _residual_sum(x: Tensor) -> _Sum | None:
     node = x.grad_fn
     if node is None or type(node).__name__ != "AddBackward0" or getattr(node, "_saved_alpha", None) != 1:
         return None
-    (first, _), (second, _) = node.next_functions
+    first, second = node.next_functions
     own = _live_note(x)
     if own is not None:  # in place: x was the first operand, noted before the add
         version, value = own
         if x._version != version + 1:
             return None
-        terms = (value, _operand(second, x))
+        terms = (value, _operand(*second, x))
     elif x._version == 0:  # a new tensor, unmodified since the add
-        terms = (_operand(first, x), _operand(second, x))
+        terms = (_operand(*first, x), _operand(*second, x))
     else:
         return None
     if any(term is None or term.shape != tuple(x.shape) for term in terms):
@@ -346,13 +346,15 @@ def _live_note(t: Tensor) -> tuple[int, _Affine | _Rectified] | None:
     return None
 
 
-def _operand(node: Any, x: Tensor) -> _Affine | _Rectified | None:
-    """The note on the live, unmodified tensor (other than ``x``) that autograd ``node`` made, if any."""
+def _operand(node: Any, output_nr: int, x: Tensor) -> _Affine | _Rectified | None:
+    """The note on the live, unmodified tensor (other than ``x``) that is output ``output_nr`` of autograd
+    ``node``, if any."""
     if node is None:
         return None
     for (kind, _), (ref, version, value) in list(_notes().items()):
         t = ref()
-        if kind in _OPERAND_KINDS and t is not None and t is not x and t._version == version and t.grad_fn is node:
+        if kind in _OPERAND_KINDS and t is not None and t is not x and t._version == version \
+                and t.grad_fn is node and t.output_nr == output_nr:
             return value
     return None
 

@@ -44,14 +44,19 @@ class Chain(nn.Module):
         return self.conv(h)
 
 
-def _chain(bits=3, share=True, **kwargs):
+def _twins(cls, bits, config: dict, **kwargs):
+    """An unpatched ``cls(**kwargs)`` and a patched copy."""
     torch.manual_seed(0)
-    ref = Chain(**kwargs)
+    ref = cls(**kwargs)
     model = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", act_hf.ActHFWarning)  # no family: known leaf modules only
-        act_hf.patch(model, bits=bits, share_bn_relu=share, fallback_hooks=False)
+        act_hf.patch(model, bits=bits, fallback_hooks=False, **config)
     return ref, model
+
+
+def _chain(bits=3, share=True, **kwargs):
+    return _twins(Chain, bits, {"share_bn_relu": share}, **kwargs)
 
 
 def _input():
@@ -75,9 +80,8 @@ def test_conv_saves_no_input_of_its_own(inplace, slope):
     assert s.bytes == o.bytes - o.by_slot["conv:input"]
 
 
-@SLOPES
-def test_forward_is_unchanged_and_gradients_match_at_8_bits(slope):
-    ref, model = _chain(bits=8, inplace=True, slope=slope)
+def _assert_exact_at_8_bits(ref, model, name):
+    """The forward is unchanged and the gradients match the unpatched twin's."""
     x = _input()
     xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
     out, expected = model(xm), ref(xr)
@@ -85,18 +89,16 @@ def test_forward_is_unchanged_and_gradients_match_at_8_bits(slope):
     g = torch.randn_like(out)
     out.backward(g)
     expected.backward(g)
-    assert_grads_match(ref, model, name="bn-relu-conv")
+    assert_grads_match(ref, model, name=name)
     assert sqnr_db(xr.grad, xm.grad) > 30
 
 
-@SLOPES
-def test_conv_weight_gradient_is_unbiased(slope):
-    """The mean over many draws of the 2-bit weight gradient converges to the exact one."""
-    ref, model = _chain(bits=2, slope=slope)
+def _assert_unbiased(ref, model, conv: str):
+    """The mean over many draws of the 2-bit weight gradient of ``conv`` converges to the exact one."""
     x = _input()
     g = torch.randn(4, C, H, H)
     ref.double()(x.double()).backward(g.double())
-    exact = ref.conv.weight.grad
+    exact = ref.get_submodule(conv).weight.grad
     draws = 256
     total = torch.zeros_like(exact)
     first_error = None
@@ -104,12 +106,22 @@ def test_conv_weight_gradient_is_unbiased(slope):
         act_hf.manual_seed(seed)
         model.zero_grad()
         model(x.clone().requires_grad_()).backward(g)
-        total += model.conv.weight.grad.double()
+        grad = model.get_submodule(conv).weight.grad.double()
+        total += grad
         if first_error is None:
-            first_error = (model.conv.weight.grad.double() - exact).norm()
-    mean_error = (total / draws - exact).norm()
+            first_error = (grad - exact).norm()
     # an unbiased estimate's error falls as 1/sqrt(draws) = 1/16 of one draw's; a bias would stop it
-    assert mean_error < 0.15 * first_error
+    assert (total / draws - exact).norm() < 0.15 * first_error
+
+
+@SLOPES
+def test_forward_is_unchanged_and_gradients_match_at_8_bits(slope):
+    _assert_exact_at_8_bits(*_chain(bits=8, inplace=True, slope=slope), name="bn-relu-conv")
+
+
+@SLOPES
+def test_conv_weight_gradient_is_unbiased(slope):
+    _assert_unbiased(*_chain(bits=2, slope=slope), "conv")
 
 
 def test_one_bit_more_beats_the_own_copy_with_fewer_bytes():
@@ -245,13 +257,7 @@ class Stage(nn.Module):
 
 
 def _stage(bits=3, share=True, **kwargs):
-    torch.manual_seed(0)
-    ref = Stage(**kwargs)
-    model = copy.deepcopy(ref)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", act_hf.ActHFWarning)  # no family: known leaf modules only
-        act_hf.patch(model, bits=bits, share_residual=share, fallback_hooks=False)
-    return ref, model
+    return _twins(Stage, bits, {"share_residual": share}, **kwargs)
 
 
 READERS = ["convs.1:input", "convs.2:input", "head:input"]  # each reads relu(bn(.) + shortcut)
@@ -273,36 +279,12 @@ def test_convs_after_residual_blocks_save_no_input_of_their_own(add):
 
 @pytest.mark.parametrize("add", ["in_place", "new"])
 def test_residual_forward_is_unchanged_and_gradients_match_at_8_bits(add):
-    ref, model = _stage(bits=8, add=add)
-    x = _input()
-    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out, expected = model(xm), ref(xr)
-    assert torch.equal(out, expected)
-    g = torch.randn_like(out)
-    out.backward(g)
-    expected.backward(g)
-    assert_grads_match(ref, model, name=f"residual-{add}")
-    assert sqnr_db(xr.grad, xm.grad) > 30
+    _assert_exact_at_8_bits(*_stage(bits=8, add=add), name=f"residual-{add}")
 
 
 def test_residual_conv_weight_gradient_is_unbiased():
-    """The head conv reads a chain of three sums; the mean of many 2-bit draws converges to the exact gradient."""
-    ref, model = _stage(bits=2)
-    x = _input()
-    g = torch.randn(4, C, H, H)
-    ref.double()(x.double()).backward(g.double())
-    exact = ref.head.weight.grad
-    draws = 256
-    total = torch.zeros_like(exact)
-    first_error = None
-    for seed in range(draws):
-        act_hf.manual_seed(seed)
-        model.zero_grad()
-        model(x.clone().requires_grad_()).backward(g)
-        total += model.head.weight.grad.double()
-        if first_error is None:
-            first_error = (model.head.weight.grad.double() - exact).norm()
-    assert (total / draws - exact).norm() < 0.15 * first_error
+    """The head conv reads a chain of three sums."""
+    _assert_unbiased(*_stage(bits=2), "head")
 
 
 @pytest.mark.parametrize("case", ["alpha", "rebound", "edited_shortcut", "off"])
@@ -322,11 +304,7 @@ def test_an_add_it_cannot_vouch_for_makes_the_conv_pack_its_own_input(case):
 
 def test_adaptive_bits_give_a_residual_chain_one_group():
     """The convs after the blocks read every BatchNorm input of the chain: the allocator gives them one width."""
-    _, model = _stage()
-    act_hf.unpatch(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", act_hf.ActHFWarning)
-        act_hf.patch(model, bits=2.5, variance_alarm=0, fallback_hooks=False)
+    _, model = _twins(Stage, 2.5, {"variance_alarm": 0})
     x = _input()
     model.act_hf_allocator.update_batch(x, lambda b: model(b.requires_grad_()).square().mean())
     chain = {"bn0:input", "bns.0:input", "bns.1:input", "bns.2:input", "convs.0:input", *READERS}
@@ -384,3 +362,32 @@ def test_timm_resnet_block_inputs_cost_nothing_of_their_own():
     assert {slot for slot in saved[True].by_slot if slot.endswith(".conv1:input")} == {"layer1.0.conv1:input"}
     assert saved[True].bytes == saved[False].bytes - sum(saved[False].by_slot[s] for s in block_inputs - {
         "layer1.0.conv1:input"})
+
+
+class SplitShortcut(nn.Module):
+    """``p, q = x.chunk(2)``; a conv packs ``p`` (noted), and the block adds ``q``, the other output of the same
+    autograd node, as its shortcut: the note on ``p`` must not stand for ``q``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(C)
+        self.relu = nn.ReLU(inplace=True)
+        self.head = nn.Conv2d(C, C, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        p, q = (x * 1).chunk(2, dim=1)
+        y = self.bn(self.conv(p))
+        y += q
+        return self.head(self.relu(y))
+
+
+def test_a_shortcut_is_told_from_its_siblings_by_output_number():
+    ref, model = _twins(SplitShortcut, 8, {})
+    x = torch.randn(4, 2 * C, H, H)
+    with act_hf.track_saved(model) as saved:
+        out = model(x.clone().requires_grad_())
+    assert saved.by_slot.get("head:input", 0) > 0
+    out.backward(torch.ones_like(out))
+    ref(x.clone().requires_grad_()).backward(torch.ones_like(out))
+    assert_grads_match(ref, model, name="split shortcut")
