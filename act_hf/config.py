@@ -80,7 +80,8 @@ class ActConfig:
             block's input, when the block adds in place as timm's and torchvision's do): read from the last
             BatchNorm's packed input, the ReLU's mask and the shortcut's own derived context, so a stage's block
             inputs cost nothing of their own (unbiased; the shortcut chain's rounding adds up, see
-            :mod:`act_hf.derived`). With an adaptive budget a stage's chain is one slot group.
+            :mod:`act_hf.derived`), with timm's stochastic depth (``DropPath``) before the add too. With an
+            adaptive budget a stage's chain is one slot group.
         lm_loss_recompute: a causal LM's loss (transformers' ``ForCausalLMLoss`` after an ``lm_head``) keeps the
             head's input instead of the fp32 logits and recomputes them in backward (exact;
             :mod:`act_hf.ops.loss`).

@@ -29,20 +29,22 @@ it beats the own copy on every gradient with 29% fewer bytes. ``ActConfig(share_
 A leaky ReLU (slope ``s``) works the same way: ``h = where(m, y, s * y)`` is linear in ``y`` given the exact
 mask, so ``h_hat = where(m, y_hat, s * y_hat)`` is unbiased too.
 
-A residual block ``h = relu(bn3(z) + shortcut)`` (timm's and torchvision's ResNet blocks, which add in place) is
-the same with a sum: ``h = m * (gamma * x_norm + beta + shortcut)`` is linear in ``x_norm`` and in the shortcut,
-and the shortcut is itself such a derived tensor (the previous block's ``h``), a downsample BatchNorm's output
-or a tensor a conv packed for itself (the stage's first input). So the next block's conv reads
+A residual block ``h = relu(bn3(z) + shortcut)`` (timm's and torchvision's ResNet blocks, which add in place) is the
+same with a sum: ``h = m * (gamma * x_norm + beta + shortcut)`` is linear in ``x_norm`` and in the shortcut, and the
+shortcut is itself such a derived tensor (the previous block's ``h``), a downsample BatchNorm's output or a tensor a
+conv packed for itself (the stage's first input). So the next block's conv reads
 
     h_hat = m * (gamma * Q(x_norm) + beta + shortcut_hat)
 
 which is unbiased and again needs no new bytes: a stage's block inputs cost nothing of their own, and a ResNet's
-saved context shrinks by about a quarter (timm resnet50, bf16, 2 bits: 5.73 -> 4.36 MiB a sample). The add is
-read from autograd's graph: the ReLU's input was made by an ``AddBackward0`` (``alpha`` 1) whose two operands are
-noted tensors, still alive and modified by nothing but that add. The estimate's error adds up along the chain of
-shortcuts, but so does the block output's range that an own copy's groups span; measured (timm resnet50, 8 x 3
-x 64 x 64, fp32, BatchNorm gamma ~ U(0.2, 1), beta ~ N(0, 0.2); SQNR in dB against fp64 autograd, mean of 3
-draws)::
+saved context shrinks by about a quarter (timm resnet50, bf16, 2 bits: 5.73 -> 4.36 MiB a sample). The add is read
+from autograd's graph: the ReLU's input was made by an ``AddBackward0`` (``alpha`` 1) whose two operands are noted
+tensors, still alive and modified by nothing but that add. Stochastic depth before the add (timm's ``DropPath``:
+``drop_path(bn3(z))`` is ``s * bn3(z)``, ``s`` 0 or ``1 / keep_prob`` per sample) keeps this: the converted
+``DropPath`` notes its output (:func:`note_scaled`), and the term is ``s * (gamma * Q(x_norm) + beta)``, ``s``
+exact. The estimate's error adds up along the chain of shortcuts, but so does the block output's range that an own
+copy's groups span; measured (timm resnet50, 8 x 3 x 64 x 64, fp32, BatchNorm gamma ~ U(0.2, 1), beta ~ N(0, 0.2);
+SQNR in dB against fp64 autograd, mean of 3 draws)::
 
     bits   block conv1 weight grads    whole gradient
            own copy  shared            own copy  shared
@@ -56,13 +58,13 @@ dequantizes ``n (n + 1) / 2`` tensors instead of ``n``). ``ActConfig(share_resid
 adaptive bits a stage's chain (its BatchNorm inputs the shortcuts read, and the convs that read them) is one slot
 group, given one width.
 
-Protocol: BatchNorm calls :func:`note_affine` on its output; the (leaky) ReLU asks :func:`affine_of` for its input and
-calls :func:`note_rectified` on its output; a conv or linear asks :func:`rectified_input` for its input before
-packing it, and a conv that packs its input itself notes it with :func:`note_packed` (BatchNorm notes only when
-its ``act_share_bn_relu`` is set). A note (:func:`remember`) is used only while
-the tensor it describes is alive and unmodified (same object and version counter), holds what it reads until
-that tensor dies, and is used only at the bits and group size the consumer would have packed at: with adaptive bits the
-consumer's slot joins BatchNorm's slot group in a sensitivity probe, so the allocator gives both one width.
+Protocol: BatchNorm calls :func:`note_affine` on its output (stochastic depth :func:`note_scaled` on its own); the
+(leaky) ReLU asks :func:`affine_of` for its input and calls :func:`note_rectified` on its output; a conv or linear
+asks :func:`rectified_input` for its input before packing it, and a conv that packs its input itself notes it with
+:func:`note_packed` (BatchNorm notes only when its ``act_share_bn_relu`` is set). A note (:func:`remember`) is used
+only while the tensor it describes is alive and unmodified (same object and version counter), holds what it reads
+until that tensor dies, and is used only at the bits and group size the consumer would have packed at: with adaptive
+bits the consumer's slot joins BatchNorm's slot group in a sensitivity probe, so the allocator gives both one width.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -79,25 +81,30 @@ from torch import Tensor
 from .compress import PackedTensor, dequantize, unpack_bits
 from .context import store
 
-__all__ = ["AffineTerm", "RectifiedAffine", "affine_of", "note_affine", "note_packed", "note_rectified", "recall", "rectified_input", "remember"]
+__all__ = ["AffineTerm", "RectifiedAffine", "affine_of", "note_affine", "note_packed", "note_rectified", "note_scaled",
+           "recall", "rectified_input", "remember"]
 
 
 @dataclass
 class AffineTerm:
-    """``weight * dequantize(packed) + bias`` along dim 1 (``None``: 1 and 0): BatchNorm's output read from its
-    packed normalized input, or (no weight, no bias) a tensor a conv packed for itself."""
+    """``sample_scale * (weight * dequantize(packed) + bias)``, ``weight`` and ``bias`` along dim 1 and
+    ``sample_scale`` along dim 0 (``None``: 1, 0 and 1): BatchNorm's output read from its packed normalized input,
+    or (no weight, no bias) a tensor a conv packed for itself; with a ``sample_scale``, either after stochastic
+    depth (timm's ``DropPath``: 0 or ``1 / keep_prob`` per sample)."""
 
     packed: PackedTensor
     weight: Tensor | None
     bias: Tensor | None
+    sample_scale: Tensor | None = None
 
     @property
     def tensors(self) -> list[Tensor]:
-        return [*self.packed.tensors] + [t for t in (self.weight, self.bias) if t is not None]
+        return [*self.packed.tensors] + [t for t in (self.weight, self.bias, self.sample_scale) if t is not None]
 
     @property
     def meta(self) -> tuple:
-        return "affine", self.packed.spec, self.weight is not None, self.bias is not None
+        return ("affine", self.packed.spec, self.weight is not None, self.bias is not None,
+                self.sample_scale is not None)
 
     def leaves(self) -> list[PackedTensor]:
         return [self.packed]
@@ -108,6 +115,11 @@ class AffineTerm:
         decoded = dequantize(self.packed)
         channel = (1, -1) + (1,) * (decoded.dim() - 2)
         weight = None if self.weight is None else self.weight.float().view(channel)
+        bias = None if self.bias is None else self.bias.float().view(channel)
+        if self.sample_scale is not None:  # s * (w * x + b) = (s w) * x + s b: factors of (batch, channels)
+            scale = self.sample_scale.float().view((-1,) + (1,) * (decoded.dim() - 1))
+            weight = scale if weight is None else scale * weight
+            bias = None if bias is None else scale * bias
         if values is None:
             values = decoded.to(dtype)  # a new tensor: updated in place from here on
             if weight is not None:
@@ -116,8 +128,8 @@ class AffineTerm:
             values.addcmul_(decoded, weight)
         else:
             values.add_(decoded)
-        if self.bias is not None:
-            values.add_(self.bias.float().view(channel))
+        if bias is not None:
+            values.add_(bias)
         return values
 
 
@@ -183,15 +195,14 @@ class RectifiedAffine:
 def _rebuild(tensors: list[Tensor], i: int, meta: tuple, resolve) -> tuple[AffineTerm | RectifiedAffine, int]:
     """The term ``meta`` describes, from ``tensors[i:]``, and the index after its last tensor."""
     if meta[0] == "affine":
-        _, spec, has_weight, has_bias = meta
+        _, spec, *present = meta
         packed = resolve(PackedTensor.rebuild(tensors[i:i + spec.n_tensors], spec))
         i += spec.n_tensors
-        weight = bias = None
-        if has_weight:
-            weight, i = tensors[i], i + 1
-        if has_bias:
-            bias, i = tensors[i], i + 1
-        return AffineTerm(packed, weight, bias), i
+        optional = []  # weight, bias, sample_scale
+        for has in present:
+            optional.append(tensors[i] if has else None)
+            i += has
+        return AffineTerm(packed, *optional), i
     _, dtype, negative_slope, term_metas = meta
     mask, i = tensors[i], i + 1
     terms = []
@@ -236,12 +247,14 @@ def recall(x: Tensor, kind: str) -> Any:
 @dataclass(frozen=True)
 class _Affine:
     """Note on BatchNorm's output: ``weight * x_norm + bias``, ``x_norm`` packed under ``slot`` (or on a tensor a
-    linear or conv packed itself: no weight, no bias)."""
+    linear or conv packed itself: no weight, no bias); with ``sample_scale`` (1-d, one value per sample), on that
+    output times it (:func:`note_scaled`)."""
 
     packed: PackedTensor
     weight: Tensor | None
     bias: Tensor | None
     slot: str
+    sample_scale: Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -252,7 +265,7 @@ class _Affine:
         return [(self.slot, self.packed)]
 
     def context(self, dtype: torch.dtype) -> AffineTerm:
-        return AffineTerm(self.packed, self.weight, self.bias)
+        return AffineTerm(self.packed, self.weight, self.bias, self.sample_scale)
 
 
 @dataclass(frozen=True)
@@ -301,6 +314,20 @@ def note_packed(x: Tensor, packed: PackedTensor, slot: str) -> None:
     ``x`` as its shortcut can name it (``x`` already noted as another op's output keeps that note)."""
     if x.requires_grad and x.dim() >= 2 and tuple(x.shape) == tuple(packed.shape) and _live_note(x) is None:
         remember(x, "affine", _Affine(packed, None, None, slot))
+
+
+def note_scaled(out: Tensor, x: Tensor, scale: Tensor) -> None:
+    """Record that ``out = x * scale``, ``scale`` one value per sample (shape ``(batch, 1, ..., 1)``; stochastic
+    depth), when ``x`` is noted as BatchNorm's output or a tensor a conv packed itself (a residual add may read
+    ``out`` as its operand); nothing otherwise."""
+    source = recall(x, "affine")
+    per_sample = (x.shape[0],) + (1,) * (x.dim() - 1)
+    if not isinstance(source, _Affine) or out.shape != x.shape or tuple(scale.shape) != per_sample:
+        return
+    scale = scale.detach().reshape(-1)
+    if source.sample_scale is not None:
+        scale = scale * source.sample_scale
+    remember(out, "affine", replace(source, sample_scale=scale))
 
 
 def affine_of(x: Tensor) -> _Affine | _Sum | None:

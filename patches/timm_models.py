@@ -8,14 +8,16 @@ leaky ReLU keeps the input form, whose inversion would amplify the noise by 1/sl
 classes (few-bit), the attention modules of ViT and Swin (Swin V2's scaled cosine attention through
 :func:`act_hf.ops.cosine_attention.act_cosine_attention`), and EfficientViT's ReLU linear attention
 (``LiteMLA``, through :func:`act_hf.ops.linear_attention.act_linear_attention`). Layer scale (``LayerScale``,
-``LayerScale2d``, and the ``gamma`` of ``ConvNeXtBlock``) keeps its input quantized for gamma's gradient. The
-classifier named by ``pretrained_cfg["classifier"]`` stays exact.
+``LayerScale2d``, and the ``gamma`` of ``ConvNeXtBlock``) keeps its input quantized for gamma's gradient. Stochastic
+depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`). The classifier named by
+``pretrained_cfg["classifier"]`` stays exact.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
+from act_hf.derived import note_scaled
 from act_hf.nn._base import ActModule
 from act_hf.ops.linear import act_channel_scale
 from act_hf.ops.linear_attention import act_linear_attention
@@ -94,6 +96,38 @@ def _is_lite_mla(m: nn.Module) -> bool:
     return _is_timm(m, "LiteMLA") and code_fingerprint(type(m)._attn) == LITE_MLA_ATTN
 
 
+class ActDropPathMixin(ActModule):
+    """timm's ``DropPath`` (stochastic depth: one keep draw per sample) with the same output and the same use of
+    the random generator, its output noted as its input times the per-sample scale
+    (:func:`act_hf.derived.note_scaled`). In a ResNet block ``x = drop_path(bn3(.)); x += shortcut`` the next
+    block's conv then reads the block output from the tensors BatchNorm and ReLU saved (``share_residual``)
+    instead of packing it again; it saves nothing itself. The rule converts it only when timm's code is the code
+    this copies (:data:`DROP_PATH_CODE`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.drop_prob == 0.0 or not self.act_share_residual or not self.act_enabled(x):
+            return super().forward(x)
+        keep_prob = 1 - self.drop_prob
+        scale = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep_prob)
+        if keep_prob > 0.0 and self.scale_by_keep:
+            scale.div_(keep_prob)
+        out = x * scale
+        note_scaled(out, x, scale)
+        return out
+
+
+#: :func:`code_fingerprint` of ``DropPath.forward`` and of the ``drop_path`` it calls, which
+#: :class:`ActDropPathMixin` reproduces (timm 1.0.x).
+DROP_PATH_CODE = ("1270979aad2e9889", "4f5afd298e74d5b3")
+
+
+def _is_drop_path(m: nn.Module) -> bool:
+    from timm.layers import DropPath, drop
+
+    return same_forward(DropPath)(m) \
+        and (code_fingerprint(DropPath.forward), code_fingerprint(drop.drop_path)) == DROP_PATH_CODE
+
+
 def timm_rules() -> list[Rule]:
     """Rules for timm's layers, in front of the generic torch ones."""
     from timm import layers
@@ -112,6 +146,8 @@ def timm_rules() -> list[Rule]:
         Rule("norm", lambda m: _is_timm(m, "BatchNormAct2d"), lambda m: norm.ActBatchNormAct2dMixin,
              attrs=lambda m, c: {"act_share_bn_relu": c.share_bn_relu}),
         Rule("linear", _is_convnext_block, lambda m: ActConvNeXtBlockMixin),
+        Rule("dropout", _is_drop_path, lambda m: ActDropPathMixin,
+             attrs=lambda m, c: {"act_share_residual": c.share_residual}),
         Rule("linear", same_forward(layers.LayerScale), lambda m: linear.ActLayerScaleMixin),
         Rule("linear", same_forward(layers.LayerScale2d), lambda m: linear.ActLayerScaleMixin,
              attrs=lambda m, c: {"act_scale_dim": 1}),

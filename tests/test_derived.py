@@ -13,6 +13,7 @@ from torch import nn
 
 import act_hf
 from act_hf import derived
+from act_hf.nn import ActModule
 from tests.utils import assert_grads_match, sqnr_db
 
 C, H = 16, 16  # 256 values per channel: BatchNorm packs x_norm (above MIN_VALUES_PER_CHANNEL)
@@ -93,10 +94,13 @@ def _assert_exact_at_8_bits(ref, model, name):
     assert sqnr_db(xr.grad, xm.grad) > 30
 
 
-def _assert_unbiased(ref, model, conv: str):
-    """The mean over many draws of the 2-bit weight gradient of ``conv`` converges to the exact one."""
+def _assert_unbiased(ref, model, conv: str, torch_seed: int | None = None):
+    """The mean over many draws of the 2-bit weight gradient of ``conv`` converges to the exact one (with
+    ``torch_seed``, torch's generator is reseeded before every forward: the same stochastic depth draws)."""
     x = _input()
     g = torch.randn(4, C, H, H)
+    if torch_seed is not None:
+        torch.manual_seed(torch_seed)
     ref.double()(x.double()).backward(g.double())
     exact = ref.get_submodule(conv).weight.grad
     draws = 256
@@ -104,6 +108,8 @@ def _assert_unbiased(ref, model, conv: str):
     first_error = None
     for seed in range(draws):
         act_hf.manual_seed(seed)
+        if torch_seed is not None:
+            torch.manual_seed(torch_seed)
         model.zero_grad()
         model(x.clone().requires_grad_()).backward(g)
         grad = model.get_submodule(conv).weight.grad.double()
@@ -219,10 +225,14 @@ class Stage(nn.Module):
     """``h = relu(bn0(x))``, then ``blocks`` residual blocks ``h = relu(bn(conv(h)) + h)`` (``add``: ``"in_place"``
     ``y += h``; ``"new"`` ``z = y + h`` with ``y`` alive; ``"rebound"`` ``y = y + h``, which frees BatchNorm's
     output and its note; ``"alpha"`` ``torch.add(y, h, alpha=2)``), then a head conv: every conv after the first
-    block reads a residual block's output."""
+    block reads a residual block's output. With ``drop_path``, timm's stochastic depth follows each block's
+    BatchNorm."""
 
-    def __init__(self, blocks: int = 3, add: str = "in_place", edit_shortcut: bool = False):
+    def __init__(self, blocks: int = 3, add: str = "in_place", edit_shortcut: bool = False, drop_path: float = 0.0):
         super().__init__()
+        from timm.layers import DropPath
+
+        self.drop_paths = nn.ModuleList(DropPath(drop_path) for _ in range(blocks))
         self.bn0 = nn.BatchNorm2d(C)
         self.relu0 = nn.ReLU(inplace=True)
         self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1, bias=False) for _ in range(blocks))
@@ -237,8 +247,8 @@ class Stage(nn.Module):
 
     def forward(self, x):
         h = self.relu0(self.bn0(x))
-        for conv, bn, relu in zip(self.convs, self.bns, self.relus):
-            y = bn(conv(h))
+        for conv, bn, relu, drop_path in zip(self.convs, self.bns, self.relus, self.drop_paths):
+            y = drop_path(bn(conv(h)))
             if self.edit_shortcut:
                 with torch.no_grad():
                     h.mul_(1.0)  # same values, one more version: the note on h no longer vouches for them
@@ -344,17 +354,19 @@ def test_share_residual_is_validated():
         act_hf.ActConfig(share_residual=1)
 
 
-def test_timm_resnet_block_inputs_cost_nothing_of_their_own():
+@pytest.mark.parametrize("drop_path_rate", [0.0, 0.2])
+def test_timm_resnet_block_inputs_cost_nothing_of_their_own(drop_path_rate):
     """timm's BasicBlock adds its shortcut in place: every block input after the first is read from the ops
     before it (layer1.0's shortcut is the max-pool output layer1.0.conv1 packed; later stages start with a
-    downsample BatchNorm)."""
+    downsample BatchNorm), with stochastic depth too (timm's training recipes use it)."""
     import timm
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 128, 128)  # layer4's 4 x 4 maps: 32 values per channel, so its BatchNorms pack
     saved = {}
     for share in (True, False):
-        model = act_hf.patch(timm.create_model("resnet18", num_classes=3).train(), bits=2, share_residual=share)
+        model = timm.create_model("resnet18", num_classes=3, drop_path_rate=drop_path_rate).train()
+        act_hf.patch(model, bits=2, share_residual=share)
         with act_hf.track_saved(model) as saved[share]:
             model(x)
     block_inputs = {slot for slot in saved[False].by_slot if slot.endswith(".conv1:input")}
@@ -391,3 +403,52 @@ def test_a_shortcut_is_told_from_its_siblings_by_output_number():
     out.backward(torch.ones_like(out))
     ref(x.clone().requires_grad_()).backward(torch.ones_like(out))
     assert_grads_match(ref, model, name="split shortcut")
+
+
+@pytest.mark.parametrize("add", ["in_place", "new"])
+def test_stochastic_depth_keeps_the_block_inputs_shared(add):
+    """``y = drop_path(bn(.)); y += h``: the dropped or scaled BatchNorm output is still read from BatchNorm's
+    packed input, times the per-sample scale, so the bytes are those of the stage without stochastic depth and
+    the scales (one fp32 a sample and block, which autograd's multiply keeps anyway)."""
+    _, plain = _stage(add=add)
+    _, dropping = _stage(add=add, drop_path=0.5)
+    x = _input()
+    with act_hf.track_saved(plain) as p:
+        plain(x.clone().requires_grad_())
+    with act_hf.track_saved(dropping) as d:
+        dropping(x.clone().requires_grad_())
+    assert not set(READERS) & set(d.by_slot)
+    assert d.bytes - p.bytes == 3 * 4 * 4
+
+
+def test_stochastic_depth_draws_as_timm_does_and_gradients_match_at_8_bits():
+    ref, model = _stage(bits=8, drop_path=0.5)
+    assert all(isinstance(m, ActModule) for m in model.drop_paths)
+    x = _input()
+    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(3)  # 3 blocks x 4 samples: some kept (scaled by 2), some dropped
+    out = model(xm)
+    after = torch.rand(1)
+    torch.manual_seed(3)
+    expected = ref(xr)
+    assert torch.equal(out, expected) and torch.equal(torch.rand(1), after)  # the same draws, no more
+    g = torch.randn_like(out)
+    out.backward(g)
+    expected.backward(g)
+    assert_grads_match(ref, model, name="drop path")
+    assert sqnr_db(xr.grad, xm.grad) > 30
+
+
+def test_stochastic_depth_conv_weight_gradient_is_unbiased():
+    _assert_unbiased(*_stage(bits=2, drop_path=0.5), "head", torch_seed=3)
+
+
+def test_drop_path_code_other_than_the_copied_one_is_left_as_it_is(monkeypatch):
+    from act_hf.patches import timm_models
+
+    monkeypatch.setattr(timm_models, "DROP_PATH_CODE", ("changed", "code"))
+    _, model = _stage(drop_path=0.5)
+    assert not any(isinstance(m, ActModule) for m in model.drop_paths)
+    with act_hf.track_saved(model) as saved:
+        model(_input().requires_grad_())
+    assert all(saved.by_slot[slot] > 0 for slot in READERS)  # no note past the drop path: own copies
