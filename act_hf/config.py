@@ -77,7 +77,7 @@ class ActConfig:
             normalized input and the ReLU's 1-bit mask (unbiased, no bytes of its own; :mod:`act_hf.derived`)
             instead of packing it again.
         share_residual: the same for a conv fed by a residual block's output ``relu(bn(.) + shortcut)`` (a ResNet
-            block's input, when the block adds in place as timm's and torchvision's do): read from the last
+            block's input; timm's and torchvision's ResNet and RegNet, timm's CSPNet): read from the last
             BatchNorm's packed input, the ReLU's mask and the shortcut's own derived context, so a stage's block
             inputs cost nothing of their own (unbiased; the shortcut chain's rounding adds up, see
             :mod:`act_hf.derived`), with timm's stochastic depth (``DropPath``) before the add too. With an

@@ -29,22 +29,23 @@ it beats the own copy on every gradient with 29% fewer bytes. ``ActConfig(share_
 A leaky ReLU (slope ``s``) works the same way: ``h = where(m, y, s * y)`` is linear in ``y`` given the exact
 mask, so ``h_hat = where(m, y_hat, s * y_hat)`` is unbiased too.
 
-A residual block ``h = relu(bn3(z) + shortcut)`` (timm's and torchvision's ResNet blocks, which add in place) is the
-same with a sum: ``h = m * (gamma * x_norm + beta + shortcut)`` is linear in ``x_norm`` and in the shortcut, and the
-shortcut is itself such a derived tensor (the previous block's ``h``), a downsample BatchNorm's output or a tensor a
-conv packed for itself (the stage's first input). So the next block's conv reads
+A residual block ``h = relu(bn3(z) + shortcut)`` (timm's and torchvision's ResNet and RegNet blocks, timm's CSPNet)
+is the same with a sum: ``h = m * (gamma * x_norm + beta + shortcut)`` is linear in ``x_norm`` and in the shortcut,
+and the shortcut is itself such a derived tensor (the previous block's ``h``), a downsample BatchNorm's output or a
+tensor a conv packed for itself (the stage's first input). So the next block's conv reads
 
     h_hat = m * (gamma * Q(x_norm) + beta + shortcut_hat)
 
 which is unbiased and again needs no new bytes: a stage's block inputs cost nothing of their own, and a ResNet's
 saved context shrinks by about a quarter (timm resnet50, bf16, 2 bits: 5.73 -> 4.36 MiB a sample). The add is read
 from autograd's graph: the ReLU's input was made by an ``AddBackward0`` (``alpha`` 1) whose two operands are noted
-tensors, still alive and modified by nothing but that add. Stochastic depth before the add (timm's ``DropPath``:
-``drop_path(bn3(z))`` is ``s * bn3(z)``, ``s`` 0 or ``1 / keep_prob`` per sample) keeps this: the converted
-``DropPath`` notes its output (:func:`note_scaled`), and the term is ``s * (gamma * Q(x_norm) + beta)``, ``s``
-exact. The estimate's error adds up along the chain of shortcuts, but so does the block output's range that an own
-copy's groups span; measured (timm resnet50, 8 x 3 x 64 x 64, fp32, BatchNorm gamma ~ U(0.2, 1), beta ~ N(0, 0.2);
-SQNR in dB against fp64 autograd, mean of 3 draws)::
+tensors, unmodified but for that add (in place, as ResNets add), or dead since the add unmodified (out of place,
+``y = y + shortcut``, as RegNets add: the note outlives ``y`` until the next note or query, see :func:`remember`).
+Stochastic depth before the add (timm's ``DropPath``: ``drop_path(bn3(z))`` is ``s * bn3(z)``, ``s`` 0 or
+``1 / keep_prob`` per sample) keeps this: the converted ``DropPath`` notes its output (:func:`note_scaled`), and the
+term is ``s * (gamma * Q(x_norm) + beta)``, ``s`` exact. The estimate's error adds up along the chain of shortcuts,
+but so does the block output's range that an own copy's groups span; measured (timm resnet50, 8 x 3 x 64 x 64, fp32,
+BatchNorm gamma ~ U(0.2, 1), beta ~ N(0, 0.2); SQNR in dB against fp64 autograd, mean of 3 draws)::
 
     bits   block conv1 weight grads    whole gradient
            own copy  shared            own copy  shared
@@ -222,18 +223,34 @@ def _notes() -> dict:
     return notes
 
 
+def _dead() -> list:
+    dead = getattr(_local, "dead", None)
+    if dead is None:
+        dead = _local.dead = []
+    return dead
+
+
 def remember(x: Tensor, kind: str, value: Any) -> None:
     """Attach ``value`` (``kind``: what it says of ``x``) to the tensor ``x`` while ``x`` lives.
 
     The note holds ``value`` strongly and dies with ``x``, so a forward decides the same way when
-    ``torch.utils.checkpoint`` recomputes it (its first pass drops every saved tensor at once)."""
-    notes, key = _notes(), (kind, id(x))
+    ``torch.utils.checkpoint`` recomputes it (its first pass drops every saved tensor at once). An ``"affine"``
+    note on a tensor made by an autograd node, dying unmodified, outlives it until the next note or the next
+    residual-sum query (:func:`affine_of`), keyed by that node and output number: ``y = bn(.) + shortcut`` frees
+    ``y`` before a ReLU asks what the sum is."""
+    notes, key, dead = _notes(), (kind, id(x)), _dead()
+    dead.clear()  # a new note: the forward has moved past the tensors that died before it
+    version = x._version
+    # a detached alias shares x's version counter, so the check at x's death sees every in-place edit since now
+    revival = (x.detach(), x.grad_fn, x.output_nr) if kind == "affine" and x.grad_fn is not None else None
 
     def forget(ref: weakref.ref) -> None:
         if key in notes and notes[key][0] is ref:
             del notes[key]
+            if revival is not None and revival[0]._version == version:
+                dead.append((revival[1], revival[2], value))
 
-    notes[key] = (weakref.ref(x, forget), x._version, value)
+    notes[key] = (weakref.ref(x, forget), version, value)
 
 
 def recall(x: Tensor, kind: str) -> Any:
@@ -334,14 +351,18 @@ def affine_of(x: Tensor) -> _Affine | _Sum | None:
     """What ``x`` is, if noted and unmodified since (ask before a ReLU runs: an in-place one modifies ``x``):
     BatchNorm's output (:func:`note_affine`), or a residual add of two such tensors, either of them
     BatchNorm's output or a rectified one (:func:`note_rectified`); else ``None``."""
-    return recall(x, "affine") or _residual_sum(x)
+    try:
+        return recall(x, "affine") or _residual_sum(x)
+    finally:
+        _dead().clear()  # read once: the forward has moved past them
 
 
 def _residual_sum(x: Tensor) -> _Sum | None:
     """The sum ``x = a + b`` (no ``alpha``, no broadcasting) read from autograd's graph when both operands are
     noted: an operand's note is found by the node that made it, on a tensor still alive and unmodified; for
     ``a += b`` (what timm's and torchvision's residual blocks do) the note on ``a`` itself, which that add alone
-    has modified since. ``y = y + b`` frees BatchNorm's output and its note with it, so it is not recognized."""
+    has modified since. An operand that died since the add (``y = y + b`` frees BatchNorm's output ``y``) is
+    found by its note's node among the notes that outlive their tensors (:func:`remember`)."""
     node = x.grad_fn
     if node is None or type(node).__name__ != "AddBackward0" or getattr(node, "_saved_alpha", None) != 1:
         return None
@@ -375,13 +396,16 @@ def _live_note(t: Tensor) -> tuple[int, _Affine | _Rectified] | None:
 
 def _operand(node: Any, output_nr: int, x: Tensor) -> _Affine | _Rectified | None:
     """The note on the live, unmodified tensor (other than ``x``) that is output ``output_nr`` of autograd
-    ``node``, if any."""
+    ``node``, or on such a tensor that died unmodified since the last note (:func:`remember`), if any."""
     if node is None:
         return None
     for (kind, _), (ref, version, value) in list(_notes().items()):
         t = ref()
         if kind in _OPERAND_KINDS and t is not None and t is not x and t._version == version \
                 and t.grad_fn is node and t.output_nr == output_nr:
+            return value
+    for dead_node, dead_output_nr, value in _dead():
+        if dead_node is node and dead_output_nr == output_nr:
             return value
     return None
 

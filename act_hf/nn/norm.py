@@ -317,7 +317,8 @@ class ActBatchNormAct2dMixin(_ActNormMixin):
                 and output_context_safe(self.weight, gamma_eps=self.act_gamma_eps, cache=True)):
             return act_batch_norm_act(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
                                       self.act_settings("output"), activation=fused[0], param=fused[1],
-                                      gamma_eps=self.act_gamma_eps, cache_guard=True)
+                                      gamma_eps=self.act_gamma_eps, cache_guard=True,
+                                      note_output=self.act_share_bn_relu)
         y = act_batch_norm(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
                            self.act_settings("input"), note_output=self.act_share_bn_relu)
         return self.act(self.drop(y))

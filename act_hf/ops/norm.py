@@ -504,8 +504,8 @@ class ActBatchNormFunction(torch.autograd.Function):
                 packed = x_norm  # statistics over a handful of values amplify any error: keep this small tensor exact
             else:
                 packed = store.compress_as(x_norm, settings)
-                if note_output:
-                    note_affine(y, packed, weight, bias, settings.slot)
+                if note_output:  # noted by act_batch_norm once y has its autograd node
+                    ctx.act_affine = (packed, weight, bias, settings.slot)
             save_context(ctx, packed, mean, invstd, weight)
         else:
             save_context(ctx, None, None, None, None)
@@ -540,8 +540,18 @@ def act_batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor |
     """Training-mode ``F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)`` with a
     quantized saved input (ActNN form). Same argument order as ``F.batch_norm`` minus ``training``; with
     ``note_output`` a conv after a ReLU after it reads that input (see :mod:`act_hf.derived`)."""
-    return ActBatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, settings,
-                                      note_output)
+    y = ActBatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, settings, note_output)
+    _note_pending(y)
+    return y
+
+
+def _note_pending(y: Tensor) -> None:
+    """Note ``y`` as its op's forward asked (``ctx.act_affine``): only now does ``y`` have its autograd node, by
+    which a residual add finds the note once ``y`` itself is gone (:func:`act_hf.derived.remember`)."""
+    pending = getattr(y.grad_fn, "act_affine", None)
+    if pending is not None:
+        del y.grad_fn.act_affine
+        note_affine(y, *pending)
 
 
 def apply_activation(y: Tensor, activation: str, param: float) -> Tensor:
@@ -561,7 +571,9 @@ class ActBatchNormActFunction(torch.autograd.Function):
     the returned tensor, ``save_invstd`` (fp32, one per channel), ``weight`` and ``bias``; for ``leaky_relu``
     and ``elu`` also the sign of ``z`` packed at 1 bit per element (stochastic rounding flips small ``z`` across
     0, where the derivative jumps: without the exact sign the 8-bit input gradient was at 14 dB instead of 30+).
-    A bias-only gradient saves just the sign bits.
+    A bias-only gradient saves just the sign bits. With ``note_output`` the output is noted as
+    ``dequantize(packed z)`` (:func:`act_hf.derived.note_affine`, no weight, no bias), so a residual add of it
+    (timm's downsample ``BatchNormAct2d``) can be read from that packed copy.
     Backward inverts the activation (``bn = z`` / ``z / slope`` / ``alpha * log1p(z / alpha)``), takes its
     derivative from ``z`` and recovers ``x_hat = (bn - beta) / gamma``.
 
@@ -574,7 +586,7 @@ class ActBatchNormActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
                 running_var: Tensor | None, momentum: float, eps: float, activation: str, param: float,
-                settings: OpSettings) -> Tensor:
+                settings: OpSettings, note_output: bool = False) -> Tensor:
         y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         z = apply_activation(y, activation, param)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -586,6 +598,8 @@ class ActBatchNormActFunction(torch.autograd.Function):
         if need_x or need_w:
             packed = store.compress_as(z, settings)
             save_context(ctx, packed, mask, invstd, weight, bias)
+            if note_output:  # noted by act_batch_norm_act once z has its autograd node
+                ctx.act_affine = (packed, None, None, settings.slot)
         else:
             save_context(ctx, None, mask, None, None, None)
         return z
@@ -602,7 +616,7 @@ class ActBatchNormActFunction(torch.autograd.Function):
         if activation == "leaky_relu":
             g3 = torch.where(pos, g3, g3 * param)
         if packed is None:  # bias gradient only
-            return (None, None, g3.sum((0, 2)).to(bias.dtype) if need_b else None) + (None,) * 7
+            return (None, None, g3.sum((0, 2)).to(bias.dtype) if need_b else None) + (None,) * 8
         z = dequantize(packed).float().reshape(shape[0], c, -1)
         if activation == "leaky_relu":
             bn = torch.where(pos, z, z / param)
@@ -624,13 +638,14 @@ class ActBatchNormActFunction(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def act_batch_norm_act(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None,
                        bias: Tensor | None, momentum: float, eps: float, settings: OpSettings, *,
                        activation: str = "identity", param: float = 0.0,
-                       gamma_eps: float = DEFAULT_GAMMA_EPS, cache_guard: bool = False) -> Tensor:
+                       gamma_eps: float = DEFAULT_GAMMA_EPS, cache_guard: bool = False,
+                       note_output: bool = False) -> Tensor:
     """Training-mode ``act(F.batch_norm(...))`` saving only the quantized activation output (In-Place ABN).
 
     Args:
@@ -648,6 +663,8 @@ def act_batch_norm_act(x: Tensor, running_mean: Tensor | None, running_var: Tens
         gamma_eps: relative ``|gamma|`` threshold; below it the op falls back to :func:`act_batch_norm` and the
             activation applied after it (the activation then saves its own context through autograd).
         cache_guard: cache the guard per weight version.
+        note_output: note the output for residual sharing (:mod:`act_hf.derived`); with the fallback, BatchNorm's
+            output.
 
     Returns:
         Exactly ``act(F.batch_norm(x, ...))``.
@@ -657,7 +674,10 @@ def act_batch_norm_act(x: Tensor, running_mean: Tensor | None, running_var: Tens
     """
     check_activation(activation, param)
     if not output_context_safe(weight, gamma_eps=gamma_eps, cache=cache_guard):
-        y = act_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, settings)
+        y = act_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, settings,
+                           note_output=note_output)
         return apply_activation(y, activation, param)
-    return ActBatchNormActFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, activation,
-                                         float(param), settings)
+    z = ActBatchNormActFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, activation,
+                                      float(param), settings, note_output)
+    _note_pending(z)
+    return z
