@@ -82,8 +82,8 @@ from torch import Tensor
 from .compress import PackedTensor, dequantize, unpack_bits
 from .context import store
 
-__all__ = ["AffineTerm", "RectifiedAffine", "affine_of", "note_affine", "note_packed", "note_rectified", "note_scaled",
-           "recall", "rectified_input", "remember"]
+__all__ = ["AffineTerm", "RectifiedAffine", "affine_of", "note_affine", "note_packed", "note_pending", "note_rectified",
+           "note_scaled", "recall", "rectified_input", "remember"]
 
 
 @dataclass
@@ -345,6 +345,18 @@ def note_scaled(out: Tensor, x: Tensor, scale: Tensor) -> None:
     if source.sample_scale is not None:
         scale = scale * source.sample_scale
     remember(out, "affine", replace(source, sample_scale=scale))
+
+
+def note_pending(out: Tensor) -> None:
+    """Make the note an op's forward left on its autograd node (``ctx.act_affine`` for :func:`note_affine`,
+    ``ctx.act_rectified`` for :func:`note_rectified`), once ``out`` has that node: a note on a tensor that dies is
+    found by it (:func:`remember`), and the node must not keep what the note holds."""
+    node = out.grad_fn
+    for attr, note in (("act_affine", note_affine), ("act_rectified", note_rectified)):
+        pending = getattr(node, attr, None)
+        if pending is not None:
+            delattr(node, attr)
+            note(out, *pending)
 
 
 def affine_of(x: Tensor) -> _Affine | _Sum | None:

@@ -384,21 +384,28 @@ def test_share_residual_is_validated():
         act_hf.ActConfig(share_residual=1)
 
 
+def _timm_saved_by_sharing(name: str, **model_kwargs) -> dict:
+    """``{share_residual: tracker}``: the saved context of timm model ``name`` at 2 bits, one training forward of
+    2 x 3 x 128 x 128 (the last stage's 4 x 4 maps: 32 values per channel, so its BatchNorms pack)."""
+    import timm
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 128, 128)
+    saved = {}
+    for share in (True, False):
+        model = timm.create_model(name, num_classes=3, **model_kwargs).train()
+        act_hf.patch(model, bits=2, share_residual=share)
+        with act_hf.track_saved(model) as saved[share]:
+            model(x)
+    return saved
+
+
 @pytest.mark.parametrize("drop_path_rate", [0.0, 0.2])
 def test_timm_resnet_block_inputs_cost_nothing_of_their_own(drop_path_rate):
     """timm's BasicBlock adds its shortcut in place: every block input after the first is read from the ops
     before it (layer1.0's shortcut is the max-pool output layer1.0.conv1 packed; later stages start with a
     downsample BatchNorm), with stochastic depth too (timm's training recipes use it)."""
-    import timm
-
-    torch.manual_seed(0)
-    x = torch.randn(2, 3, 128, 128)  # layer4's 4 x 4 maps: 32 values per channel, so its BatchNorms pack
-    saved = {}
-    for share in (True, False):
-        model = timm.create_model("resnet18", num_classes=3, drop_path_rate=drop_path_rate).train()
-        act_hf.patch(model, bits=2, share_residual=share)
-        with act_hf.track_saved(model) as saved[share]:
-            model(x)
+    saved = _timm_saved_by_sharing("resnet18", drop_path_rate=drop_path_rate)
     block_inputs = {slot for slot in saved[False].by_slot if slot.endswith(".conv1:input")}
     assert len(block_inputs) == 8
     assert {slot for slot in saved[True].by_slot if slot.endswith(".conv1:input")} == {"layer1.0.conv1:input"}
@@ -414,13 +421,7 @@ def test_timm_regnet_block_inputs_cost_nothing_of_their_own():
     (the stem's ReLU output, shared either way) is read from the ops before it, and the 8-bit gradients match."""
     import timm
 
-    torch.manual_seed(0)
-    x = torch.randn(2, 3, 128, 128)
-    saved = {}
-    for share in (True, False):
-        model = act_hf.patch(timm.create_model("regnetx_002", num_classes=3).train(), bits=2, share_residual=share)
-        with act_hf.track_saved(model) as saved[share]:
-            model(x)
+    saved = _timm_saved_by_sharing("regnetx_002")
     block_inputs = {slot for slot in saved[False].by_slot if slot.endswith(".conv1.conv:input")}
     assert len(block_inputs) == 12  # depths 1, 1, 4, 7: all blocks after s1.b1
     assert not {slot for slot in saved[True].by_slot if slot.endswith(".conv1.conv:input")}
@@ -428,6 +429,7 @@ def test_timm_regnet_block_inputs_cost_nothing_of_their_own():
 
     ref = timm.create_model("regnetx_002", num_classes=3).train()
     model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    x = torch.randn(2, 3, 128, 128)
     for net in (ref, model):
         net(x).square().mean().backward()
     assert_grads_match(ref, model, name="regnetx_002")

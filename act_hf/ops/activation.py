@@ -62,7 +62,7 @@ from torch.autograd.function import once_differentiable
 from .. import fewbit
 from ..compress import dequantize, pack_bits, unpack_bits
 from ..context import store
-from ..derived import affine_of, note_rectified
+from ..derived import affine_of, note_pending
 from ..errors import ActHFRuntimeError, ActHFValueError
 from ._saving import OpSettings, load_context, save_context
 
@@ -412,8 +412,5 @@ def act_activation(
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and _inplace_would_fail(x)):
         return fn(x)  # nothing to save, or the original op raises autograd's in-place error itself
     out = ActActivationFunction.apply(x, spec, fn, settings)
-    pending = getattr(out.grad_fn, "act_rectified", None)
-    if pending is not None:
-        del out.grad_fn.act_rectified
-        note_rectified(out, *pending)
+    note_pending(out)
     return out

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ..compress import dequantize, unpack_bits
 from ..context import store
-from ..derived import note_affine
+from ..derived import note_pending
 from ..errors import ActHFValueError
 from ._saving import OpSettings, load_context, owned_output, save_context
 from .activation import _pack_codes
@@ -504,7 +504,7 @@ class ActBatchNormFunction(torch.autograd.Function):
                 packed = x_norm  # statistics over a handful of values amplify any error: keep this small tensor exact
             else:
                 packed = store.compress_as(x_norm, settings)
-                if note_output:  # noted by act_batch_norm once y has its autograd node
+                if note_output:  # noted by act_batch_norm once y has its autograd node (note_pending)
                     ctx.act_affine = (packed, weight, bias, settings.slot)
             save_context(ctx, packed, mean, invstd, weight)
         else:
@@ -541,17 +541,8 @@ def act_batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor |
     quantized saved input (ActNN form). Same argument order as ``F.batch_norm`` minus ``training``; with
     ``note_output`` a conv after a ReLU after it reads that input (see :mod:`act_hf.derived`)."""
     y = ActBatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, settings, note_output)
-    _note_pending(y)
+    note_pending(y)
     return y
-
-
-def _note_pending(y: Tensor) -> None:
-    """Note ``y`` as its op's forward asked (``ctx.act_affine``): only now does ``y`` have its autograd node, by
-    which a residual add finds the note once ``y`` itself is gone (:func:`act_hf.derived.remember`)."""
-    pending = getattr(y.grad_fn, "act_affine", None)
-    if pending is not None:
-        del y.grad_fn.act_affine
-        note_affine(y, *pending)
 
 
 def apply_activation(y: Tensor, activation: str, param: float) -> Tensor:
@@ -679,5 +670,5 @@ def act_batch_norm_act(x: Tensor, running_mean: Tensor | None, running_var: Tens
         return apply_activation(y, activation, param)
     z = ActBatchNormActFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, activation,
                                       float(param), settings, note_output)
-    _note_pending(z)
+    note_pending(z)
     return z
