@@ -201,7 +201,7 @@ class BitAllocator:
             raise ActHFValueError(f"a BitAllocator needs a float bits budget (e.g. 2.5 or 2.0), got {config.bits!r}")
         self.model = model
         self.config = config
-        self.owner: int = model.act_hf_bits_owner  # the key of its slots' bits in the context store
+        self.slot_bits: dict[str, int] = model.act_hf_slot_bits  # the model's table, which its modules read
         self.budget = float(config.bits)
         self.groups: dict[str, SlotGroup] = {}
         self.variance_ratio: float | None = None
@@ -422,8 +422,8 @@ class BitAllocator:
 
     def _bits_in_probe(self, slots: list[str]) -> int:
         for slot in slots:
-            if (self.owner, slot) in store.bits:
-                return store.bits[self.owner, slot]
+            if slot in self.slot_bits:
+                return self.slot_bits[slot]
         return self.config.default_bits
 
     def _variance_ratio(self, loss_closure, params) -> float | None:
@@ -448,10 +448,10 @@ class BitAllocator:
 
     # -- state ---------------------------------------------------------------------------------------------
     def apply(self) -> None:
-        """Write the groups' bits into the context store (every slot of a group gets its group's bits)."""
+        """Write the groups' bits into the model's slot-bits table (every slot of a group gets its group's bits)."""
         for group in self.groups.values():
             for slot in group.slots:
-                store.bits[self.owner, slot] = group.bits
+                self.slot_bits[slot] = group.bits
 
     def average_bits(self) -> float:
         """The allocated bits averaged over stored elements (the budget's measure); the starting width before
@@ -495,9 +495,7 @@ class BitAllocator:
         self.apply()
 
     def remove(self) -> None:
-        """Detach from the model and forget this model's slots in the context store."""
+        """Detach from the model and forget its allocation (the model's modules read fixed bits again)."""
         self._hook.remove()
-        for group in self.groups.values():
-            for slot in group.slots:
-                store.bits.pop((self.owner, slot), None)
+        self.slot_bits.clear()
         self.groups = {}

@@ -11,8 +11,8 @@ version counter is unchanged (so it was not modified in place). Entries hold wea
 exactly as long as some autograd graph keeps the packed tensors, and no step boundary is needed.
 
 Slots name what is stored by module path and role (``bert.encoder.layer.3.attention.self.query:input``),
-never by save order. Each slot carries its own bits (``ContextStore.bits``), which the adaptive allocator
-sets.
+never by save order. An adaptive model's allocator gives each slot its own bits in the model's slot-bits table
+(:meth:`ContextStore.bits_for`).
 
 During a sensitivity probe (:meth:`ContextStore.probing`, used by :mod:`act_hf.adapt`) every quantized tensor
 also gets a second, independently drawn "twin", and the slots that quantize the same tensor are joined into
@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,9 +142,6 @@ class ContextStore:
     Thread-local entries (each thread runs its own forward); the per-slot bits are shared.
 
     Attributes:
-        bits: per-slot bits set by adaptive allocators, keyed ``(owner, slot)``: ``owner`` is the token
-            :func:`act_hf.patch` gave the model (``model.act_hf_bits_owner``), so two models with the same module
-            paths never read each other's allocation (slots not listed use their module's bits).
         force_bits: when set, every slot is quantized at this width (the allocator's near-exact reference).
         swap: the host-memory swap of contexts compressed with ``swap=True`` (see :mod:`act_hf.swap`).
         uncheckpointed: set while the adaptive allocator probes: its backward passes are
@@ -153,7 +150,6 @@ class ContextStore:
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self.bits: dict[str, int] = {}
         self.force_bits: int | None = None
         self.uncheckpointed = False
         self.swap = HostSwap()
@@ -168,11 +164,16 @@ class ContextStore:
             self._local.inserts = 0
         return entries
 
-    def bits_for(self, slot: str, default: int, owner: int = 0) -> int:
-        """Bits that ``owner``'s allocator gave ``slot``, else ``default`` (always, for ``owner`` 0: fixed bits)."""
+    def bits_for(self, slot: str, default: int, slot_bits: Mapping[str, int] | None = None) -> int:
+        """Bits of ``slot``: those in ``slot_bits`` (an adaptive model's table, ``model.act_hf_slot_bits``, which
+        its allocator fills), else ``default`` (always, for ``None``: fixed bits); ``force_bits`` overrides both.
+
+        The table belongs to the model (its converted modules and hooks hold it), so two models with the same
+        module paths never read each other's allocation, ``copy.deepcopy`` gives a copy a table of its own,
+        pickling keeps it, and it goes with the model."""
         if self.force_bits is not None:
             return self.force_bits
-        return self.bits.get((owner, slot), default) if owner else default
+        return default if slot_bits is None else slot_bits.get(slot, default)
 
     def compress(self, x: torch.Tensor, *, slot: str, bits: int, group_size: int, swap: bool = False,
                  channel_scale: bool = False) -> PackedTensor:

@@ -72,15 +72,16 @@ def _report(t: torch.Tensor) -> None:
 
 
 class _Compressing:
-    def __init__(self, slot: str, bits: int, group_size: int, swap: bool, bits_owner: int = 0) -> None:
+    def __init__(self, slot: str, bits: int, group_size: int, swap: bool,
+                 slot_bits: dict[str, int] | None = None) -> None:
         self.slot, self.bits, self.group_size, self.swap = slot, bits, group_size, swap
-        self.bits_owner = bits_owner
+        self.slot_bits = slot_bits
 
     def pack(self, t: torch.Tensor):
         if not t.is_floating_point() or not t.requires_grad or _is_small(t) or _is_parameter_like(t):
             _report(t)
             return _without_history(t)
-        packed = store.compress(t, slot=self.slot, bits=store.bits_for(self.slot, self.bits, self.bits_owner),
+        packed = store.compress(t, slot=self.slot, bits=store.bits_for(self.slot, self.bits, self.slot_bits),
                                 group_size=self.group_size, swap=self.swap)
         for p in packed.tensors:
             _report(p)
@@ -391,9 +392,9 @@ class _HookScopes:
 
 def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False,
                            heads: list[nn.Module] | tuple[nn.Module, ...] = (), route_sdpa: bool = True,
-                           bits_owner: int = 0) -> list:
-    """Install the hooks on ``model``; returns the hook handles (remove them to uninstall). ``bits_owner``: the
-    model's adaptive allocation token (``ContextStore.bits``; 0 for fixed bits).
+                           slot_bits: dict[str, int] | None = None) -> list:
+    """Install the hooks on ``model``; returns the hook handles (remove them to uninstall). ``slot_bits``: the
+    adaptive model's slot-bits table (``ContextStore.bits_for``; None for fixed bits).
 
     The compressing hooks are active during the root module's forward in training with grad enabled; every
     act_hf module pushes a pass-through hook around its own forward. From the first call of a module in
@@ -404,8 +405,8 @@ def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap
     """
     name = type(model).__name__
     sdpa = OpSettings(slot=f"{name}:sdpa", bits=bits, group_size=group_size, swap=swap,
-                      bits_owner=bits_owner) if route_sdpa else None
-    scopes = _HookScopes(_Compressing(f"{name}:saved", bits, group_size, swap, bits_owner), sdpa)
+                      slot_bits=slot_bits) if route_sdpa else None
+    scopes = _HookScopes(_Compressing(f"{name}:saved", bits, group_size, swap, slot_bits), sdpa)
     handles = [
         model.register_forward_pre_hook(scopes.enter_compressing),
         model.register_forward_hook(scopes.leave, always_call=True),

@@ -15,7 +15,6 @@ import hashlib
 import inspect
 import logging
 import re
-import secrets
 import textwrap
 import warnings
 from collections.abc import Callable, Iterable
@@ -268,9 +267,9 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
             f"{getattr(getattr(model, 'config', None), 'model_type', None)!r}); supported families: "
             f"{sorted(PATCH_FUNCTIONS)}. Pass strict=False for the generic fallback."
         )
-    # an adaptive model's allocation is its own (ContextStore.bits): a random token outlives pickling; the
-    # fallback's hooks read it while the model is patched
-    model.act_hf_bits_owner = secrets.randbits(62) + 1 if config.adaptive else 0
+    # an adaptive model's allocation is its own table (slot -> bits), shared by its converted modules and hooks:
+    # a deep copy or a pickle carries it, and it goes with the model
+    model.act_hf_slot_bits = {} if config.adaptive else None
     if family is None:
         from .patches import generic
 
@@ -278,17 +277,17 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
     else:
         patched = PATCH_FUNCTIONS[family](model, config)
     if not patched:
-        del model.act_hf_bits_owner
+        del model.act_hf_slot_bits
         raise NoMatchingModuleError(
             f"act_hf found nothing to patch in {type(model).__name__} (kinds={list(config.kinds)}, "
             f"target_modules={config.target_modules!r}, exclude_modules={config.exclude_modules!r})"
         )
     if config.checkpoint_bits is not None:
         _enable_checkpoint_compression(model, config)
-    if model.act_hf_bits_owner:
+    if model.act_hf_slot_bits is not None:
         for module in model.modules():
             if hasattr(module, "act_bits"):  # converted modules and marked attention modules
-                module.act_bits_owner = model.act_hf_bits_owner
+                module.act_slot_bits = model.act_hf_slot_bits
     allocator = None
     if config.adaptive:
         from .adapt import BitAllocator
@@ -331,7 +330,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             revert(module)
     for target in (model, wrapper):
         for attr in ("act_hf_config", "act_hf_family", "act_hf_patched_modules", "act_hf_cleanups",
-                     "act_hf_allocator", "act_hf_bits_owner"):
+                     "act_hf_allocator", "act_hf_slot_bits"):
             target.__dict__.pop(attr, None)
     return wrapper
 

@@ -25,7 +25,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from .config import ActConfig
-from .context import SavedTracker, store, track_saved
+from .context import SavedTracker, track_saved
 
 __all__ = ["ActCompressCallback"]
 
@@ -149,9 +149,8 @@ class ActCompressCallback(TrainerCallback):
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The allocation state saved into checkpoints."""
-        owner = self.allocator.owner if self.allocator is not None else 0  # 0: fixed bits, no slot of its own
-        state = {"config": self.config.to_dict(),
-                 "slot_bits": {slot: bits for (o, slot), bits in store.bits.items() if owner and o == owner}}
+        state = {"config": self.config.to_dict(),  # fixed bits: no slot of its own
+                 "slot_bits": dict(self.allocator.slot_bits) if self.allocator is not None else {}}
         if self.allocator is not None:
             state["allocator"] = self.allocator.state_dict()
         return state
@@ -170,10 +169,8 @@ class ActCompressCallback(TrainerCallback):
             return False
         data = json.loads(path.read_text())
         if self.allocator is not None:  # fixed bits read no per-slot table
-            owner = self.allocator.owner
-            for key in [k for k in store.bits if k[0] == owner]:
-                del store.bits[key]
-            store.bits.update({(owner, k): int(v) for k, v in data.get("slot_bits", {}).items()})
+            self.allocator.slot_bits.clear()
+            self.allocator.slot_bits.update({k: int(v) for k, v in data.get("slot_bits", {}).items()})
             if "allocator" in data:
                 self.allocator.load_state_dict(data["allocator"])
         return True

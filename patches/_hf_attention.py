@@ -70,7 +70,7 @@ ACT_SDPA = "act_hf_sdpa"
 ACT_EAGER = "act_hf_eager"
 _SWITCH = {"sdpa": ACT_SDPA, "eager": ACT_EAGER}
 _ORIGINAL_ATTR = "_act_hf_attn_original"
-_MARK_ATTRS = ("act_slot", "act_bits", "act_group_size", "act_swap", "act_bits_owner")
+_MARK_ATTRS = ("act_slot", "act_bits", "act_group_size", "act_swap", "act_slot_bits")
 
 sdpa_attention_forward = _sdpa_mod.sdpa_attention_forward
 #: transformers < 5.24 updates a paged (continuous-batching) cache inside ``sdpa_attention_forward``; later
@@ -98,7 +98,7 @@ def _settings(module: nn.Module) -> OpSettings:
     bits = int(module.act_bits)
     return OpSettings(slot=base, bits=bits, group_size=int(getattr(module, "act_group_size", 256)),
                       swap=bool(getattr(module, "act_swap", False)),
-                      bits_owner=int(getattr(module, "act_bits_owner", 0)))
+                      slot_bits=getattr(module, "act_slot_bits", None))
 
 
 def act_sdpa_attention_forward(

@@ -78,7 +78,7 @@ def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
         handles = install_fallback_hooks(model, bits=config.default_bits, group_size=config.group_size,
                                          swap=config.swap, heads=[model.get_submodule(p) for p in heads],
                                          route_sdpa="attention" in config.kinds,
-                                         bits_owner=getattr(model, "act_hf_bits_owner", 0))
+                                         slot_bits=getattr(model, "act_hf_slot_bits", None))
         add_cleanup(model, functools.partial(remove_handles, handles))
         patched.append("<saved-tensor hooks>")
     return patched

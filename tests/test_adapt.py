@@ -12,7 +12,6 @@ from torch import nn
 
 import act_hf
 from act_hf.adapt import allocate_bits, variance_factor
-from act_hf.context import store
 from tests.patches.models import bert
 
 # ------------------------------------------------------------------------------------------------ allocation
@@ -99,7 +98,7 @@ def test_sensitivity_is_the_variance_of_the_gradient():
         allocator.update_batch((x, target), lambda b: _mse(model, b))
         group = allocator.groups["first:input"]
         estimates.append(group.sensitivity * variance_factor(2))  # measured at 2 bits before the first allocation
-        store.bits.clear()  # measure at 2 bits every time
+        model.act_hf_slot_bits.clear()  # measure at 2 bits every time
     with torch.no_grad():
         hidden_out = model.first(x).requires_grad_()
     out = model.second(torch.tanh(hidden_out))
@@ -129,7 +128,7 @@ def test_local_difference_matches_a_whole_backward():
         allocator.whole_backward = whole
         act_hf.manual_seed(7)
         torch.manual_seed(7)
-        store.bits.clear()
+        model.act_hf_slot_bits.clear()
         allocator.update_batch(batch, lambda b: model(**b).loss)
         return {n: g.sensitivity for n, g in allocator.groups.items()}
 
@@ -153,14 +152,13 @@ def test_a_slot_whose_compression_hurts_gets_more_bits():
         model = copy.deepcopy(reference)
         act_hf.patch(model, bits=8.0, kinds=("linear",))  # adaptive: its slots read the allocation table
         model.act_hf_allocator.remove()  # no probe: the test writes the slots' bits itself
-        store.bits.update({(model.act_hf_bits_owner, slot): bits for slot, bits in slot_bits.items()})
+        model.act_hf_slot_bits.update(slot_bits)
         errors = []
         for seed in range(20):
             act_hf.manual_seed(seed)
             grads = torch.autograd.grad(_mse(model, (x, target)), list(model.parameters()))
             errors.append(sum((g - e).pow(2).sum() for g, e in zip(grads, exact)).item())
         act_hf.unpatch(model)
-        store.bits.clear()
         return sum(errors) / len(errors)
 
     harm_first, harm_second = harm({"first:input": 2}), harm({"second:input": 2})
@@ -315,18 +313,78 @@ def test_a_model_reads_only_its_own_allocation():
     act_hf.patch(first, bits=1.5, adapt_samples=2, variance_alarm=0)
     first.train()
     first(**inputs).loss.backward()  # the first training forward allocates
-    allocation = {k: v for k, v in store.bits.items() if k[0] == first.act_hf_bits_owner}
-    assert allocation and {slot for _, slot in allocation} <= {s for g in first.act_hf_allocator.groups.values()
-                                                                for s in g.slots}
+    allocation = dict(first.act_hf_slot_bits)
+    assert allocation and set(allocation) <= {s for g in first.act_hf_allocator.groups.values() for s in g.slots}
     assert saved_bytes(fixed) == alone
     second, _ = bert()
     act_hf.patch(second, bits=4.5, adapt_samples=2, variance_alarm=0)
     second.train()
     second(**inputs).loss.backward()
-    assert second.act_hf_bits_owner != first.act_hf_bits_owner
-    assert {k: v for k, v in store.bits.items() if k[0] == first.act_hf_bits_owner} == allocation
+    assert second.act_hf_slot_bits and second.act_hf_slot_bits is not first.act_hf_slot_bits
+    assert first.act_hf_slot_bits == allocation
     assert saved_bytes(fixed) == alone
-    owners = {first.act_hf_bits_owner, second.act_hf_bits_owner}
     for model in (first, second):
+        table = model.act_hf_slot_bits
         act_hf.unpatch(model)
-    assert not [key for key in store.bits if key[0] in owners]  # other tests' live models may keep theirs
+        assert not table
+
+
+def test_a_deep_copy_allocates_for_itself():
+    """``copy.deepcopy`` of an adaptive model (an EMA or reference copy, a sweep from one base): the copy starts
+    from the original's allocation and its probes change only its own; the original's next probe leaves the
+    copy's."""
+    model, inputs = bert()
+    act_hf.patch(model, bits=2.5, adapt_samples=2, variance_alarm=0)
+    model.train()
+    model(**inputs).loss.backward()
+    allocation = dict(model.act_hf_slot_bits)
+    assert allocation
+    twin = copy.deepcopy(model)
+    assert twin.act_hf_slot_bits == allocation and twin.act_hf_slot_bits is not model.act_hf_slot_bits
+    converted = [m for m in twin.modules() if hasattr(m, "act_slot_bits")]
+    assert converted and all(m.act_slot_bits is twin.act_hf_slot_bits for m in converted)
+    assert twin.act_hf_allocator.slot_bits is twin.act_hf_slot_bits and twin.act_hf_allocator.model is twin
+
+    def saved_bytes(m):
+        with act_hf.track_saved(m) as saved:
+            m(**inputs)
+        return saved.bytes
+
+    before = saved_bytes(model)
+    twin.act_hf_slot_bits.clear()  # the twin alone goes back to its starting width
+    assert model.act_hf_slot_bits == allocation and saved_bytes(model) == before
+    assert saved_bytes(twin) != before
+    twin.act_hf_allocator.request_update()
+    twin(**inputs).loss.backward()  # the twin's probe fills the twin's table
+    assert twin.act_hf_slot_bits and model.act_hf_slot_bits == allocation
+    twins = dict(twin.act_hf_slot_bits)
+    model.act_hf_allocator.budget = 4.5
+    model.act_hf_allocator.request_update()
+    model(**inputs).loss.backward()  # and the original's probe, at a new budget, leaves it
+    assert model.act_hf_slot_bits != allocation and twin.act_hf_slot_bits == twins
+    act_hf.unpatch(twin)
+    assert model.act_hf_slot_bits
+    act_hf.unpatch(model)
+
+
+def test_pickling_keeps_the_allocation(tmp_path):
+    """``torch.save(model)`` / ``torch.load``: the loaded model reads the allocation it was saved with, in a table
+    of its own."""
+    model, inputs = bert()
+    act_hf.patch(model, bits=2.5, adapt_samples=2, variance_alarm=0)
+    model.train()
+    model(**inputs).loss.backward()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert loaded.act_hf_slot_bits == model.act_hf_slot_bits and loaded.act_hf_slot_bits is not model.act_hf_slot_bits
+    loaded.act_hf_allocator.automatic = model.act_hf_allocator.automatic = False
+
+    def saved_bytes(m):
+        with act_hf.track_saved(m) as saved:
+            m(**inputs)
+        return saved.bytes
+
+    assert saved_bytes(loaded) == saved_bytes(model)
+    act_hf.unpatch(loaded)
+    assert model.act_hf_slot_bits
+    act_hf.unpatch(model)

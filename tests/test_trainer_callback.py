@@ -7,7 +7,6 @@ import json
 import torch
 
 import act_hf
-from act_hf.context import store
 from tests.patches.models import bert
 
 
@@ -48,9 +47,10 @@ def test_callback_patches_and_logs(tmp_path):
 def test_fixed_bits_neither_read_nor_save_another_models_allocation(tmp_path):
     """An adaptive model alive beside this one, with the same module paths, has its own allocation: the fixed
     3-bit run does not read it, save it into its checkpoints, or clear it on resume."""
-    store.bits.clear()
-    other = (12345, "bert.encoder.layer.0.intermediate.dense:input")
-    store.bits[other] = 5
+    other = act_hf.patch(bert()[0], bits=2.5)
+    other.act_hf_allocator.remove()  # no probe: the test writes the allocation itself
+    other.act_hf_slot_bits["bert.encoder.layer.0.intermediate.dense:input"] = 5
+    allocation = dict(other.act_hf_slot_bits)
     callback = act_hf.ActCompressCallback(bits=3)
     trainer = _trainer(tmp_path, callback, max_steps=2, save_steps=2)
     trainer.train()
@@ -59,8 +59,7 @@ def test_fixed_bits_neither_read_nor_save_another_models_allocation(tmp_path):
     assert state["slot_bits"] == {}
     resumed = _trainer(tmp_path, act_hf.ActCompressCallback(bits=3), max_steps=3, save_steps=10)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    assert store.bits == {other: 5}
-    store.bits.clear()
+    assert other.act_hf_slot_bits == allocation
 
 
 def _adaptive_trainer(tmp_path, max_steps, interval=2, save_steps=2):
@@ -86,14 +85,15 @@ def test_callback_adapts_bits_under_the_budget(tmp_path):
     assert len(set(seen[0].values())) > 1  # not uniform: the budget is distributed by sensitivity
     assert allocator.average_bits() <= 2.5 and allocator.average_bits() > 2.0
     for group in allocator.groups.values():
-        assert all(store.bits[allocator.owner, slot] == group.bits for slot in group.slots)
+        assert all(trainer.model.act_hf_slot_bits[slot] == group.bits for slot in group.slots)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert all(e["act_hf/avg_bits"] <= 2.5 and e["act_hf/adapt_updates"] >= 1 for e in logs)
     assert all("act_hf/variance_ratio" in e and e["act_hf/adapt_overhead"] > 0 for e in logs)
     state = json.loads((tmp_path / "checkpoint-2" / "act_hf_state.json").read_text())
     assert state["allocator"]["groups"] and state["allocator"]["budget"] == 2.5
+    table = trainer.model.act_hf_slot_bits
     act_hf.unpatch(trainer.model)
-    assert not any(key[0] == allocator.owner for key in store.bits)
+    assert not table and not hasattr(trainer.model, "act_hf_slot_bits")
 
 
 def test_resume_keeps_the_adaptive_allocation(tmp_path):
@@ -109,7 +109,7 @@ def test_resume_keeps_the_adaptive_allocation(tmp_path):
     assert not calls
     assert {n: (g.bits, g.sensitivity) for n, g in allocator.groups.items()} == saved
     for group in allocator.groups.values():
-        assert all(store.bits[allocator.owner, slot] == group.bits for slot in group.slots)
+        assert all(allocator.slot_bits[slot] == group.bits for slot in group.slots)
     act_hf.unpatch(resumed.model)
 
 

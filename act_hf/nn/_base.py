@@ -43,7 +43,7 @@ class ActModule:
     act_channel_scale: bool = False
     act_channel_scalable: bool = False
     act_data_bits: int = 0
-    act_bits_owner: int = 0
+    act_slot_bits: dict[str, int] | None = None
     act_share_residual: bool = False
     act_original_class: type | None = None
 
@@ -69,14 +69,14 @@ class ActModule:
         return OpSettings(slot=self.act_slot or type(self).__name__, bits=self.act_bits,
                           group_size=self.act_group_size, swap=self.act_swap,
                           channel_scale=self.act_channel_scale and self.act_channel_scalable,
-                          data_bits=self.act_data_bits, bits_owner=self.act_bits_owner,
+                          data_bits=self.act_data_bits, slot_bits=self.act_slot_bits,
                           share_residual=self.act_share_residual)
 
     def act_settings(self, role: str = "input") -> OpSettings:
         """Settings for the slot ``<act_slot>:<role>``, with the bits the allocator gave it."""
         slot = f"{self.act_slot or type(self).__name__}:{role}"
         return replace(self.act_base_settings(), slot=slot,
-                       bits=store.bits_for(slot, self.act_bits, self.act_bits_owner))
+                       bits=store.bits_for(slot, self.act_bits, self.act_slot_bits))
 
     def __reduce_ex__(self, protocol):
         """Pickling (``torch.save(model)``, ``copy.deepcopy``) names a class made at run time by the pair it was

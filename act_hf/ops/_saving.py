@@ -6,9 +6,9 @@ saved-tensor hooks, ``torch.utils.checkpoint`` and :func:`act_hf.track_saved` se
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,10 +27,10 @@ class OpSettings:
     """What an op needs to compress one saved tensor: the slot name, its bits, the group size, whether the
     packed copy is swapped to host memory, whether the last dimension's channels are equalized first
     (``channel_scale``, see :func:`act_hf.compress.quantize`), the fewest bits of an input without autograd
-    history (``data_bits``, ``ActConfig.data_bits``; 0: no floor; linears and convs apply it), the model
-    whose adaptive allocation the op's per-role slots read (``bits_owner``, see ``ContextStore.bits``; 0: fixed
-    bits), and whether a conv fed by a residual block's ``relu(bn(.) + shortcut)`` reads it from the
-    tensors other ops saved (``share_residual``, ``ActConfig.share_residual``; :mod:`act_hf.derived`)."""
+    history (``data_bits``, ``ActConfig.data_bits``; 0: no floor; linears and convs apply it), the adaptive
+    model's slot-bits table that the op's per-role slots read (``slot_bits``, see ``ContextStore.bits_for``;
+    None: fixed bits), and whether a conv fed by a residual block's ``relu(bn(.) + shortcut)`` reads it from
+    the tensors other ops saved (``share_residual``, ``ActConfig.share_residual``; :mod:`act_hf.derived`)."""
 
     slot: str
     bits: int
@@ -38,7 +38,7 @@ class OpSettings:
     swap: bool = False
     channel_scale: bool = False
     data_bits: int = 0
-    bits_owner: int = 0
+    slot_bits: Mapping[str, int] | None = field(default=None, compare=False)  # a dict: not hashed
     share_residual: bool = False
 
 

@@ -90,7 +90,7 @@ __all__ = [
 def role_settings(settings: OpSettings, role: str) -> OpSettings:
     """Settings of the slot ``<settings.slot>:<role>`` with the bits the allocator gave it."""
     slot = f"{settings.slot}:{role}"
-    return replace(settings, slot=slot, bits=store.bits_for(slot, settings.bits, settings.bits_owner))
+    return replace(settings, slot=slot, bits=store.bits_for(slot, settings.bits, settings.slot_bits))
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
