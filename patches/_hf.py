@@ -21,7 +21,7 @@ from act_hf.errors import ActHFWarning
 from act_hf.ops.loss import causal_lm_loss, note_head_output
 from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules, remove_handles
 
-__all__ = ["HF_ACTIVATIONS", "hf_rules", "patch_hf", "rms_norm_rule"]
+__all__ = ["HF_ACTIVATIONS", "enable_lm_loss", "hf_rules", "patch_hf", "rms_norm_rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def _disable_attention(model: nn.Module, modules: list[nn.Module]) -> None:
         module.__dict__.pop("act_kind", None)
 
 
-def _enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
+def enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
     """Route a causal LM's loss through :func:`act_hf.ops.loss.causal_lm_loss` when its head is a plain
     ``nn.Linear`` named ``lm_head``, its forward calls ``self.loss_function`` (T5 and BART compute their own),
     and that is transformers' ``ForCausalLMLoss``."""
@@ -172,7 +172,7 @@ def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), att
     patched = patch_modules(model, config, rules=list(rules) + hf_rules() + [rms_norm_rule()], head_paths=heads)
     if attention and "attention" in config.kinds:
         patched += _enable_attention(model, config, heads)
-    _enable_lm_loss(model, config)
+    enable_lm_loss(model, config)
     if config.exclude_head:
         _compact_head_inputs(model, heads)
     return patched

@@ -37,6 +37,16 @@ def _known_rules() -> list[Rule]:
     return rules
 
 
+def _enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
+    """An HF causal LM's loss recomputes its logits (:mod:`act_hf.ops.loss`), as in the HF families: its fp32
+    log-softmax is ``4 * V`` bytes a token, more than all the packed context of a small model."""
+    try:
+        from ._hf import enable_lm_loss
+    except ImportError:
+        return
+    enable_lm_loss(model, config)
+
+
 def _head_paths(model: nn.Module) -> list[str]:
     """The task head as the families find it: an HF model's modules outside its base model, a timm model's
     ``pretrained_cfg`` classifier."""
@@ -58,6 +68,7 @@ def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
     ``F.scaled_dot_product_attention`` calls as act_hf's attention (when ``"attention"`` is a compressed kind)."""
     heads = _head_paths(model) if config.exclude_head else []
     patched = patch_modules(model, config, rules=_known_rules(), head_paths=heads)
+    _enable_lm_loss(model, config)
     kept = {id(m) for p in heads for m in model.get_submodule(p).modules()}  # exact by choice
     left = sorted({
         type(m).__name__

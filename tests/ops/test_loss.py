@@ -12,7 +12,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 import act_hf
 from act_hf.ops import loss as lm_loss
 from act_hf.ops.loss import causal_lm_loss, note_head_output
-from tests.patches.models import gpt2, llama
+from tests.patches.models import fallback_decoder, gpt2, llama
 from tests.utils import assert_grads_match, assert_verbose_allclose
 
 B, S, H, V = 2, 7, 16, 50
@@ -107,7 +107,15 @@ def test_the_loss_keeps_no_logits():
     assert saved[False] - saved[True] >= B * S * V * 4  # the fp32 log-probabilities
 
 
-@pytest.mark.parametrize("build", [gpt2, llama])
+def phi3():
+    return fallback_decoder("phi3")
+
+
+def mixtral():
+    return fallback_decoder("mixtral")
+
+
+@pytest.mark.parametrize("build", [gpt2, llama, phi3, mixtral])  # families, and HF models on the generic fallback
 def test_causal_lms_recompute_their_logits(build):
     torch.manual_seed(0)
     ref, inputs = build()

@@ -99,6 +99,20 @@ def decoder(dropout=0.0, model_type="qwen3"):
     return model_cls(cfg), _text_inputs(99, labels="lm", pad_last=False)
 
 
+def fallback_decoder(model_type="phi3"):
+    """HF causal LMs without an act_hf family (the generic fallback patches them): Phi-3, and Mixtral (MoE)."""
+    import transformers as tf
+
+    config_cls, model_cls, extra = {
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {}),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    }[model_type]
+    cfg = config_cls(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2, **extra)
+    return model_cls(cfg), _text_inputs(99, labels="lm", pad_last=False)
+
+
 def t5(dropout=0.0):
     import transformers as tf
 
