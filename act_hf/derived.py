@@ -82,8 +82,8 @@ from torch import Tensor
 from .compress import PackedTensor, dequantize, unpack_bits
 from .context import store
 
-__all__ = ["AffineTerm", "RectifiedAffine", "affine_of", "note_affine", "note_packed", "note_pending", "note_rectified",
-           "note_scaled", "recall", "rectified_input", "remember"]
+__all__ = ["AffineTerm", "RectifiedAffine", "affine_of", "note_affine", "note_made_by", "note_packed", "note_pending",
+           "note_rectified", "note_scaled", "recall", "rectified_input", "remember"]
 
 
 @dataclass
@@ -223,6 +223,10 @@ def _notes() -> dict:
     return notes
 
 
+#: the kinds of note that outlive a tensor dying unmodified (:func:`remember`)
+_REVIVED_KINDS = ("affine", "lm_head")
+
+
 def _dead() -> list:
     dead = getattr(_local, "dead", None)
     if dead is None:
@@ -235,20 +239,21 @@ def remember(x: Tensor, kind: str, value: Any) -> None:
 
     The note holds ``value`` strongly and dies with ``x``, so a forward decides the same way when
     ``torch.utils.checkpoint`` recomputes it (its first pass drops every saved tensor at once). An ``"affine"``
-    note on a tensor made by an autograd node, dying unmodified, outlives it until the next note or the next
-    residual-sum query (:func:`affine_of`), keyed by that node and output number: ``y = bn(.) + shortcut`` frees
-    ``y`` before a ReLU asks what the sum is."""
+    or ``"lm_head"`` note on a tensor made by an autograd node, dying unmodified, outlives it until the next note
+    or the next query (:func:`affine_of`, :func:`note_made_by`), keyed by that node and output number:
+    ``y = bn(.) + shortcut`` frees ``y`` before a ReLU asks what the sum is, and ``logits / scale`` frees the LM
+    head's output before the loss asks what the logits are."""
     notes, key, dead = _notes(), (kind, id(x)), _dead()
     dead.clear()  # a new note: the forward has moved past the tensors that died before it
     version = x._version
     # a detached alias shares x's version counter, so the check at x's death sees every in-place edit since now
-    revival = (x.detach(), x.grad_fn, x.output_nr) if kind == "affine" and x.grad_fn is not None else None
+    revival = (x.detach(), x.grad_fn, x.output_nr) if kind in _REVIVED_KINDS and x.grad_fn is not None else None
 
     def forget(ref: weakref.ref) -> None:
         if key in notes and notes[key][0] is ref:
             del notes[key]
             if revival is not None and revival[0]._version == version:
-                dead.append((revival[1], revival[2], value))
+                dead.append((kind, revival[1], revival[2], value))
 
     notes[key] = (weakref.ref(x, forget), version, value)
 
@@ -409,17 +414,31 @@ def _live_note(t: Tensor) -> tuple[int, _Affine | _Rectified] | None:
 def _operand(node: Any, output_nr: int, x: Tensor) -> _Affine | _Rectified | None:
     """The note on the live, unmodified tensor (other than ``x``) that is output ``output_nr`` of autograd
     ``node``, or on such a tensor that died unmodified since the last note (:func:`remember`), if any."""
+    return _made_by(node, output_nr, _OPERAND_KINDS, x)
+
+
+def _made_by(node: Any, output_nr: int, kinds: tuple[str, ...], x: Tensor | None = None) -> Any:
     if node is None:
         return None
     for (kind, _), (ref, version, value) in list(_notes().items()):
         t = ref()
-        if kind in _OPERAND_KINDS and t is not None and t is not x and t._version == version \
+        if kind in kinds and t is not None and t is not x and t._version == version \
                 and t.grad_fn is node and t.output_nr == output_nr:
             return value
-    for dead_node, dead_output_nr, value in _dead():
-        if dead_node is node and dead_output_nr == output_nr:
+    for kind, dead_node, dead_output_nr, value in _dead():
+        if kind in kinds and dead_node is node and dead_output_nr == output_nr:
             return value
     return None
+
+
+def note_made_by(node: Any, output_nr: int, kind: str) -> Any:
+    """The value of the ``kind`` note on output ``output_nr`` of autograd ``node``: on a live tensor unmodified
+    since, or on one that died unmodified since the last note (:func:`remember`); else ``None``. Read once: the
+    notes that outlive their tensors are dropped."""
+    try:
+        return _made_by(node, output_nr, (kind,))
+    finally:
+        _dead().clear()
 
 
 def note_rectified(out: Tensor, source: _Affine | _Sum, mask: Tensor, negative_slope: float = 0.0) -> None:

@@ -227,7 +227,7 @@ def test_a_note_outlives_its_tensor_only_until_the_next_note_or_query():
     derived.remember(t, "affine", "t's note")
     node = t.grad_fn
     del t
-    assert derived._dead() == [(node, 0, "t's note")]
+    assert derived._dead() == [("affine", node, 0, "t's note")]
     kept = x * 2
     derived.remember(kept, "affine", "kept's note")
     assert derived._dead() == []  # the next note
@@ -241,6 +241,13 @@ def test_a_note_outlives_its_tensor_only_until_the_next_note_or_query():
         edited.add_(0)
     del edited
     assert derived._dead() == []  # modified since noted: vouches for nothing
+    head_output = x * 5  # an LM head's output that ``logits / scale`` frees before the loss asks
+    derived.remember(head_output, "lm_head", "the head's note")
+    node = head_output.grad_fn
+    del head_output
+    assert derived._operand(node, 0, x) is None  # a residual sum's operand is never an LM head's output
+    assert derived.note_made_by(node, 0, "lm_head") == "the head's note"
+    assert derived.note_made_by(node, 0, "lm_head") is None  # read once: the query dropped it
 
 
 class Stage(nn.Module):

@@ -10,8 +10,11 @@ logits are the forward's, the same kernel on the same inputs). The price is one 
 backward.
 
 The head's forward hook (:func:`note_head_output`) records how the logits were made; :func:`causal_lm_loss`
-mirrors ``ForCausalLMLoss`` and takes this path only for logits so noted and unmodified since, else it calls
-the original loss.
+mirrors ``ForCausalLMLoss`` and takes this path only for logits so noted and unmodified since, or made from them
+by elementwise steps it can replay (:func:`scaled_head_output`): Granite divides the head's output by
+``logits_scaling``, Cohere multiplies it by ``logit_scale``, Gemma 2 soft-caps it (``tanh(x / c) * c``). Else it
+calls the original loss. Scalar steps keep nothing; a soft cap's ``tanh`` keeps its own output (in the logits'
+dtype) as before, and only the loss's fp32 log-probabilities go.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..derived import recall, remember
+from ..derived import note_made_by, recall, remember
 from ._saving import autocast_state
 
-__all__ = ["HeadCrossEntropyFunction", "causal_lm_loss", "note_head_output"]
+__all__ = ["HeadCrossEntropyFunction", "causal_lm_loss", "note_head_output", "scaled_head_output"]
 
 #: Bytes of fp32 logits one backward chunk may hold.
 CHUNK_BYTES = 128 * 2**20
@@ -39,28 +42,67 @@ def note_head_output(module: nn.Module, args: tuple, output: Tensor) -> None:
         remember(output, "lm_head", (args[0], module.weight, module.bias))
 
 
+#: the autograd nodes of the elementwise steps :func:`scaled_head_output` replays, by name
+_STEP_NODES = {"MulBackward0": "mul", "DivBackward0": "div", "TanhBackward0": "tanh"}
+#: the most steps between the head's output and the logits
+_MAX_STEPS = 4
+
+
+def scaled_head_output(logits: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor | None], tuple] | None:
+    """``(head, steps)`` when ``logits`` were made from an LM head's output noted by :func:`note_head_output`
+    (``head``: its input, weight and bias) by out-of-place elementwise ``steps`` read from autograd's graph, each
+    ``("mul", c)``, ``("div", c)`` with ``c`` a number or a 0-d tensor without grad, or ``("tanh", None)``, in the
+    order they ran; else ``None``. ``logits`` itself must be unmodified; the steps before it are what autograd
+    recorded, and the head's output was unmodified when it died (or still is)."""
+    if logits.grad_fn is None or logits._version != 0:  # no grad_fn: no_grad, inference mode (no version either)
+        return None
+    node, output_nr, steps = logits.grad_fn, logits.output_nr, []
+    while node is not None and type(node).__name__ in _STEP_NODES and len(steps) <= _MAX_STEPS:
+        step = _STEP_NODES[type(node).__name__]
+        if step == "tanh":
+            steps.append(("tanh", None))
+        else:
+            other = node._saved_other
+            if node._saved_self is not None or not torch.is_tensor(other) or other.dim() != 0 \
+                    or other.requires_grad or node.next_functions[1][0] is not None:
+                return None
+            steps.append((step, other.item()))
+        node, output_nr = node.next_functions[0]
+    if not steps or len(steps) > _MAX_STEPS:
+        return None
+    head = note_made_by(node, output_nr, "lm_head")
+    return None if head is None else (head, tuple(reversed(steps)))
+
+
+def _replay(logits: Tensor, steps: tuple) -> Tensor:
+    for op, c in steps:
+        logits = torch.tanh(logits) if op == "tanh" else logits * c if op == "mul" else logits / c
+    return logits
+
+
 class HeadCrossEntropyFunction(torch.autograd.Function):
     """``F.cross_entropy(logits.float().view(-1, V), targets, ignore_index=..., reduction=...)`` where
-    ``logits = F.linear(hidden, weight, bias)``; saves ``hidden``, ``weight``, ``bias`` and ``targets``.
+    ``logits = steps(F.linear(hidden, weight, bias))`` (``steps``: from :func:`scaled_head_output`, ``()`` for the
+    head's output itself); saves ``hidden``, ``weight``, ``bias`` and ``targets``.
 
     Returns the gradient of ``logits`` only (in ``logits``' dtype): ``hidden``, ``weight`` and ``bias`` are
-    passed for the recomputation, and their gradients flow through the LM head's own backward.
+    passed for the recomputation, and their gradients flow through the steps' and the LM head's own backward.
     """
 
     @staticmethod
     def forward(ctx, logits: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                ignore_index: int, reduction: str) -> Tensor:
+                ignore_index: int, reduction: str, steps: tuple = ()) -> Tensor:
         vocab = logits.shape[-1]
         loss = F.cross_entropy(logits.float().view(-1, vocab), targets, ignore_index=ignore_index,
                                reduction=reduction)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.meta = (logits.shape, logits.dtype, ignore_index, reduction, autocast_state(logits.device.type))
+        ctx.meta = (logits.shape, logits.dtype, ignore_index, reduction, autocast_state(logits.device.type), steps)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
         hidden, weight, bias, targets = ctx.saved_tensors
-        shape, dtype, ignore_index, reduction, autocast = ctx.meta
+        shape, dtype, ignore_index, reduction, autocast, steps = ctx.meta
         vocab = shape[-1]
         rows = hidden.reshape(-1, hidden.shape[-1])
         keep = targets != ignore_index
@@ -72,21 +114,24 @@ class HeadCrossEntropyFunction(torch.autograd.Function):
         with torch.no_grad(), torch.autocast(grad_loss.device.type, **autocast):
             for start in range(0, rows.shape[0], step):
                 end = min(start + step, rows.shape[0])
-                probs = torch.softmax(F.linear(rows[start:end], weight, bias).float(), dim=-1)
+                probs = torch.softmax(_replay(F.linear(rows[start:end], weight, bias), steps).float(), dim=-1)
                 chunk_targets, chunk_keep = targets[start:end], keep[start:end]
                 probs[torch.arange(end - start, device=probs.device), chunk_targets.clamp_min(0)] -= 1
                 probs *= torch.where(chunk_keep, scale, scale.new_zeros(())).unsqueeze(-1)
                 grad[start:end] = probs.to(dtype)
-        return grad.view(shape), None, None, None, None, None, None
+        return grad.view(shape), None, None, None, None, None, None, None
 
 
 def causal_lm_loss(original: Callable[..., Tensor], logits: Tensor, labels: Tensor, vocab_size: int,
                    num_items_in_batch: Tensor | int | None = None, ignore_index: int = -100,
                    shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
     """transformers' ``ForCausalLMLoss`` (same arguments after ``original``, same value) through
-    :class:`HeadCrossEntropyFunction` when ``logits`` were noted by :func:`note_head_output`; otherwise
+    :class:`HeadCrossEntropyFunction` when ``logits`` were noted by :func:`note_head_output` or made from such
+    a head's output by steps :func:`scaled_head_output` reads; otherwise
     ``original(logits, labels, vocab_size, ...)``."""
-    head = recall(logits, "lm_head")
+    head, steps = recall(logits, "lm_head"), ()
+    if head is None:
+        head, steps = scaled_head_output(logits) or (None, ())
     if head is None:
         return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
@@ -95,7 +140,8 @@ def causal_lm_loss(original: Callable[..., Tensor], logits: Tensor, labels: Tens
         shift_labels = labels[..., 1:].contiguous()
     targets = shift_labels.view(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = HeadCrossEntropyFunction.apply(logits.view(-1, vocab_size), *head, targets, ignore_index, reduction)
+    loss = HeadCrossEntropyFunction.apply(logits.view(-1, vocab_size), *head, targets, ignore_index, reduction,
+                                          steps)
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

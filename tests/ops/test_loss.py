@@ -41,9 +41,9 @@ def _recomputes(loss: torch.Tensor) -> bool:
     return False
 
 
-def _loss(trunk, head, labels, x, *, hooked: bool, **kwargs):
+def _loss(trunk, head, labels, x, *, hooked: bool, steps=lambda logits: logits, **kwargs):
     handle = head.register_forward_hook(note_head_output) if hooked else None
-    logits = head(trunk(x))
+    logits = steps(head(trunk(x)))
     loss = causal_lm_loss(ForCausalLMLoss, logits, labels, V, **kwargs)
     if handle is not None:
         handle.remove()
@@ -85,15 +85,58 @@ def test_under_bf16_autocast_the_backward_recomputes_the_same_logits():
     assert_verbose_allclose(trunk.weight.grad, ref_trunk.weight.grad, atol=1e-3, rtol=1e-2, name="trunk.weight")
 
 
+#: what models do to their head's output before the loss: Granite, Cohere, Gemma 2's soft cap
+SCALED = {"divided": lambda t: t / 8.0, "multiplied": lambda t: t * 0.0625,
+          "soft-capped": lambda t: torch.tanh(t / 3.0) * 3.0}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16 autocast"])
+@pytest.mark.parametrize("chunk_bytes", [lm_loss.CHUNK_BYTES, 3 * 4 * V], ids=["one chunk", "3-row chunks"])
+@pytest.mark.parametrize("steps", list(SCALED), ids=list(SCALED))
+def test_scaled_head_outputs_recompute_too(steps, chunk_bytes, autocast, monkeypatch):
+    """Logits made from the head's output by steps the backward replays: the same loss, bit for bit, and the
+    same gradients (the replayed logits are the forward's)."""
+    monkeypatch.setattr(lm_loss, "CHUNK_BYTES", chunk_bytes)
+    trunk, head, labels = _head_and_labels(bias=not autocast)
+    x = torch.randn(B, S, H)
+    ref_trunk, ref_head = copy.deepcopy(trunk), copy.deepcopy(head)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected = _loss(ref_trunk, ref_head, labels, x, hooked=False, steps=SCALED[steps])
+        got = _loss(trunk, head, labels, x, hooked=True, steps=SCALED[steps])
+    assert torch.equal(got, expected)
+    assert _recomputes(got)
+    expected.backward()
+    got.backward()
+    for ref, mod in ((ref_trunk, trunk), (ref_head, head)):
+        for (name, p_ref), p in zip(ref.named_parameters(), mod.parameters()):
+            if autocast:  # the recomputed bf16 logits are the forward's; equal up to summation order
+                assert_verbose_allclose(p.grad, p_ref.grad, atol=1e-3, rtol=1e-2, name=name)
+            else:
+                assert_verbose_allclose(p.grad, p_ref.grad, atol=1e-6, rtol=1e-5, name=name)
+
+
 def test_logits_not_made_by_a_noted_head_take_the_original_loss():
     trunk, head, labels = _head_and_labels()
     x = torch.randn(B, S, H)
+    learned = torch.tensor(2.0, requires_grad=True)
     handle = head.register_forward_hook(note_head_output)
-    scaled = head(trunk(x)) * 2  # not the head's output
-    edited = head(trunk(x)).mul_(2)  # the head's output, modified since
-    handle.remove()
-    for logits in (scaled, edited):
-        assert not _recomputes(causal_lm_loss(ForCausalLMLoss, logits, labels, V))
+    cases = {
+        "shifted": lambda t: t + 1,  # a step the backward does not replay
+        "scaled per vocabulary entry": lambda t: t * torch.rand(V),
+        "scaled by a learned value": lambda t: t * learned,
+        "edited in place": lambda t: t.mul_(2),  # the head's output, modified since
+        "scaled, then edited in place": lambda t: (t * 2).add_(1),
+    }
+    try:
+        for name, steps in cases.items():
+            logits = steps(head(trunk(x)))
+            assert not _recomputes(causal_lm_loss(ForCausalLMLoss, logits, labels, V)), name
+        other = head(trunk(x))
+        unnoted = nn.Linear(H, V)(trunk(x)) * 2  # scaled, but another Linear's output
+        assert not _recomputes(causal_lm_loss(ForCausalLMLoss, unnoted, labels, V))
+        del other
+    finally:
+        handle.remove()
 
 
 def test_the_loss_keeps_no_logits():
@@ -115,7 +158,20 @@ def mixtral():
     return fallback_decoder("mixtral")
 
 
-@pytest.mark.parametrize("build", [gpt2, llama, phi3, mixtral])  # families, and HF models on the generic fallback
+def granite():
+    return fallback_decoder("granite")
+
+
+def cohere():
+    return fallback_decoder("cohere")
+
+
+def gemma2():
+    return fallback_decoder("gemma2")
+
+
+# families, HF models on the generic fallback, and ones that scale or soft-cap the head's output
+@pytest.mark.parametrize("build", [gpt2, llama, phi3, mixtral, granite, cohere, gemma2])
 def test_causal_lms_recompute_their_logits(build):
     torch.manual_seed(0)
     ref, inputs = build()

@@ -100,12 +100,16 @@ def decoder(dropout=0.0, model_type="qwen3"):
 
 
 def fallback_decoder(model_type="phi3"):
-    """HF causal LMs without an act_hf family (the generic fallback patches them): Phi-3, and Mixtral (MoE)."""
+    """HF causal LMs without an act_hf family (the generic fallback patches them): Phi-3, Mixtral (MoE), and ones
+    that scale their head's output before the loss: Granite (divided), Cohere (multiplied), Gemma 2 (soft cap)."""
     import transformers as tf
 
     config_cls, model_cls, extra = {
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {}),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, {"logits_scaling": 8.0}),
+        "cohere": (tf.CohereConfig, tf.CohereForCausalLM, {"logit_scale": 0.0625}),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, {"head_dim": 8, "final_logit_softcapping": 3.0}),
     }[model_type]
     cfg = config_cls(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
