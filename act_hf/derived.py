@@ -431,14 +431,15 @@ def _made_by(node: Any, output_nr: int, kinds: tuple[str, ...], x: Tensor | None
     return None
 
 
-def note_made_by(node: Any, output_nr: int, kind: str) -> Any:
+def note_made_by(node: Any, output_nr: int, kind: str, *, drop: bool = True) -> Any:
     """The value of the ``kind`` note on output ``output_nr`` of autograd ``node``: on a live tensor unmodified
-    since, or on one that died unmodified since the last note (:func:`remember`); else ``None``. Read once: the
-    notes that outlive their tensors are dropped."""
+    since, or on one that died unmodified since the last note (:func:`remember`); else ``None``. With ``drop``
+    (a final read), the notes that outlive their tensors are dropped."""
     try:
         return _made_by(node, output_nr, (kind,))
     finally:
-        _dead().clear()
+        if drop:
+            _dead().clear()
 
 
 def note_rectified(out: Tensor, source: _Affine | _Sum, mask: Tensor, negative_slope: float = 0.0) -> None:

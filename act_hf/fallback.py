@@ -50,6 +50,7 @@ from .nn._base import ActModule
 from .ops._saving import OpSettings
 from .ops.attention import act_sdpa
 from .ops.extremum import act_extremum
+from .ops.loss import ReplayedLogits
 
 __all__ = ["MIN_NUMEL", "install_fallback_hooks"]
 
@@ -101,6 +102,17 @@ def _pass_through(t: torch.Tensor) -> torch.Tensor:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _exact_pack(t: torch.Tensor):
+    """After the task head: exact, except a soft cap's ``tanh`` of the LM head's output, which backward
+    recomputes from what the head saved (:class:`act_hf.ops.loss.ReplayedLogits`)."""
+    replayed = ReplayedLogits.of(t) if t.grad_fn is not None else None
+    return replayed if replayed is not None else _pass_through(t)
+
+
+def _exact_unpack(obj):
+    return obj.unpack() if isinstance(obj, ReplayedLogits) else obj
 
 
 _COMPRESSING, _SHIELDED, _EXACT = "compressing", "shielded", "exact"
@@ -346,7 +358,7 @@ class _HookScopes:
         if _TOP_HOOKS_QUERY is None:
             return _checkpoint_frames() > self.checkpoint_frames
         top = _TOP_HOOKS_QUERY(False)  # the innermost (pack, unpack), or None
-        return top is not None and not (top[0] == self.pack or top[0] is _pass_through)
+        return top is not None and not (top[0] == self.pack or top[0] is _pass_through or top[0] is _exact_pack)
 
     def _open(self, module: nn.Module, hooks: tuple, kind: str) -> None:
         if module.training and torch.is_grad_enabled():
@@ -373,7 +385,7 @@ class _HookScopes:
         tensors. The scope belongs to the root, so the root's :meth:`leave` closes it."""
         if self.compressing() and all(entry[0] is self.stack[0][0] for entry in self.stack) \
                 and module.training and torch.is_grad_enabled():  # directly under the root
-            self._open(self.stack[0][0], (_pass_through, _identity), _EXACT)
+            self._open(self.stack[0][0], (_exact_pack, _exact_unpack), _EXACT)
 
     def leave(self, module: nn.Module, args, output) -> None:
         while self.stack and self.stack[-1][0] is module:

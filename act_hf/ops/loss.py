@@ -13,8 +13,9 @@ The head's forward hook (:func:`note_head_output`) records how the logits were m
 mirrors ``ForCausalLMLoss`` and takes this path only for logits so noted and unmodified since, or made from them
 by elementwise steps it can replay (:func:`scaled_head_output`): Granite divides the head's output by
 ``logits_scaling``, Cohere multiplies it by ``logit_scale``, Gemma 2 soft-caps it (``tanh(x / c) * c``). Else it
-calls the original loss. Scalar steps keep nothing; a soft cap's ``tanh`` keeps its own output (in the logits'
-dtype) as before, and only the loss's fp32 log-probabilities go.
+calls the original loss. Scalar steps keep nothing. A soft cap's ``tanh`` keeps its own output (``V`` wide, in
+the logits' dtype), except under the generic fallback's hooks, which keep a replay of it instead
+(:class:`ReplayedLogits`); families never soft-cap by default (Gemma 3's ``final_logit_softcapping`` is None).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from ..derived import note_made_by, recall, remember
 from ._saving import autocast_state
 
-__all__ = ["HeadCrossEntropyFunction", "causal_lm_loss", "note_head_output", "scaled_head_output"]
+__all__ = ["HeadCrossEntropyFunction", "ReplayedLogits", "causal_lm_loss", "note_head_output", "scaled_head_output"]
 
 #: Bytes of fp32 logits one backward chunk may hold.
 CHUNK_BYTES = 128 * 2**20
@@ -53,10 +54,15 @@ def scaled_head_output(logits: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor | N
     (``head``: its input, weight and bias) by out-of-place elementwise ``steps`` read from autograd's graph, each
     ``("mul", c)``, ``("div", c)`` with ``c`` a number or a 0-d tensor without grad, or ``("tanh", None)``, in the
     order they ran; else ``None``. ``logits`` itself must be unmodified; the steps before it are what autograd
-    recorded, and the head's output was unmodified when it died (or still is)."""
-    if logits.grad_fn is None or logits._version != 0:  # no grad_fn: no_grad, inference mode (no version either)
+    recorded, and the head's output was unmodified when it died (or still is). The loss's read: it drops the
+    notes that outlive their tensors."""
+    return _head_and_steps(logits, drop=True)
+
+
+def _head_and_steps(t: Tensor, *, drop: bool):
+    if t.grad_fn is None or t._version != 0:  # no grad_fn: no_grad, inference mode (no version either)
         return None
-    node, output_nr, steps = logits.grad_fn, logits.output_nr, []
+    node, output_nr, steps = t.grad_fn, t.output_nr, []
     while node is not None and type(node).__name__ in _STEP_NODES and len(steps) <= _MAX_STEPS:
         step = _STEP_NODES[type(node).__name__]
         if step == "tanh":
@@ -70,8 +76,44 @@ def scaled_head_output(logits: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor | N
         node, output_nr = node.next_functions[0]
     if not steps or len(steps) > _MAX_STEPS:
         return None
-    head = note_made_by(node, output_nr, "lm_head")
+    head = note_made_by(node, output_nr, "lm_head", drop=drop)
     return None if head is None else (head, tuple(reversed(steps)))
+
+
+class ReplayedLogits:
+    """What a soft cap's ``tanh`` saves of its output ``t``, when ``t`` is made from a noted LM head's output by
+    replayable steps: the head's input, weight and bias (which the head saved already) and the steps; backward
+    gets ``t`` back by recomputing it (:meth:`unpack`), under the autocast state of the forward. The fallback's
+    hooks use it after the task head (:mod:`act_hf.fallback`), where tensors are otherwise kept exact: Gemma 2's
+    ``tanh`` kept ``2 * V`` bytes a token under bf16 autocast, once the loss's log-softmax was gone."""
+
+    __slots__ = ("autocast", "device_type", "head", "steps")
+
+    def __init__(self, head: tuple, steps: tuple, device_type: str) -> None:
+        self.head, self.steps, self.device_type = head, steps, device_type
+        self.autocast = autocast_state(device_type)
+
+    @classmethod
+    def of(cls, t: Tensor) -> ReplayedLogits | None:
+        """The replay of ``t`` if ``t`` is a ``tanh`` output made from a noted head's output (the notes are kept
+        for the loss), with the head's shape and dtype; else ``None``."""
+        if type(t.grad_fn).__name__ != "TanhBackward0":
+            return None
+        found = _head_and_steps(t, drop=False)
+        if found is None:
+            return None
+        (hidden, weight, bias), steps = found
+        device_type = t.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+            else torch.result_type(hidden, weight)
+        if tuple(t.shape) != (*hidden.shape[:-1], weight.shape[0]) or t.dtype != dtype:
+            return None
+        return cls((hidden, weight, bias), steps, device_type)
+
+    def unpack(self) -> Tensor:
+        hidden, weight, bias = self.head
+        with torch.no_grad(), torch.autocast(self.device_type, **self.autocast):
+            return _replay(F.linear(hidden, weight, bias), self.steps)
 
 
 def _replay(logits: Tensor, steps: tuple) -> Tensor:
