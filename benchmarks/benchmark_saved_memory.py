@@ -3,8 +3,9 @@
 The analogue of ActNN's Table 5, measured with :func:`act_hf.track_saved` (unique storages saved for
 backward during one training-mode forward, parameters excluded, packed payloads at packed size), on CPU or
 GPU. Models are built from their standard configs with random weights (attention-probability dropout off,
-see ``MODELS``) (bert-base, bert-large, roberta-base, gpt2, a LLaMA-style decoder, Phi-3- and Mixtral-style
-decoders on the generic fallback, and timm's vit-base, swin-tiny, convnext-tiny, convnextv2-tiny, resnet50); text at sequence length 128, images at 224x224. act_hf
+see ``MODELS``) (bert-base, bert-large, roberta-base, gpt2, a LLaMA-style decoder, Phi-3-, Mixtral-, Granite-,
+Cohere- and Gemma-2-style decoders on the generic fallback, and timm's vit-base, swin-tiny, convnext-tiny,
+convnextv2-tiny, resnet50); text at sequence length 128, images at 224x224. act_hf
 runs under bf16 autocast, so its ratio is against the bf16 baseline. A
 fractional ``--bits`` value is an adaptive average budget (default columns: 1, 2, 3, 4, 8 bits and adaptive 2.5).
 
@@ -66,6 +67,16 @@ MODELS = {
     "mixtral-style": _hf("MixtralConfig", "MixtralForCausalLM", hidden_size=1024, intermediate_size=2816,
                          num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
                          num_local_experts=4, num_experts_per_tok=2),
+    # ... and ones that scale (Granite, Cohere) or soft-cap (Gemma 2) the head's output, at their vocabularies
+    "granite-style": _hf("GraniteConfig", "GraniteForCausalLM", hidden_size=1024, intermediate_size=2816,
+                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=49155,
+                         logits_scaling=8.0, pad_token_id=0),
+    "cohere-style": _hf("CohereConfig", "CohereForCausalLM", hidden_size=1024, intermediate_size=2816,
+                        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=256000,
+                        logit_scale=0.0625, pad_token_id=0),
+    "gemma2-style": _hf("Gemma2Config", "Gemma2ForCausalLM", hidden_size=1024, intermediate_size=2816,
+                        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                        vocab_size=256000, pad_token_id=0),
     "vit-base": _timm("vit_base_patch16_224"),
     "swin-tiny": _timm("swin_tiny_patch4_window7_224"),
     "convnext-tiny": _timm("convnext_tiny"),
