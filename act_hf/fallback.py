@@ -28,7 +28,13 @@ own backward read the quantized q, k, v *and* output, the combination the table 
 ``L x S`` attention matrix). Slots: ``<root class>:sdpa:q``, ``:k``, ``:v`` for every such call. The same mode
 runs ``amax`` / ``amin`` and the whole-tensor ``max()`` / ``min()`` as :func:`act_hf.ops.extremum.act_extremum`
 (slot ``<root class>:extremum``): autograd finds their maxima again as ``input == result``, which quantized
-copies no longer satisfy (NaN gradients).
+copies no longer satisfy (NaN gradients). For the same reason elementwise ``maximum`` / ``minimum`` (``max(a, b)``)
+and ``clamp`` with numeric bounds run as :func:`act_hf.ops.extremum.act_elementwise_extremum` and ``act_clamp``
+(same slot): quantized operands compared the wrong way near each other or a bound. And it runs ``F.dropout`` /
+``torch.dropout`` in training as :func:`act_hf.ops.dropout.act_dropout` (slot ``<root class>:dropout``): the same
+mask from the same draws, kept at 1 bit an element where the hooks saw PyTorch's ``bool`` mask (CUDA) or its noise
+in the input's dtype (CPU), which needs no gradient and stayed exact. OPT, XGLM, Seed-OSS call dropout as a
+function, not a module.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ from .context import _is_parameter_like, _without_history, store
 from .nn._base import ActModule
 from .ops._saving import OpSettings
 from .ops.attention import act_sdpa
-from .ops.extremum import act_extremum
+from .ops.dropout import act_dropout
+from .ops.extremum import _is_number, act_clamp, act_elementwise_extremum, act_extremum
 from .ops.loss import ReplayedLogits
 
 __all__ = ["MIN_NUMEL", "install_fallback_hooks"]
@@ -121,10 +128,24 @@ _SDPA_SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dr
 
 
 _EXTREMUM_SIGNATURE = inspect.signature(lambda input, dim=(), keepdim=False: None)
+#: functional dropouts -> their signature (``torch.dropout`` is ATen's: no defaults, ``train`` for ``training``)
+_DROPOUTS = {F.dropout: inspect.signature(lambda input, p=0.5, training=True, inplace=False: None),
+             torch.dropout: inspect.signature(lambda input, p, train: None)}
 #: reductions autograd differentiates by comparing its saved input and result -> (takes the maximum, whole tensor)
 _EXTREMA = {torch.amax: (True, False), torch.Tensor.amax: (True, False), torch.amin: (False, False),
             torch.Tensor.amin: (False, False), torch.max: (True, True), torch.Tensor.max: (True, True),
             torch.min: (False, True), torch.Tensor.min: (False, True)}
+#: elementwise extrema of two tensors -> takes the maximum (``max(a, b)`` / ``min(a, b)`` are in _EXTREMA)
+_ELEMENTWISE_EXTREMA = {torch.maximum: True, torch.Tensor.maximum: True, torch.minimum: False,
+                        torch.Tensor.minimum: False}
+_ELEMENTWISE_SIGNATURE = inspect.signature(lambda input, other: None)
+_CLAMP_SIGNATURE = inspect.signature(lambda input, min=None, max=None: None)
+#: clamps -> the signature their arguments bind to
+_CLAMPS = {torch.clamp: _CLAMP_SIGNATURE, torch.Tensor.clamp: _CLAMP_SIGNATURE, torch.clip: _CLAMP_SIGNATURE,
+           torch.Tensor.clip: _CLAMP_SIGNATURE, torch.clamp_min: inspect.signature(lambda input, min: None),
+           torch.Tensor.clamp_min: inspect.signature(lambda input, min: None),
+           torch.clamp_max: inspect.signature(lambda input, max: None),
+           torch.Tensor.clamp_max: inspect.signature(lambda input, max: None)}
 
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
@@ -266,15 +287,19 @@ class _FallbackOps(TorchFunctionMode):
       are all below :data:`MIN_NUMEL` (the hooks keep such a call's context exact);
     * ``amax`` / ``amin`` and the whole-tensor ``max()`` / ``min()`` as :func:`act_extremum` (a 1-bit mask of the
       extremal elements; through the hooks, the quantized input and result no longer compare equal and the
-      gradient is NaN), from :data:`MIN_NUMEL` input elements on.
+      gradient is NaN), from :data:`MIN_NUMEL` input elements on; elementwise ``maximum`` / ``minimum`` /
+      ``max(a, b)`` / ``min(a, b)`` as :func:`act_elementwise_extremum` and ``clamp`` / ``clip`` / ``clamp_min``
+      / ``clamp_max`` with numeric bounds as :func:`act_clamp` (the comparison's outcome, 1-2 bits an element);
+    * ``F.dropout`` / ``torch.dropout`` in training as :func:`act_dropout` (the same mask, kept at 1 bit an
+      element; when ``dropout`` settings are given), from :data:`MIN_NUMEL` input elements on.
 
     Throughout the root's forward it also marks the results of calls on static tensors alone as static
     (:class:`_Statics`), and unmarks a static tensor written in place with anything else.
     """
 
-    def __init__(self, scopes: _HookScopes, sdpa: OpSettings | None, slot: str) -> None:
+    def __init__(self, scopes: _HookScopes, sdpa: OpSettings | None, slot: str, dropout: OpSettings | None) -> None:
         super().__init__()
-        self.scopes, self.sdpa, self.slot = scopes, sdpa, slot
+        self.scopes, self.sdpa, self.slot, self.dropout = scopes, sdpa, slot, dropout
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -303,10 +328,11 @@ class _FallbackOps(TorchFunctionMode):
         elif func in _EXTREMA:
             largest, whole = _EXTREMA[func]
             x = args[0] if args else None
-            if not (_plain(x) and x.requires_grad and x.is_floating_point() and x.numel() >= MIN_NUMEL
-                    and self.scopes.compressing()):
+            if whole and len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):  # max(a, b)
+                return self._elementwise(func, *args, largest)
+            if not self._routable(x):
                 return func(*args, **kwargs)
-            if whole:  # max(x, dim) saves indices and max(x, other) compares two inputs: both run as they are
+            if whole:  # max(x, dim) saves indices: it runs as it is
                 return act_extremum(x, largest=largest, slot=self.slot) if len(args) == 1 and not kwargs \
                     else func(*args, **kwargs)
             try:
@@ -315,7 +341,52 @@ class _FallbackOps(TorchFunctionMode):
                 return func(*args, **kwargs)
             return act_extremum(x, largest=largest, dim=a.get("dim", ()), keepdim=a.get("keepdim", False),
                                 slot=self.slot)
+        elif func in _ELEMENTWISE_EXTREMA:
+            try:
+                a = _ELEMENTWISE_SIGNATURE.bind(*args, **kwargs).arguments
+            except TypeError:  # out=
+                return func(*args, **kwargs)
+            return self._elementwise(func, a["input"], a["other"], _ELEMENTWISE_EXTREMA[func])
+        elif func in _CLAMPS:
+            x = args[0] if args else kwargs.get("input")
+            if not self._routable(x):
+                return func(*args, **kwargs)
+            try:
+                a = _CLAMPS[func].bind(*args, **kwargs).arguments
+            except TypeError:
+                return func(*args, **kwargs)
+            lo, hi = a.get("min"), a.get("max")
+            if not all(v is None or _is_number(v) for v in (lo, hi)) or (lo is None and hi is None):
+                return func(*args, **kwargs)  # tensor bounds: autograd splits their ties its own way
+            return act_clamp(x, lo, hi, slot=self.slot)
+        elif func in _DROPOUTS and self.dropout is not None:
+            x = args[0] if args else kwargs.get("input")
+            if not self._routable(x):
+                return func(*args, **kwargs)
+            try:
+                a = _DROPOUTS[func].bind(*args, **kwargs)
+            except TypeError:
+                return func(*args, **kwargs)
+            a.apply_defaults()
+            p, training = a.arguments["p"], a.arguments.get("training", a.arguments.get("train"))
+            if not (training and isinstance(p, float) and 0.0 < p < 1.0):
+                return func(*args, **kwargs)
+            return act_dropout(x, p, True, a.arguments.get("inplace", False), settings=self.dropout)
         return func(*args, **kwargs)
+
+    def _routable(self, x) -> bool:
+        """``x``, the input of a call the mode may route, is a plain float tensor that needs a gradient, has
+        :data:`MIN_NUMEL` elements or more, and the hooks would compress what the call saves."""
+        return _plain(x) and x.requires_grad and x.is_floating_point() and x.numel() >= MIN_NUMEL \
+            and self.scopes.compressing()
+
+    def _elementwise(self, func, a, b, largest: bool):
+        """``func(a, b)``, an elementwise maximum or minimum, as :func:`act_elementwise_extremum` where the hooks
+        would keep its operands; as it is for small, non-float or non-plain ones."""
+        if _plain(a) and _plain(b) and (a.requires_grad or b.requires_grad) and a.is_floating_point() \
+                and b.is_floating_point() and max(a.numel(), b.numel()) >= MIN_NUMEL and self.scopes.compressing():
+            return act_elementwise_extremum(a, b, largest=largest, slot=self.slot)
+        return func(a, b)
 
 
 class _HookScopes:
@@ -325,8 +396,9 @@ class _HookScopes:
     scopes of its own. The stack of open scopes lives only during a forward; it is neither pickled nor copied.
     """
 
-    def __init__(self, compressing: _Compressing, sdpa: OpSettings | None = None) -> None:
+    def __init__(self, compressing: _Compressing, sdpa: OpSettings | None = None, route_dropout: bool = True) -> None:
         self.compressing_hooks, self.sdpa = compressing, sdpa  # sdpa: the routed SDPA's settings, or None
+        self.route_dropout = route_dropout
         self.stack: list = []
         self.statics = _Statics()
         self.checkpoint_frames = 0  # torch without the hooks query: checkpoint frames around the root's forward
@@ -338,10 +410,9 @@ class _HookScopes:
             return _pass_through(t)
         return self.compressing_hooks.pack(t)
 
-    @property
-    def extremum_slot(self) -> str:
-        """The slot of the reductions' masks, beside the hooks' own (``<root class>:extremum``)."""
-        return self.compressing_hooks.slot.rsplit(":", 1)[0] + ":extremum"
+    def routed_slot(self, kind: str) -> str:
+        """The slot of a routed op's context, beside the hooks' own: ``<root class>:<kind>``."""
+        return self.compressing_hooks.slot.rsplit(":", 1)[0] + ":" + kind
 
     def compressing(self) -> bool:
         """Whether the innermost open scope compresses (the root's own code, outside act_hf modules and head)
@@ -372,7 +443,8 @@ class _HookScopes:
         self._open(module, (self.pack, self.compressing_hooks.unpack), _COMPRESSING)
         if self.stack and self.stack[-1][0] is module:
             self.statics.start(module)
-            mode = _FallbackOps(self, self.sdpa, self.extremum_slot)
+            dropout = OpSettings(slot=self.routed_slot("dropout"), bits=1) if self.route_dropout else None
+            mode = _FallbackOps(self, self.sdpa, self.routed_slot("extremum"), dropout)
             mode.__enter__()
             self.stack.append((module, mode, _COMPRESSING))
 
@@ -394,17 +466,18 @@ class _HookScopes:
             self.statics = _Statics()
 
     def __getstate__(self) -> dict:
-        return {"compressing": self.compressing_hooks, "sdpa": self.sdpa}
+        return {"compressing": self.compressing_hooks, "sdpa": self.sdpa, "route_dropout": self.route_dropout}
 
     def __setstate__(self, state: dict) -> None:
         self.compressing_hooks, self.sdpa, self.stack = state["compressing"], state.get("sdpa"), []
+        self.route_dropout = state.get("route_dropout", False)
         self.statics = _Statics()
         self.checkpoint_frames = 0
 
 
 def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False,
                            heads: list[nn.Module] | tuple[nn.Module, ...] = (), route_sdpa: bool = True,
-                           slot_bits: dict[str, int] | None = None) -> list:
+                           route_dropout: bool = True, slot_bits: dict[str, int] | None = None) -> list:
     """Install the hooks on ``model``; returns the hook handles (remove them to uninstall). ``slot_bits``: the
     adaptive model's slot-bits table (``ContextStore.bits_for``; None for fixed bits).
 
@@ -412,13 +485,14 @@ def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap
     act_hf module pushes a pass-through hook around its own forward. From the first call of a module in
     ``heads`` (the task head, ``ActConfig.exclude_head``) to the end of the root's forward, saved tensors stay
     exact: the head and the loss computed on its output, as the families keep them. With ``route_sdpa``,
-    ``F.scaled_dot_product_attention`` runs as :func:`act_sdpa` where the hooks would compress its context; max
-    and min reductions run as :func:`act_extremum` there in any case.
+    ``F.scaled_dot_product_attention`` runs as :func:`act_sdpa` where the hooks would compress its context, with
+    ``route_dropout`` functional dropout as :func:`act_dropout`; max and min reductions run as
+    :func:`act_extremum` there in any case.
     """
     name = type(model).__name__
     sdpa = OpSettings(slot=f"{name}:sdpa", bits=bits, group_size=group_size, swap=swap,
                       slot_bits=slot_bits) if route_sdpa else None
-    scopes = _HookScopes(_Compressing(f"{name}:saved", bits, group_size, swap, slot_bits), sdpa)
+    scopes = _HookScopes(_Compressing(f"{name}:saved", bits, group_size, swap, slot_bits), sdpa, route_dropout)
     handles = [
         model.register_forward_pre_hook(scopes.enter_compressing),
         model.register_forward_hook(scopes.leave, always_call=True),

@@ -65,7 +65,8 @@ def _head_paths(model: nn.Module) -> list[str]:
 def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
     """Convert every known leaf module outside the task head (with ``config.exclude_head``); warn with the module
     types left uncompressed; hook the rest, the head and the loss after it excepted, and run the model's own
-    ``F.scaled_dot_product_attention`` calls as act_hf's attention (when ``"attention"`` is a compressed kind)."""
+    ``F.scaled_dot_product_attention`` calls as act_hf's attention and its functional dropouts as act_hf's (when
+    ``"attention"``, ``"dropout"`` are compressed kinds)."""
     heads = _head_paths(model) if config.exclude_head else []
     patched = patch_modules(model, config, rules=_known_rules(), head_paths=heads)
     _enable_lm_loss(model, config)
@@ -89,6 +90,7 @@ def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
         handles = install_fallback_hooks(model, bits=config.default_bits, group_size=config.group_size,
                                          swap=config.swap, heads=[model.get_submodule(p) for p in heads],
                                          route_sdpa="attention" in config.kinds,
+                                         route_dropout="dropout" in config.kinds,
                                          slot_bits=getattr(model, "act_hf_slot_bits", None))
         add_cleanup(model, functools.partial(remove_handles, handles))
         patched.append("<saved-tensor hooks>")

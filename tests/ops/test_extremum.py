@@ -1,5 +1,6 @@
-"""Max / min reductions that keep a 1-bit mask of the extremal elements: result and gradient bit-identical to
-autograd's (ties and NaN included), one bit per input element saved, bad dims named."""
+"""Max / min reductions that keep a 1-bit mask of the extremal elements, elementwise maximum / minimum that keep a
+2-bit comparison code, clamps that keep a 1-bit mask: results and gradients bit-identical to autograd's (ties, NaN,
+broadcasting and mixed dtypes included), their bits per element saved, bad arguments named."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
-from act_hf.ops.extremum import act_extremum
+from act_hf.ops.extremum import act_clamp, act_elementwise_extremum, act_extremum, passes_at_bound
 
 
 def _input(dtype=torch.float32):
@@ -78,3 +79,98 @@ def test_without_grad_it_is_the_original_and_bad_dims_are_named():
         act_extremum(x, largest=True, dim=4)
     with pytest.raises(ActHFValueError, match="must not repeat"):
         act_extremum(x, largest=True, dim=(1, -3))
+
+
+def _operands(dtype):
+    """``a`` (4 x 5 x 6) and ``b`` (5 x 1, broadcast) on one coarse grid, so many elements tie; a NaN in each."""
+    g = torch.Generator().manual_seed(2)
+    a, b = ((torch.randn(*shape, generator=g) * 2).round().to(dtype) for shape in ((4, 5, 6), (5, 1)))
+    a[0, 0, 0], b[1, 0] = float("nan"), float("nan")
+    return a, b
+
+
+def _step(fn, tensors, needs_grad):
+    leaves = [t.clone().requires_grad_(r) for t, r in zip(tensors, needs_grad)]
+    out = fn(*leaves)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype))
+    return out, [t.grad for t in leaves]
+
+
+def _assert_same(ref, got):
+    (out_ref, grads_ref), (out, grads) = ref, got
+    assert out.dtype == out_ref.dtype and torch.equal(out.isnan(), out_ref.isnan())
+    assert torch.equal(out.nan_to_num(), out_ref.nan_to_num())
+    for g_ref, g in zip(grads_ref, grads):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            assert g.dtype == g_ref.dtype and g.shape == g_ref.shape
+            assert torch.equal(g.isnan(), g_ref.isnan()) and torch.equal(g.nan_to_num(), g_ref.nan_to_num())
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("needs_grad", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float64)])
+def test_elementwise_maximum_minimum_bit_identical_with_ties_nan_and_broadcasting(largest, needs_grad, dtypes):
+    a, b = _operands(dtypes[0])
+    b = b.to(dtypes[1])
+    ref = torch.maximum if largest else torch.minimum
+    expected = _step(ref, (a, b), needs_grad)
+    got = _step(lambda x, y: act_elementwise_extremum(x, y, largest=largest), (a, b), needs_grad)
+    _assert_same(expected, got)
+    grad_a = expected[1][0]
+    if grad_a is not None:  # ties split the gradient and the other operand's wins zero it: not a trivial case
+        assert (grad_a == 0).any() and ((grad_a != 0) & (grad_a.abs() < 10)).any()
+
+
+def test_elementwise_extremum_with_a_zero_dim_constant_as_xielu_takes_it():
+    x = _operands(torch.bfloat16)[0]
+    eps = torch.tensor(-1.0, dtype=torch.bfloat16)
+    _assert_same(_step(torch.min, (x, eps), (True, False)),
+                 _step(lambda t, e: act_elementwise_extremum(t, e, largest=False), (x, eps), (True, False)))
+
+
+@pytest.mark.parametrize("bounds", [(-1, 1), (-1.0, None), (None, 1), (0.0, 0.0), (2, -2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamp_with_numeric_bounds_bit_identical_at_the_bounds(bounds, dtype):
+    x = _operands(dtype)[0]
+    lo, hi = bounds
+
+    def ref(t):
+        if hi is None or lo is None:
+            return torch.clamp_min(t, lo) if hi is None else torch.clamp_max(t, hi)
+        return torch.clamp(t, lo, hi)
+
+    _assert_same(_step(ref, (x,), (True,)), _step(lambda t: act_clamp(t, lo, hi), (x,), (True,)))
+    if lo is not None and hi is not None:  # the two-sided clamp's own one-sided form as well
+        _assert_same(_step(lambda t: torch.clamp(t, min=lo), (x,), (True,)),
+                     _step(lambda t: act_clamp(t, lo), (x,), (True,)))
+
+
+def test_passes_at_bound_is_what_autograd_does():
+    for form, fn in (("clamp", lambda t: torch.clamp(t, 0.0, 1.0)), ("clamp_min", lambda t: torch.clamp_min(t, 0.0)),
+                     ("clamp_max", lambda t: torch.clamp_max(t, 0.0))):
+        x = torch.zeros(3, requires_grad=True)
+        fn(x).sum().backward()
+        assert passes_at_bound(form) == bool(x.grad[0] == 1), form
+
+
+def test_elementwise_forms_save_two_bits_and_one_bit_per_element():
+    a, b = (t.nan_to_num() for t in _operands(torch.float32))
+    a.requires_grad_()
+    with track_saved() as saved:
+        act_elementwise_extremum(a, b, largest=True, slot="m:max")
+        act_clamp(a, -1, 1, slot="m:clamp")
+    assert saved.by_slot == {"m:max": a.numel() * 2 // 8, "m:clamp": a.numel() // 8}
+    assert saved.uncompressed_bytes == (a.numel() + b.numel()) * 4 + a.numel() * 4  # both operands; the input
+
+
+def test_clamp_bounds_are_named_and_without_grad_the_original_runs():
+    x = _operands(torch.float32)[0].nan_to_num()
+    assert torch.equal(act_clamp(x, -1, 1), torch.clamp(x, -1, 1)) and act_clamp(x, -1).grad_fn is None
+    with pytest.raises(ActHFValueError, match="act_clamp's lo must be an int, a float or None, got Tensor"):
+        act_clamp(x, torch.tensor(0.0))
+    with pytest.raises(ActHFValueError, match="hi must be an int, a float or None, got bool"):
+        act_clamp(x, None, True)
+    with pytest.raises(ActHFValueError, match="at least one bound"):
+        act_clamp(x)

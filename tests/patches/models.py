@@ -101,7 +101,8 @@ def decoder(dropout=0.0, model_type="qwen3"):
 
 def fallback_decoder(model_type="phi3"):
     """HF causal LMs without an act_hf family (the generic fallback patches them): Phi-3, Mixtral (MoE), and ones
-    that scale their head's output before the loss: Granite (divided), Cohere (multiplied), Gemma 2 (soft cap)."""
+    that scale their head's output before the loss: Granite (divided), Cohere (multiplied), Gemma 2 (soft cap); and
+    Apertus, whose xIELU activation compares its input with a constant."""
     import transformers as tf
 
     config_cls, model_cls, extra = {
@@ -110,11 +111,22 @@ def fallback_decoder(model_type="phi3"):
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, {"logits_scaling": 8.0}),
         "cohere": (tf.CohereConfig, tf.CohereForCausalLM, {"logit_scale": 0.0625}),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, {"head_dim": 8, "final_logit_softcapping": 3.0}),
+        "apertus": (tf.ApertusConfig, tf.ApertusForCausalLM, {}),  # xIELU: min(x, -1e-6) in every MLP
     }[model_type]
     cfg = config_cls(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
                      eos_token_id=2, **extra)
     return model_cls(cfg), _text_inputs(99, labels="lm", pad_last=False)
+
+
+def opt(dropout=0.1):
+    """OPT (generic fallback), which calls dropout as a function after attention and after its MLP."""
+    import transformers as tf
+
+    cfg = tf.OPTConfig(vocab_size=99, hidden_size=32, ffn_dim=64, word_embed_proj_dim=32, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=64, dropout=dropout, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2)
+    return tf.OPTForCausalLM(cfg), _text_inputs(99, batch=4, seq=40, labels="lm", pad_last=False)
 
 
 def t5(dropout=0.0):
