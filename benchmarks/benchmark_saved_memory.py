@@ -77,6 +77,8 @@ MODELS = {
     "gemma2-style": _hf("Gemma2Config", "Gemma2ForCausalLM", hidden_size=1024, intermediate_size=2816,
                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                         vocab_size=256000, pad_token_id=0),
+    # OPT-125m (the config's defaults) on the fallback: dropout 0.1 called as a function after attention and MLP
+    "opt-125m": _hf("OPTConfig", "OPTForCausalLM"),
     "vit-base": _timm("vit_base_patch16_224"),
     "swin-tiny": _timm("swin_tiny_patch4_window7_224"),
     "convnext-tiny": _timm("convnext_tiny"),
