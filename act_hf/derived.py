@@ -82,8 +82,8 @@ from torch import Tensor
 from .compress import PackedTensor, dequantize, unpack_bits
 from .context import store
 
-__all__ = ["AffineTerm", "RectifiedAffine", "affine_of", "note_affine", "note_made_by", "note_packed", "note_pending",
-           "note_rectified", "note_scaled", "recall", "rectified_input", "remember"]
+__all__ = ["AffineTerm", "RectifiedAffine", "affine_of", "drop_dead_notes", "note_affine", "note_made_by",
+           "note_packed", "note_pending", "note_rectified", "note_scaled", "recall", "rectified_input", "remember"]
 
 
 @dataclass
@@ -224,7 +224,7 @@ def _notes() -> dict:
 
 
 #: the kinds of note that outlive a tensor dying unmodified (:func:`remember`)
-_REVIVED_KINDS = ("affine", "lm_head")
+_REVIVED_KINDS = ("affine", "lm_head", "lm_logits")
 
 
 def _dead() -> list:
@@ -439,7 +439,12 @@ def note_made_by(node: Any, output_nr: int, kind: str, *, drop: bool = True) -> 
         return _made_by(node, output_nr, (kind,))
     finally:
         if drop:
-            _dead().clear()
+            drop_dead_notes()
+
+
+def drop_dead_notes() -> None:
+    """Forget the notes that outlive their tensors (:func:`remember`): a final read has asked for them."""
+    _dead().clear()
 
 
 def note_rectified(out: Tensor, source: _Affine | _Sum, mask: Tensor, negative_slope: float = 0.0) -> None:

@@ -57,7 +57,7 @@ from .ops._saving import OpSettings
 from .ops.attention import act_sdpa
 from .ops.dropout import act_dropout
 from .ops.extremum import _is_number, act_clamp, act_elementwise_extremum, act_extremum
-from .ops.loss import ReplayedLogits
+from .ops.loss import ReplayedLogits, head_cross_entropy, note_head_steps
 
 __all__ = ["MIN_NUMEL", "install_fallback_hooks"]
 
@@ -139,6 +139,8 @@ _EXTREMA = {torch.amax: (True, False), torch.Tensor.amax: (True, False), torch.a
 _ELEMENTWISE_EXTREMA = {torch.maximum: True, torch.Tensor.maximum: True, torch.minimum: False,
                         torch.Tensor.minimum: False}
 _ELEMENTWISE_SIGNATURE = inspect.signature(lambda input, other: None)
+_CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
+_ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__})
 _CLAMP_SIGNATURE = inspect.signature(lambda input, min=None, max=None: None)
 #: clamps -> the signature their arguments bind to
 _CLAMPS = {torch.clamp: _CLAMP_SIGNATURE, torch.Tensor.clamp: _CLAMP_SIGNATURE, torch.clip: _CLAMP_SIGNATURE,
@@ -297,9 +299,10 @@ class _FallbackOps(TorchFunctionMode):
     (:class:`_Statics`), and unmarks a static tensor written in place with anything else.
     """
 
-    def __init__(self, scopes: _HookScopes, sdpa: OpSettings | None, slot: str, dropout: OpSettings | None) -> None:
+    def __init__(self, scopes: _HookScopes, sdpa: OpSettings | None, slot: str, dropout: OpSettings | None,
+                 loss: bool = False) -> None:
         super().__init__()
-        self.scopes, self.sdpa, self.slot, self.dropout = scopes, sdpa, slot, dropout
+        self.scopes, self.sdpa, self.slot, self.dropout, self.loss = scopes, sdpa, slot, dropout, loss
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -372,7 +375,33 @@ class _FallbackOps(TorchFunctionMode):
             if not (training and isinstance(p, float) and 0.0 < p < 1.0):
                 return func(*args, **kwargs)
             return act_dropout(x, p, True, a.arguments.get("inplace", False), settings=self.dropout)
+        elif func is F.cross_entropy and self.loss:
+            return self._cross_entropy(args, kwargs)
+        elif func in _ADDS and self.loss and len(args) == 2 and not kwargs and isinstance(args[0], torch.Tensor) \
+                and isinstance(args[1], torch.Tensor):
+            out = func(*args)
+            note_head_steps(out, args[0], ("add", args[1]))
+            return out
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _cross_entropy(args, kwargs):
+        """``F.cross_entropy`` on the rows of an LM head's output as :func:`head_cross_entropy` (no weight, no
+        label smoothing, mean or sum); as it is otherwise."""
+        try:
+            bound = _CROSS_ENTROPY_SIGNATURE.bind(*args, **kwargs)
+        except TypeError:
+            return F.cross_entropy(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        logits, target = a["input"], a["target"]
+        if a["weight"] is None and a["size_average"] is None and a["reduce"] is None and a["label_smoothing"] == 0.0 \
+                and _plain(logits) and logits.requires_grad and torch.is_grad_enabled() and _plain(target) \
+                and isinstance(a["ignore_index"], int):
+            loss = head_cross_entropy(logits, target, a["ignore_index"], a["reduction"])
+            if loss is not None:
+                return loss
+        return F.cross_entropy(*args, **kwargs)
 
     def _routable(self, x) -> bool:
         """``x``, the input of a call the mode may route, is a plain float tensor that needs a gradient, has
@@ -396,9 +425,10 @@ class _HookScopes:
     scopes of its own. The stack of open scopes lives only during a forward; it is neither pickled nor copied.
     """
 
-    def __init__(self, compressing: _Compressing, sdpa: OpSettings | None = None, route_dropout: bool = True) -> None:
+    def __init__(self, compressing: _Compressing, sdpa: OpSettings | None = None, route_dropout: bool = True,
+                 route_loss: bool = False) -> None:
         self.compressing_hooks, self.sdpa = compressing, sdpa  # sdpa: the routed SDPA's settings, or None
-        self.route_dropout = route_dropout
+        self.route_dropout, self.route_loss = route_dropout, route_loss
         self.stack: list = []
         self.statics = _Statics()
         self.checkpoint_frames = 0  # torch without the hooks query: checkpoint frames around the root's forward
@@ -444,7 +474,7 @@ class _HookScopes:
         if self.stack and self.stack[-1][0] is module:
             self.statics.start(module)
             dropout = OpSettings(slot=self.routed_slot("dropout"), bits=1) if self.route_dropout else None
-            mode = _FallbackOps(self, self.sdpa, self.routed_slot("extremum"), dropout)
+            mode = _FallbackOps(self, self.sdpa, self.routed_slot("extremum"), dropout, self.route_loss)
             mode.__enter__()
             self.stack.append((module, mode, _COMPRESSING))
 
@@ -466,18 +496,20 @@ class _HookScopes:
             self.statics = _Statics()
 
     def __getstate__(self) -> dict:
-        return {"compressing": self.compressing_hooks, "sdpa": self.sdpa, "route_dropout": self.route_dropout}
+        return {"compressing": self.compressing_hooks, "sdpa": self.sdpa, "route_dropout": self.route_dropout,
+                "route_loss": self.route_loss}
 
     def __setstate__(self, state: dict) -> None:
         self.compressing_hooks, self.sdpa, self.stack = state["compressing"], state.get("sdpa"), []
-        self.route_dropout = state.get("route_dropout", False)
+        self.route_dropout, self.route_loss = state.get("route_dropout", False), state.get("route_loss", False)
         self.statics = _Statics()
         self.checkpoint_frames = 0
 
 
 def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap: bool = False,
                            heads: list[nn.Module] | tuple[nn.Module, ...] = (), route_sdpa: bool = True,
-                           route_dropout: bool = True, slot_bits: dict[str, int] | None = None) -> list:
+                           route_dropout: bool = True, route_loss: bool = False,
+                           slot_bits: dict[str, int] | None = None) -> list:
     """Install the hooks on ``model``; returns the hook handles (remove them to uninstall). ``slot_bits``: the
     adaptive model's slot-bits table (``ContextStore.bits_for``; None for fixed bits).
 
@@ -487,12 +519,15 @@ def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap
     exact: the head and the loss computed on its output, as the families keep them. With ``route_sdpa``,
     ``F.scaled_dot_product_attention`` runs as :func:`act_sdpa` where the hooks would compress its context, with
     ``route_dropout`` functional dropout as :func:`act_dropout`; max and min reductions run as
-    :func:`act_extremum` there in any case.
+    :func:`act_extremum` there in any case. With ``route_loss``, ``F.cross_entropy`` on the rows of an LM head's
+    output (its forward noted by :func:`act_hf.ops.loss.note_head_output`) recomputes the logits in backward
+    (:func:`act_hf.ops.loss.head_cross_entropy`), after the head too.
     """
     name = type(model).__name__
     sdpa = OpSettings(slot=f"{name}:sdpa", bits=bits, group_size=group_size, swap=swap,
                       slot_bits=slot_bits) if route_sdpa else None
-    scopes = _HookScopes(_Compressing(f"{name}:saved", bits, group_size, swap, slot_bits), sdpa, route_dropout)
+    scopes = _HookScopes(_Compressing(f"{name}:saved", bits, group_size, swap, slot_bits), sdpa, route_dropout,
+                         route_loss)
     handles = [
         model.register_forward_pre_hook(scopes.enter_compressing),
         model.register_forward_hook(scopes.leave, always_call=True),

@@ -18,6 +18,7 @@ from transformers.pytorch_utils import Conv1D
 
 from act_hf.config import ActConfig
 from act_hf.errors import ActHFWarning
+from act_hf.nn._base import ActModule
 from act_hf.ops.loss import causal_lm_loss, note_head_output
 from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules, remove_handles
 
@@ -114,19 +115,24 @@ def _disable_attention(model: nn.Module, modules: list[nn.Module]) -> None:
         module.__dict__.pop("act_kind", None)
 
 
-def enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
+def enable_lm_loss(model: nn.Module, config: ActConfig, *, cross_entropy_routed: bool = False) -> None:
     """Route a causal LM's loss through :func:`act_hf.ops.loss.causal_lm_loss` when its head is a plain
     ``nn.Linear`` named ``lm_head``, its forward calls ``self.loss_function`` (T5 and BART compute their own),
-    and that is transformers' ``ForCausalLMLoss``."""
+    and that is transformers' ``ForCausalLMLoss``. With ``cross_entropy_routed`` (the generic fallback, whose
+    function mode routes ``F.cross_entropy`` on the head's output rows) the head's output is noted whenever the
+    head is a plain ``nn.Linear`` named ``lm_head``."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     head = getattr(model, "lm_head", None)
-    if not config.lm_loss_recompute or not isinstance(head, nn.Linear) \
-            or "loss_function" not in inspect.unwrap(type(model).forward).__code__.co_names \
-            or getattr(model, "loss_function", None) is not ForCausalLMLoss:
+    if not config.lm_loss_recompute or not isinstance(head, nn.Linear):
         return
+    replaced = "loss_function" in inspect.unwrap(type(model).forward).__code__.co_names \
+        and getattr(model, "loss_function", None) is ForCausalLMLoss
+    if not (replaced or (cross_entropy_routed and not isinstance(head, ActModule))):
+        return  # a compressed head keeps its input packed: the routed loss would keep it whole as well
     handle = head.register_forward_hook(note_head_output)
-    model.loss_function = functools.partial(causal_lm_loss, ForCausalLMLoss)
+    if replaced:
+        model.loss_function = functools.partial(causal_lm_loss, ForCausalLMLoss)
     add_cleanup(model, functools.partial(_restore_lm_loss, model, handle))
 
 

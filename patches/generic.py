@@ -39,12 +39,14 @@ def _known_rules() -> list[Rule]:
 
 def _enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
     """An HF causal LM's loss recomputes its logits (:mod:`act_hf.ops.loss`), as in the HF families: its fp32
-    log-softmax is ``4 * V`` bytes a token, more than all the packed context of a small model."""
+    log-softmax is ``4 * V`` bytes a token, more than all the packed context of a small model. So does a
+    cross-entropy on an ``lm_head``'s output rows that the model computes itself (BART, Marian, Pegasus), which the
+    hooks' function mode routes."""
     try:
         from ._hf import enable_lm_loss
     except ImportError:
         return
-    enable_lm_loss(model, config)
+    enable_lm_loss(model, config, cross_entropy_routed=config.fallback_hooks)
 
 
 def _head_paths(model: nn.Module) -> list[str]:
@@ -91,6 +93,7 @@ def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
                                          swap=config.swap, heads=[model.get_submodule(p) for p in heads],
                                          route_sdpa="attention" in config.kinds,
                                          route_dropout="dropout" in config.kinds,
+                                         route_loss=config.lm_loss_recompute,
                                          slot_bits=getattr(model, "act_hf_slot_bits", None))
         add_cleanup(model, functools.partial(remove_handles, handles))
         patched.append("<saved-tensor hooks>")

@@ -16,6 +16,12 @@ by elementwise steps it can replay (:func:`scaled_head_output`): Granite divides
 calls the original loss. Scalar steps keep nothing. A soft cap's ``tanh`` keeps its own output (``V`` wide, in
 the logits' dtype), except under the generic fallback's hooks, which keep a replay of it instead
 (:class:`ReplayedLogits`); families never soft-cap by default (Gemma 3's ``final_logit_softcapping`` is None).
+
+Seq2seq LMs (BART, Marian, Pegasus, M2M100...) compute their own loss, ``CrossEntropyLoss`` on
+``lm_logits.view(-1, V)``; under the generic fallback its function mode hands that call to
+:func:`head_cross_entropy`, which walks from the rows through reshapes and a last fp32 cast to the head's output
+(:func:`flat_head_output`), and notes a bias added to the logits (BART's ``final_logits_bias``:
+:func:`note_head_steps`), which autograd's graph does not keep.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..derived import note_made_by, recall, remember
+from ..derived import drop_dead_notes, note_made_by, recall, remember
 from ._saving import autocast_state
 
-__all__ = ["HeadCrossEntropyFunction", "ReplayedLogits", "causal_lm_loss", "note_head_output", "scaled_head_output"]
+__all__ = ["HeadCrossEntropyFunction", "ReplayedLogits", "causal_lm_loss", "flat_head_output", "head_cross_entropy",
+           "note_head_output", "note_head_steps", "scaled_head_output"]
 
 #: Bytes of fp32 logits one backward chunk may hold.
 CHUNK_BYTES = 128 * 2**20
@@ -45,39 +52,87 @@ def note_head_output(module: nn.Module, args: tuple, output: Tensor) -> None:
 
 #: the autograd nodes of the elementwise steps :func:`scaled_head_output` replays, by name
 _STEP_NODES = {"MulBackward0": "mul", "DivBackward0": "div", "TanhBackward0": "tanh"}
+#: nodes of reshapes, which keep the values and their row-major order (a cross-entropy reads ``(N, V)`` rows)
+_RESHAPE_NODES = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 #: the most steps between the head's output and the logits
 _MAX_STEPS = 4
+#: the most autograd nodes a walk from the logits to the head's output passes
+_MAX_NODES = 8
+
+
+def note_head_steps(out: Tensor, logits: Tensor, step: tuple) -> None:
+    """Remember that ``out = logits + c`` (``step``: ``("add", c)``, ``c`` a tensor without grad, one value per
+    vocabulary entry or one in all) where ``logits`` are a noted LM head's output or a tensor noted here: autograd's
+    ``AddBackward0`` keeps no ``c``, so the fallback's function mode, which sees the call (BART's
+    ``lm_logits + final_logits_bias``), notes it. Two dictionary reads when ``logits`` are neither."""
+    c = step[1]
+    if not (torch.is_tensor(c) and not c.requires_grad and c.dim() <= logits.dim()
+            and all(n == 1 for n in c.shape[:-1]) and c.shape[-1:] in ((), (1,), logits.shape[-1:])):
+        return  # a bias along the vocabulary, the same for every row: the recomputation adds it chunk by chunk
+    head = recall(logits, "lm_head")
+    found = (head, ()) if head is not None else recall(logits, "lm_logits")
+    if found is not None:
+        head, steps = found
+        remember(out, "lm_logits", (head, (*steps, step)))
 
 
 def scaled_head_output(logits: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor | None], tuple] | None:
     """``(head, steps)`` when ``logits`` were made from an LM head's output noted by :func:`note_head_output`
     (``head``: its input, weight and bias) by out-of-place elementwise ``steps`` read from autograd's graph, each
     ``("mul", c)``, ``("div", c)`` with ``c`` a number or a 0-d tensor without grad, or ``("tanh", None)``, in the
-    order they ran; else ``None``. ``logits`` itself must be unmodified; the steps before it are what autograd
-    recorded, and the head's output was unmodified when it died (or still is). The loss's read: it drops the
-    notes that outlive their tensors."""
-    return _head_and_steps(logits, drop=True)
+    order they ran, or noted by :func:`note_head_steps` (``("add", c)``); else ``None``. ``logits`` itself must be
+    unmodified; the steps before it are what autograd recorded, and the head's output was unmodified when it died
+    (or still is). The loss's read: it drops the notes that outlive their tensors."""
+    return _head_and_steps(logits, drop=True, reshapes=False)
 
 
-def _head_and_steps(t: Tensor, *, drop: bool):
+def flat_head_output(logits: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor | None], tuple] | None:
+    """:func:`scaled_head_output` for ``(N, V)`` rows a cross-entropy reads: reshapes of the logits are passed
+    through, and so is a last cast when ``logits`` are fp32 (``logits.float()``, which the loss's recomputation
+    does itself)."""
+    return _head_and_steps(logits, drop=True, reshapes=True, cast_to=logits.dtype)
+
+
+def _head_and_steps(t: Tensor, *, drop: bool, reshapes: bool, cast_to: torch.dtype | None = None):
     if t.grad_fn is None or t._version != 0:  # no grad_fn: no_grad, inference mode (no version either)
         return None
-    node, output_nr, steps = t.grad_fn, t.output_nr, []
-    while node is not None and type(node).__name__ in _STEP_NODES and len(steps) <= _MAX_STEPS:
-        step = _STEP_NODES[type(node).__name__]
-        if step == "tanh":
-            steps.append(("tanh", None))
-        else:
-            other = node._saved_other
-            if node._saved_self is not None or not torch.is_tensor(other) or other.dim() != 0 \
-                    or other.requires_grad or node.next_functions[1][0] is not None:
-                return None
-            steps.append((step, other.item()))
+    try:
+        return _walk(t.grad_fn, t.output_nr, reshapes, cast_to == torch.float32)
+    finally:
+        if drop:
+            drop_dead_notes()
+
+
+def _walk(node, output_nr: int, reshapes: bool, casts: bool):
+    steps = []
+    for _ in range(_MAX_NODES):
+        found = note_made_by(node, output_nr, "lm_head", drop=False)
+        if found is not None:
+            head, before = found, ()
+            break
+        found = note_made_by(node, output_nr, "lm_logits", drop=False)
+        if found is not None:
+            head, before = found
+            break
+        name = type(node).__name__
+        if name in _STEP_NODES and len(steps) < _MAX_STEPS:
+            step = _STEP_NODES[name]
+            if step == "tanh":
+                steps.append(("tanh", None))
+            else:
+                other = node._saved_other
+                if node._saved_self is not None or not torch.is_tensor(other) or other.dim() != 0 \
+                        or other.requires_grad or node.next_functions[1][0] is not None:
+                    return None
+                steps.append((step, other.item()))
+        elif not (reshapes and (name in _RESHAPE_NODES or (casts and name == "ToCopyBackward0" and not steps))):
+            return None  # a cast is passed only as the last op: the steps replay in the head's dtype
         node, output_nr = node.next_functions[0]
-    if not steps or len(steps) > _MAX_STEPS:
+        if node is None:
+            return None
+    else:
         return None
-    head = note_made_by(node, output_nr, "lm_head", drop=drop)
-    return None if head is None else (head, tuple(reversed(steps)))
+    return head, (*before, *reversed(steps))
 
 
 class ReplayedLogits:
@@ -99,7 +154,7 @@ class ReplayedLogits:
         for the loss), with the head's shape and dtype; else ``None``."""
         if type(t.grad_fn).__name__ != "TanhBackward0":
             return None
-        found = _head_and_steps(t, drop=False)
+        found = _head_and_steps(t, drop=False, reshapes=False)
         if found is None:
             return None
         (hidden, weight, bias), steps = found
@@ -118,7 +173,10 @@ class ReplayedLogits:
 
 def _replay(logits: Tensor, steps: tuple) -> Tensor:
     for op, c in steps:
-        logits = torch.tanh(logits) if op == "tanh" else logits * c if op == "mul" else logits / c
+        if op == "tanh":
+            logits = torch.tanh(logits)
+        else:
+            logits = logits * c if op == "mul" else logits / c if op == "div" else logits + c
     return logits
 
 
@@ -162,6 +220,27 @@ class HeadCrossEntropyFunction(torch.autograd.Function):
                 probs *= torch.where(chunk_keep, scale, scale.new_zeros(())).unsqueeze(-1)
                 grad[start:end] = probs.to(dtype)
         return grad.view(shape), None, None, None, None, None, None, None
+
+
+def head_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100,
+                       reduction: str = "mean") -> Tensor | None:
+    """``F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)`` (same value) through
+    :class:`HeadCrossEntropyFunction` when the ``(N, V)`` rows ``logits`` were made from a noted LM head's output
+    (:func:`flat_head_output`) and the loss is computed in fp32 (``logits`` fp32, or autocast on, which runs
+    ``log_softmax`` in fp32); else ``None``, and the caller runs the original. BART, Marian, Pegasus... compute
+    their loss so, with ``CrossEntropyLoss`` on ``lm_logits.view(-1, V)``."""
+    device_type = logits.device.type
+    if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0] or target.dtype != torch.long \
+            or reduction not in ("mean", "sum") \
+            or not (logits.dtype == torch.float32 or torch.is_autocast_enabled(device_type)):
+        return None
+    found = flat_head_output(logits)
+    if found is None:
+        return None
+    (hidden, weight, bias), steps = found
+    if weight.shape[0] != logits.shape[1] or hidden.numel() != logits.shape[0] * hidden.shape[-1]:
+        return None
+    return HeadCrossEntropyFunction.apply(logits, hidden, weight, bias, target, ignore_index, reduction, steps)
 
 
 def causal_lm_loss(original: Callable[..., Tensor], logits: Tensor, labels: Tensor, vocab_size: int,

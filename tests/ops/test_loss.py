@@ -85,6 +85,15 @@ def test_under_bf16_autocast_the_backward_recomputes_the_same_logits():
     assert_verbose_allclose(trunk.weight.grad, ref_trunk.weight.grad, atol=1e-3, rtol=1e-2, name="trunk.weight")
 
 
+def _assert_same_grads(refs, mods, autocast: bool) -> None:
+    for ref, mod in zip(refs, mods):
+        for (name, p_ref), p in zip(ref.named_parameters(), mod.parameters()):
+            if autocast:  # the recomputed bf16 logits are the forward's; equal up to summation order
+                assert_verbose_allclose(p.grad, p_ref.grad, atol=1e-3, rtol=1e-2, name=name)
+            else:
+                assert_verbose_allclose(p.grad, p_ref.grad, atol=1e-6, rtol=1e-5, name=name)
+
+
 #: what models do to their head's output before the loss: Granite, Cohere, Gemma 2's soft cap
 SCALED = {"divided": lambda t: t / 8.0, "multiplied": lambda t: t * 0.0625,
           "soft-capped": lambda t: torch.tanh(t / 3.0) * 3.0}
@@ -107,12 +116,7 @@ def test_scaled_head_outputs_recompute_too(steps, chunk_bytes, autocast, monkeyp
     assert _recomputes(got)
     expected.backward()
     got.backward()
-    for ref, mod in ((ref_trunk, trunk), (ref_head, head)):
-        for (name, p_ref), p in zip(ref.named_parameters(), mod.parameters()):
-            if autocast:  # the recomputed bf16 logits are the forward's; equal up to summation order
-                assert_verbose_allclose(p.grad, p_ref.grad, atol=1e-3, rtol=1e-2, name=name)
-            else:
-                assert_verbose_allclose(p.grad, p_ref.grad, atol=1e-6, rtol=1e-5, name=name)
+    _assert_same_grads((ref_trunk, ref_head), (trunk, head), autocast)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16 autocast"])
@@ -174,6 +178,94 @@ def test_the_loss_keeps_no_logits():
     assert saved[False] - saved[True] >= B * S * V * 4  # the fp32 log-probabilities
 
 
+_BIAS = torch.randn(1, V, generator=torch.Generator().manual_seed(5))
+
+
+def _noted_add(t, c):
+    """``t + c``, noted as the fallback's function mode notes it."""
+    out = t + c
+    lm_loss.note_head_steps(out, t, ("add", c))
+    return out
+
+
+def _plus_bias(t):
+    """BART's ``lm_logits + final_logits_bias``."""
+    return _noted_add(t, _BIAS)
+
+
+#: what seq2seq LMs do to their head's output before ``F.cross_entropy(logits.view(-1, V), labels.view(-1))``
+ROWS = {"the head's output": lambda t: t, "plus a bias (BART)": _plus_bias, "cast to fp32": lambda t: t.float(),
+        "biased, scaled, cast": lambda t: (_plus_bias(t) * 0.5).float()}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16 autocast"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk_bytes", [lm_loss.CHUNK_BYTES, 3 * 4 * V], ids=["one chunk", "3-row chunks"])
+@pytest.mark.parametrize("rows", list(ROWS), ids=list(ROWS))
+def test_cross_entropy_on_the_head_outputs_rows_recomputes_them(rows, chunk_bytes, reduction, autocast, monkeypatch):
+    """``F.cross_entropy(logits.view(-1, V), labels.view(-1))`` as BART, Marian, Pegasus compute it: the same loss,
+    bit for bit, the same gradients, and no fp32 log-probabilities kept."""
+    monkeypatch.setattr(lm_loss, "CHUNK_BYTES", chunk_bytes)
+    trunk, head, labels = _head_and_labels(bias=not autocast)
+    x = torch.randn(B, S, H)
+    ref_trunk, ref_head = copy.deepcopy(trunk), copy.deepcopy(head)
+    handle = head.register_forward_hook(note_head_output)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            ref_rows = ROWS[rows](ref_head(ref_trunk(x))).view(-1, V)
+            expected = torch.nn.functional.cross_entropy(ref_rows, labels.view(-1), reduction=reduction)
+            with act_hf.track_saved() as saved:
+                got = lm_loss.head_cross_entropy(ROWS[rows](head(trunk(x))).view(-1, V), labels.view(-1),
+                                                 reduction=reduction)
+    finally:
+        handle.remove()
+    assert got is not None and _recomputes(got) and torch.equal(got, expected)
+    assert not any(numel == B * S * V for numel in _saved_numels(got))  # no log-probabilities
+    assert saved.bytes < B * S * V * 4
+    expected.backward()
+    got.backward()
+    _assert_same_grads((ref_trunk, ref_head), (trunk, head), autocast)
+
+
+def _saved_numels(loss: torch.Tensor) -> list[int]:
+    """The sizes of the tensors the nodes behind ``loss`` saved (autograd's own nodes)."""
+    numels, stack, seen = [], [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        numels += [getattr(node, a).numel() for a in dir(node)
+                   if a.startswith("_saved_") and torch.is_tensor(getattr(node, a, None))]
+        stack.extend(n for n, _ in node.next_functions)
+    return numels
+
+
+def test_cross_entropy_on_rows_it_cannot_replay_is_left_to_the_original():
+    trunk, head, labels = _head_and_labels()
+    x = torch.randn(B, S, H)
+    target = labels.view(-1)
+    per_row = torch.randn(B, S, 1)
+    handle = head.register_forward_hook(note_head_output)
+    try:
+        def rows(steps):
+            return steps(head(trunk(x))).reshape(-1, V)
+
+        cases = {
+            "bf16 logits, no autocast: the loss runs in bf16": rows(lambda t: t.bfloat16()),
+            "a cast before a step: the step ran in fp64": rows(lambda t: t.double().float() * 2.0),
+            "a bias per row": rows(lambda t: _noted_add(t, per_row)),
+            "a transpose": head(trunk(x)).transpose(0, 1).reshape(-1, V),
+            "not a head's output": nn.Linear(H, V)(trunk(x)).view(-1, V),
+        }
+        for name, logits in cases.items():
+            assert lm_loss.head_cross_entropy(logits, target) is None, name
+        assert lm_loss.head_cross_entropy(head(trunk(x)), labels) is None  # rows are 2-d
+        assert lm_loss.head_cross_entropy(rows(lambda t: t), target.int()) is None  # class indices only
+    finally:
+        handle.remove()
+
+
 def phi3():
     return fallback_decoder("phi3")
 
@@ -221,6 +313,39 @@ def test_causal_lms_recompute_their_logits(build):
     assert saved[False] - saved[True] >= tokens * vocab * kept * 0.9
     act_hf.unpatch(model)
     assert model.loss_function is ForCausalLMLoss
+
+
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16 autocast"])
+@pytest.mark.parametrize("model_type", ["bart", "m2m100"])
+def test_seq2seq_lms_on_the_fallback_recompute_their_logits(model_type, autocast):
+    """BART and M2M100 call ``CrossEntropyLoss`` on ``lm_logits.view(-1, V)`` themselves (BART after adding its
+    ``final_logits_bias``); the fallback's function mode routes it: the same loss, the gradients of the original,
+    and no fp32 log-probabilities kept."""
+    from tests.patches.models import seq2seq_lm
+
+    torch.manual_seed(0)
+    ref, inputs = seq2seq_lm(model_type)
+    ref.train()
+    saved = {}
+    for recompute in (False, True):
+        model = act_hf.patch(copy.deepcopy(ref), bits=8, lm_loss_recompute=recompute)
+        twin = copy.deepcopy(ref)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with act_hf.track_saved(model) as s:
+                loss = model(**inputs).loss
+            expected = twin(**inputs).loss
+        assert _recomputes(loss) is recompute
+        assert torch.equal(loss, expected)
+        saved[recompute] = s.bytes
+        loss.backward()
+        expected.backward()
+        assert_grads_match(twin, model, name=model_type)
+    tokens, vocab, hidden = inputs["labels"].numel(), ref.config.vocab_size, ref.config.d_model
+    # the fp32 log-probabilities; under autocast the head saved a bf16 copy of its input, the loss keeps the input
+    kept = hidden * 4 if autocast else 0
+    assert saved[False] - saved[True] >= tokens * (vocab * 4 - kept) * 0.9
+    assert not act_hf.unpatch(model).lm_head._forward_hooks
 
 
 def test_models_computing_their_own_loss_keep_it():

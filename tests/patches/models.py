@@ -129,6 +129,23 @@ def opt(dropout=0.1):
     return tf.OPTForCausalLM(cfg), _text_inputs(99, batch=4, seq=40, labels="lm", pad_last=False)
 
 
+def seq2seq_lm(model_type="bart"):
+    """Encoder-decoder LMs on the generic fallback that compute their own loss, ``CrossEntropyLoss`` on
+    ``lm_logits.view(-1, V)``: BART (after adding its ``final_logits_bias``, random here) and M2M100 (no bias)."""
+    import transformers as tf
+
+    config_cls, model_cls = {"bart": (tf.BartConfig, tf.BartForConditionalGeneration),
+                             "m2m100": (tf.M2M100Config, tf.M2M100ForConditionalGeneration)}[model_type]
+    cfg = config_cls(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                     dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
+                     decoder_layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    model = model_cls(cfg)
+    if hasattr(model, "final_logits_bias"):
+        model.final_logits_bias.normal_(generator=torch.Generator().manual_seed(2))
+    return model, _text_inputs(99, labels="lm", pad_last=False)
+
+
 def t5(dropout=0.0):
     import transformers as tf
 
