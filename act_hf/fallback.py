@@ -57,7 +57,7 @@ from .ops._saving import OpSettings
 from .ops.attention import act_sdpa
 from .ops.dropout import act_dropout
 from .ops.extremum import _is_number, act_clamp, act_elementwise_extremum, act_extremum
-from .ops.loss import ReplayedLogits, head_cross_entropy, note_head_steps
+from .ops.loss import HEAD_LOSS_FUNCS, ReplayedLogits, run_for_head_loss
 
 __all__ = ["MIN_NUMEL", "install_fallback_hooks"]
 
@@ -139,8 +139,6 @@ _EXTREMA = {torch.amax: (True, False), torch.Tensor.amax: (True, False), torch.a
 _ELEMENTWISE_EXTREMA = {torch.maximum: True, torch.Tensor.maximum: True, torch.minimum: False,
                         torch.Tensor.minimum: False}
 _ELEMENTWISE_SIGNATURE = inspect.signature(lambda input, other: None)
-_CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
-_ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__})
 _CLAMP_SIGNATURE = inspect.signature(lambda input, min=None, max=None: None)
 #: clamps -> the signature their arguments bind to
 _CLAMPS = {torch.clamp: _CLAMP_SIGNATURE, torch.Tensor.clamp: _CLAMP_SIGNATURE, torch.clip: _CLAMP_SIGNATURE,
@@ -375,33 +373,9 @@ class _FallbackOps(TorchFunctionMode):
             if not (training and isinstance(p, float) and 0.0 < p < 1.0):
                 return func(*args, **kwargs)
             return act_dropout(x, p, True, a.arguments.get("inplace", False), settings=self.dropout)
-        elif func is F.cross_entropy and self.loss:
-            return self._cross_entropy(args, kwargs)
-        elif func in _ADDS and self.loss and len(args) == 2 and not kwargs and isinstance(args[0], torch.Tensor) \
-                and isinstance(args[1], torch.Tensor):
-            out = func(*args)
-            note_head_steps(out, args[0], ("add", args[1]))
-            return out
+        elif func in HEAD_LOSS_FUNCS and self.loss:
+            return run_for_head_loss(func, args, kwargs)
         return func(*args, **kwargs)
-
-    @staticmethod
-    def _cross_entropy(args, kwargs):
-        """``F.cross_entropy`` on the rows of an LM head's output as :func:`head_cross_entropy` (no weight, no
-        label smoothing, mean or sum); as it is otherwise."""
-        try:
-            bound = _CROSS_ENTROPY_SIGNATURE.bind(*args, **kwargs)
-        except TypeError:
-            return F.cross_entropy(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        logits, target = a["input"], a["target"]
-        if a["weight"] is None and a["size_average"] is None and a["reduce"] is None and a["label_smoothing"] == 0.0 \
-                and _plain(logits) and logits.requires_grad and torch.is_grad_enabled() and _plain(target) \
-                and isinstance(a["ignore_index"], int):
-            loss = head_cross_entropy(logits, target, a["ignore_index"], a["reduction"])
-            if loss is not None:
-                return loss
-        return F.cross_entropy(*args, **kwargs)
 
     def _routable(self, x) -> bool:
         """``x``, the input of a call the mode may route, is a plain float tensor that needs a gradient, has
@@ -521,7 +495,7 @@ def install_fallback_hooks(model: nn.Module, *, bits: int, group_size: int, swap
     ``route_dropout`` functional dropout as :func:`act_dropout`; max and min reductions run as
     :func:`act_extremum` there in any case. With ``route_loss``, ``F.cross_entropy`` on the rows of an LM head's
     output (its forward noted by :func:`act_hf.ops.loss.note_head_output`) recomputes the logits in backward
-    (:func:`act_hf.ops.loss.head_cross_entropy`), after the head too.
+    (:func:`act_hf.ops.loss.run_for_head_loss`), after the head too.
     """
     name = type(model).__name__
     sdpa = OpSettings(slot=f"{name}:sdpa", bits=bits, group_size=group_size, swap=swap,

@@ -201,11 +201,17 @@ def patch_modules(model: nn.Module, config: ActConfig, *, rules: list[Rule] = ()
 
 
 def hf_head_paths(model: nn.Module) -> list[str]:
-    """Task-head paths of an HF model: every top-level child outside the base model, plus its pooler."""
+    """Task-head paths of an HF model: every top-level child outside the base model, plus its pooler. A model that
+    is its own base model (T5's ``T5ForConditionalGeneration``: shared embedding, encoder, decoder, ``lm_head``) has
+    its output embedding as its head, when that is a top-level child."""
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     if base is None or base is model:
-        return []
+        try:
+            out = model.get_output_embeddings()
+        except (AttributeError, NotImplementedError):
+            return []
+        return [name for name, child in model.named_children() if out is not None and child is out]
     heads = [name for name, _ in model.named_children() if name != prefix]
     heads += [f"{prefix}.{name}" for name, _ in base.named_children() if name == "pooler"]
     return heads

@@ -19,7 +19,7 @@ from transformers.pytorch_utils import Conv1D
 from act_hf.config import ActConfig
 from act_hf.errors import ActHFWarning
 from act_hf.nn._base import ActModule
-from act_hf.ops.loss import causal_lm_loss, note_head_output
+from act_hf.ops.loss import HeadLossScope, causal_lm_loss, note_head_output
 from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules, remove_handles
 
 __all__ = ["HF_ACTIVATIONS", "enable_lm_loss", "hf_rules", "patch_hf", "rms_norm_rule"]
@@ -116,28 +116,34 @@ def _disable_attention(model: nn.Module, modules: list[nn.Module]) -> None:
 
 
 def enable_lm_loss(model: nn.Module, config: ActConfig, *, cross_entropy_routed: bool = False) -> None:
-    """Route a causal LM's loss through :func:`act_hf.ops.loss.causal_lm_loss` when its head is a plain
-    ``nn.Linear`` named ``lm_head``, its forward calls ``self.loss_function`` (T5 and BART compute their own),
-    and that is transformers' ``ForCausalLMLoss``. With ``cross_entropy_routed`` (the generic fallback, whose
-    function mode routes ``F.cross_entropy`` on the head's output rows) the head's output is noted whenever the
-    head is a plain ``nn.Linear`` named ``lm_head``."""
+    """Have an LM's loss recompute its logits from the head's input in backward (:mod:`act_hf.ops.loss`) when its
+    head is a plain ``nn.Linear`` named ``lm_head``: the loss of a causal LM whose forward calls
+    ``self.loss_function``, transformers' ``ForCausalLMLoss``, through :func:`act_hf.ops.loss.causal_lm_loss`;
+    otherwise (T5, BART compute their own) ``F.cross_entropy`` on the head's output rows, which a function mode
+    routes: the generic fallback's (``cross_entropy_routed``) or a :class:`act_hf.ops.loss.HeadLossScope`'s. A head
+    act_hf compresses (``exclude_head=False``) keeps its input packed; only ``ForCausalLMLoss`` is replaced then."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     head = getattr(model, "lm_head", None)
     if not config.lm_loss_recompute or not isinstance(head, nn.Linear):
         return
-    replaced = "loss_function" in inspect.unwrap(type(model).forward).__code__.co_names \
-        and getattr(model, "loss_function", None) is ForCausalLMLoss
-    if not (replaced or (cross_entropy_routed and not isinstance(head, ActModule))):
-        return  # a compressed head keeps its input packed: the routed loss would keep it whole as well
-    handle = head.register_forward_hook(note_head_output)
-    if replaced:
+    if "loss_function" in inspect.unwrap(type(model).forward).__code__.co_names \
+            and getattr(model, "loss_function", None) is ForCausalLMLoss:
+        handles = [head.register_forward_hook(note_head_output)]
         model.loss_function = functools.partial(causal_lm_loss, ForCausalLMLoss)
-    add_cleanup(model, functools.partial(_restore_lm_loss, model, handle))
+    elif isinstance(head, ActModule):
+        return  # the routed loss would keep the head's input whole beside its packed copy
+    elif cross_entropy_routed:
+        handles = [head.register_forward_hook(note_head_output)]
+    else:
+        scope = HeadLossScope()
+        handles = [head.register_forward_hook(scope.enter),
+                   model.register_forward_hook(scope.leave, always_call=True)]
+    add_cleanup(model, functools.partial(_restore_lm_loss, model, handles))
 
 
-def _restore_lm_loss(model: nn.Module, handle) -> None:
-    handle.remove()
+def _restore_lm_loss(model: nn.Module, handles: list) -> None:
+    remove_handles(handles)
     model.__dict__.pop("_loss_function", None)
 
 

@@ -17,27 +17,30 @@ calls the original loss. Scalar steps keep nothing. A soft cap's ``tanh`` keeps 
 the logits' dtype), except under the generic fallback's hooks, which keep a replay of it instead
 (:class:`ReplayedLogits`); families never soft-cap by default (Gemma 3's ``final_logit_softcapping`` is None).
 
-Seq2seq LMs (BART, Marian, Pegasus, M2M100...) compute their own loss, ``CrossEntropyLoss`` on
-``lm_logits.view(-1, V)``; under the generic fallback its function mode hands that call to
-:func:`head_cross_entropy`, which walks from the rows through reshapes and a last fp32 cast to the head's output
+Seq2seq LMs (BART, Marian, Pegasus, M2M100 on the generic fallback; T5) compute their own loss,
+``CrossEntropyLoss`` on ``lm_logits.view(-1, V)``; a ``TorchFunctionMode`` (the fallback's, or
+:class:`HeadLossMode` from the head's output on) hands that call to :func:`head_cross_entropy`, which walks from the rows through reshapes and a last fp32 cast to the head's output
 (:func:`flat_head_output`), and notes a bias added to the logits (BART's ``final_logits_bias``:
 :func:`note_head_steps`), which autograd's graph does not keep.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ..derived import drop_dead_notes, note_made_by, recall, remember
 from ._saving import autocast_state
 
-__all__ = ["HeadCrossEntropyFunction", "ReplayedLogits", "causal_lm_loss", "flat_head_output", "head_cross_entropy",
-           "note_head_output", "note_head_steps", "scaled_head_output"]
+__all__ = ["HEAD_LOSS_FUNCS", "HeadCrossEntropyFunction", "HeadLossMode", "HeadLossScope", "ReplayedLogits",
+           "causal_lm_loss", "flat_head_output", "head_cross_entropy", "note_head_output", "note_head_steps",
+           "run_for_head_loss", "scaled_head_output"]
 
 #: Bytes of fp32 logits one backward chunk may hold.
 CHUNK_BYTES = 128 * 2**20
@@ -241,6 +244,76 @@ def head_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100,
     if weight.shape[0] != logits.shape[1] or hidden.numel() != logits.shape[0] * hidden.shape[-1]:
         return None
     return HeadCrossEntropyFunction.apply(logits, hidden, weight, bias, target, ignore_index, reduction, steps)
+
+
+#: the calls :func:`run_for_head_loss` takes: the cross-entropy it routes, the additions it notes
+HEAD_LOSS_FUNCS = frozenset({F.cross_entropy, torch.add, torch.Tensor.add, torch.Tensor.__add__})
+_CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
+
+
+def run_for_head_loss(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` for ``func`` in :data:`HEAD_LOSS_FUNCS`, called by the model's own code during a
+    training forward (a ``TorchFunctionMode``'s handler): ``F.cross_entropy`` on the rows of an LM head's output
+    (no class weights, no label smoothing, mean or sum) as :func:`head_cross_entropy`; ``logits + c`` noted by
+    :func:`note_head_steps`; anything else as it is."""
+    if func is not F.cross_entropy:
+        out = func(*args, **kwargs)
+        if len(args) == 2 and not kwargs and torch.is_tensor(args[0]) and torch.is_tensor(args[1]):
+            note_head_steps(out, args[0], ("add", args[1]))
+        return out
+    try:
+        bound = _CROSS_ENTROPY_SIGNATURE.bind(*args, **kwargs)
+    except TypeError:
+        return func(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    logits, target = a["input"], a["target"]
+    if a["weight"] is None and a["size_average"] is None and a["reduce"] is None and a["label_smoothing"] == 0.0 \
+            and type(logits) is Tensor and logits.requires_grad and torch.is_grad_enabled() \
+            and type(target) is Tensor and isinstance(a["ignore_index"], int):
+        loss = head_cross_entropy(logits, target, a["ignore_index"], a["reduction"])
+        if loss is not None:
+            return loss
+    return func(*args, **kwargs)
+
+
+class HeadLossMode(TorchFunctionMode):
+    """Runs :data:`HEAD_LOSS_FUNCS` through :func:`run_for_head_loss` while active: from an LM head's forward to the
+    end of its model's (:func:`enter_head_loss`), so the model's other calls pay no Python dispatch."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HEAD_LOSS_FUNCS:
+            return run_for_head_loss(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class HeadLossScope:
+    """The hooks that keep a :class:`HeadLossMode` active from an LM head's output to the end of the root's forward
+    (training, autograd on): a seq2seq LM (T5) computes ``CrossEntropyLoss`` on ``lm_logits.view(-1, V)`` in its
+    own forward. Bound methods of this object: a patched model pickles, and a copy gets a scope of its own."""
+
+    def __init__(self) -> None:
+        self.mode: HeadLossMode | None = None
+
+    def enter(self, module: nn.Module, args: tuple, output: Tensor) -> None:
+        """Forward hook of the head: notes its output (:func:`note_head_output`) and opens the mode."""
+        note_head_output(module, args, output)
+        if self.mode is None and module.training and torch.is_grad_enabled():
+            self.mode = HeadLossMode()
+            self.mode.__enter__()
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Forward hook of the root (``always_call``): closes the mode."""
+        if self.mode is not None:
+            mode, self.mode = self.mode, None
+            mode.__exit__(None, None, None)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.mode = None
 
 
 def causal_lm_loss(original: Callable[..., Tensor], logits: Tensor, labels: Tensor, vocab_size: int,

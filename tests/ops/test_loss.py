@@ -348,12 +348,33 @@ def test_seq2seq_lms_on_the_fallback_recompute_their_logits(model_type, autocast
     assert not act_hf.unpatch(model).lm_head._forward_hooks
 
 
-def test_models_computing_their_own_loss_keep_it():
+def test_t5_computing_its_own_loss_recomputes_its_logits():
+    """T5 calls ``CrossEntropyLoss`` on ``lm_logits.view(-1, V)`` itself: from its exact ``lm_head``'s output to the
+    end of its forward a function mode routes the call (:class:`act_hf.ops.loss.HeadLossScope`); its
+    ``loss_function`` is left alone, and so are the calls before the head."""
     from tests.patches.models import t5
 
-    model, _ = t5()
-    act_hf.patch(model, bits=3)
-    assert model.loss_function is ForCausalLMLoss and not model.lm_head._forward_hooks
+    torch.manual_seed(0)
+    ref, inputs = t5()
+    ref.train()
+    saved = {}
+    for recompute in (False, True):
+        model = act_hf.patch(copy.deepcopy(ref), bits=8, lm_loss_recompute=recompute)
+        assert model.loss_function is ForCausalLMLoss and type(model.lm_head) is nn.Linear  # the head is exact
+        twin = copy.deepcopy(ref)
+        with act_hf.track_saved(model) as s:
+            loss = model(**inputs).loss
+        assert not torch.overrides._get_current_function_mode_stack()  # the mode ended with the forward
+        expected = twin(**inputs).loss
+        assert _recomputes(loss) is recompute and torch.equal(loss, expected)
+        saved[recompute] = s.bytes
+        loss.backward()
+        expected.backward()
+        assert_grads_match(twin, model, name="t5")
+    assert saved[False] - saved[True] >= inputs["labels"].numel() * ref.config.vocab_size * 4 * 0.9
+    with torch.no_grad():
+        model(**inputs)  # no mode outside training with autograd on
+    assert not act_hf.unpatch(model).lm_head._forward_hooks and not model._forward_hooks
 
 
 def test_lm_loss_recompute_is_validated():
