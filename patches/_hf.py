@@ -117,15 +117,16 @@ def _disable_attention(model: nn.Module, modules: list[nn.Module]) -> None:
 
 def enable_lm_loss(model: nn.Module, config: ActConfig, *, cross_entropy_routed: bool = False) -> None:
     """Have an LM's loss recompute its logits from the head's input in backward (:mod:`act_hf.ops.loss`) when its
-    head is a plain ``nn.Linear`` named ``lm_head``: the loss of a causal LM whose forward calls
-    ``self.loss_function``, transformers' ``ForCausalLMLoss``, through :func:`act_hf.ops.loss.causal_lm_loss`;
-    otherwise (T5, BART compute their own) ``F.cross_entropy`` on the head's output rows, which a function mode
-    routes: the generic fallback's (``cross_entropy_routed``) or a :class:`act_hf.ops.loss.HeadLossScope`'s. A head
-    act_hf compresses (``exclude_head=False``) keeps its input packed; only ``ForCausalLMLoss`` is replaced then."""
+    logits come from an ``nn.Linear`` (:func:`_output_head`: ``lm_head``, a masked LM's decoder): the loss of a
+    causal LM whose forward calls ``self.loss_function``, transformers' ``ForCausalLMLoss``, through
+    :func:`act_hf.ops.loss.causal_lm_loss`; otherwise (T5, BART, BERT's masked LM compute their own)
+    ``F.cross_entropy`` on the head's output rows, which a function mode routes: the generic fallback's
+    (``cross_entropy_routed``) or a :class:`act_hf.ops.loss.HeadLossScope`'s. A head act_hf compresses
+    (``exclude_head=False``) keeps its input packed; only ``ForCausalLMLoss`` is replaced then."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    head = getattr(model, "lm_head", None)
-    if not config.lm_loss_recompute or not isinstance(head, nn.Linear):
+    head = _output_head(model)
+    if not config.lm_loss_recompute or head is None:
         return
     if "loss_function" in inspect.unwrap(type(model).forward).__code__.co_names \
             and getattr(model, "loss_function", None) is ForCausalLMLoss:
@@ -140,6 +141,17 @@ def enable_lm_loss(model: nn.Module, config: ActConfig, *, cross_entropy_routed:
         handles = [head.register_forward_hook(scope.enter),
                    model.register_forward_hook(scope.leave, always_call=True)]
     add_cleanup(model, functools.partial(_restore_lm_loss, model, handles))
+
+
+def _output_head(model: nn.Module) -> nn.Linear | None:
+    """The ``nn.Linear`` that makes the model's logits: its output embedding (``lm_head``; a masked LM's
+    ``cls.predictions.decoder``), else an ``lm_head`` attribute; ``None`` if neither is an ``nn.Linear``."""
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    head = head if isinstance(head, nn.Linear) else getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Linear) else None
 
 
 def _restore_lm_loss(model: nn.Module, handles: list) -> None:

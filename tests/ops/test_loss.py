@@ -348,19 +348,36 @@ def test_seq2seq_lms_on_the_fallback_recompute_their_logits(model_type, autocast
     assert not act_hf.unpatch(model).lm_head._forward_hooks
 
 
-def test_t5_computing_its_own_loss_recomputes_its_logits():
-    """T5 calls ``CrossEntropyLoss`` on ``lm_logits.view(-1, V)`` itself: from its exact ``lm_head``'s output to the
-    end of its forward a function mode routes the call (:class:`act_hf.ops.loss.HeadLossScope`); its
-    ``loss_function`` is left alone, and so are the calls before the head."""
+def _masked_lm(model_type):
+    from tests.patches.models import bert
+
+    model, inputs = bert(head="MaskedLM", model_type=model_type)
+    labels = inputs["input_ids"].clone()
+    labels[:, ::2] = -100  # positions not masked
+    return model, {**inputs, "labels": labels}
+
+
+def _t5():
     from tests.patches.models import t5
 
+    return t5()
+
+
+@pytest.mark.parametrize("build", [_t5, lambda: _masked_lm("bert"), lambda: _masked_lm("roberta")],
+                         ids=["t5", "bert-mlm", "roberta-mlm"])
+def test_families_computing_their_own_loss_recompute_their_logits(build):
+    """T5 and the masked LMs call ``CrossEntropyLoss`` on ``logits.view(-1, V)`` themselves: from their exact output
+    embedding's output (T5's ``lm_head``, BERT's ``cls.predictions.decoder``) to the end of the forward a function
+    mode routes the call (:class:`act_hf.ops.loss.HeadLossScope`); ``loss_function`` is left alone, and so are
+    the calls before the head."""
     torch.manual_seed(0)
-    ref, inputs = t5()
+    ref, inputs = build()
     ref.train()
     saved = {}
     for recompute in (False, True):
         model = act_hf.patch(copy.deepcopy(ref), bits=8, lm_loss_recompute=recompute)
-        assert model.loss_function is ForCausalLMLoss and type(model.lm_head) is nn.Linear  # the head is exact
+        head = model.get_output_embeddings()
+        assert model.loss_function is ref.loss_function and type(head) is nn.Linear  # the head is exact
         twin = copy.deepcopy(ref)
         with act_hf.track_saved(model) as s:
             loss = model(**inputs).loss
@@ -370,11 +387,12 @@ def test_t5_computing_its_own_loss_recomputes_its_logits():
         saved[recompute] = s.bytes
         loss.backward()
         expected.backward()
-        assert_grads_match(twin, model, name="t5")
+        assert_grads_match(twin, model, name=type(model).__name__)
     assert saved[False] - saved[True] >= inputs["labels"].numel() * ref.config.vocab_size * 4 * 0.9
     with torch.no_grad():
         model(**inputs)  # no mode outside training with autograd on
-    assert not act_hf.unpatch(model).lm_head._forward_hooks and not model._forward_hooks
+    assert not torch.overrides._get_current_function_mode_stack()
+    assert not act_hf.unpatch(model).get_output_embeddings()._forward_hooks and not model._forward_hooks
 
 
 def test_lm_loss_recompute_is_validated():
