@@ -82,8 +82,9 @@ class ActConfig:
             inputs cost nothing of their own (unbiased; the shortcut chain's rounding adds up, see
             :mod:`act_hf.derived`), with timm's stochastic depth (``DropPath``) before the add too. With an
             adaptive budget a stage's chain is one slot group.
-        lm_loss_recompute: a causal LM's loss (transformers' ``ForCausalLMLoss`` after an ``lm_head``) keeps the
-            head's input instead of the fp32 logits and recomputes them in backward (exact;
+        lm_loss_recompute: a language model's loss (transformers' ``ForCausalLMLoss`` after an ``lm_head``, or
+            the cross-entropy a model computes itself on its output embedding's rows: T5, masked LMs, BART under
+            the fallback) keeps the head's input instead of the fp32 logits and recomputes them in backward (exact;
             :mod:`act_hf.ops.loss`).
         channel_scale: before quantizing the hidden states (LayerNorm/RMSNorm output contexts, which the
             linears after them share, and packed checkpoint inputs), multiply each feature channel by a power
@@ -132,7 +133,7 @@ class ActConfig:
     share_residual: bool = field(default=True, metadata={"help": "a conv after a residual block's relu(bn + "
                                                                     "shortcut) reads the tensors the ops before "
                                                                     "it saved"})
-    lm_loss_recompute: bool = field(default=True, metadata={"help": "a causal LM's loss recomputes its logits in "
+    lm_loss_recompute: bool = field(default=True, metadata={"help": "a language model's loss recomputes its logits in "
                                                                        "backward instead of keeping them"})
     channel_scale: bool | None = field(default=True, metadata={"help": "equalize feature channels by powers of "
                                                                           "two before quantizing (None: the "
