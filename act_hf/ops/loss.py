@@ -17,11 +17,12 @@ calls the original loss. Scalar steps keep nothing. A soft cap's ``tanh`` keeps 
 the logits' dtype), except under the generic fallback's hooks, which keep a replay of it instead
 (:class:`ReplayedLogits`); families never soft-cap by default (Gemma 3's ``final_logit_softcapping`` is None).
 
-Seq2seq LMs (BART, Marian, Pegasus, M2M100 on the generic fallback; T5) compute their own loss,
-``CrossEntropyLoss`` on ``lm_logits.view(-1, V)``; a ``TorchFunctionMode`` (the fallback's, or
-:class:`HeadLossMode` from the head's output on) hands that call to :func:`head_cross_entropy`, which walks from the rows through reshapes and a last fp32 cast to the head's output
-(:func:`flat_head_output`), and notes a bias added to the logits (BART's ``final_logits_bias``:
-:func:`note_head_steps`), which autograd's graph does not keep.
+Seq2seq LMs (T5; BART, Marian, Pegasus, M2M100 on the generic fallback) and masked LMs (BERT, RoBERTa...)
+compute their own loss, ``CrossEntropyLoss`` on ``logits.view(-1, V)``; a ``TorchFunctionMode`` (the fallback's,
+or :class:`HeadLossMode` from the head's output on) hands that call to :func:`head_cross_entropy`, which walks
+from the rows through reshapes and a last fp32 cast to the head's output (:func:`flat_head_output`), and notes a
+bias added to the logits (BART's ``final_logits_bias``: :func:`note_head_steps`), which autograd's graph does not
+keep.
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ def run_for_head_loss(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 class HeadLossMode(TorchFunctionMode):
     """Runs :data:`HEAD_LOSS_FUNCS` through :func:`run_for_head_loss` while active: from an LM head's forward to the
-    end of its model's (:func:`enter_head_loss`), so the model's other calls pay no Python dispatch."""
+    end of its model's (:class:`HeadLossScope`), so the model's other calls pay no Python dispatch."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
