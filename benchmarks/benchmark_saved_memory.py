@@ -79,6 +79,10 @@ MODELS = {
                         vocab_size=256000, pad_token_id=0),
     # OPT-125m (the config's defaults) on the fallback: dropout 0.1 called as a function after attention and MLP
     "opt-125m": _hf("OPTConfig", "OPTForCausalLM"),
+    # language models that compute their own loss (every position labelled): a masked LM, T5, BART (fallback)
+    "bert-base-mlm": _hf("BertConfig", "BertForMaskedLM", attention_probs_dropout_prob=0.0),
+    "t5-small": _hf("T5Config", "T5ForConditionalGeneration", decoder_start_token_id=0, pad_token_id=0),
+    "bart-base": _hf("BartConfig", "BartForConditionalGeneration"),
     "vit-base": _timm("vit_base_patch16_224"),
     "swin-tiny": _timm("swin_tiny_patch4_window7_224"),
     "convnext-tiny": _timm("convnext_tiny"),
@@ -88,16 +92,16 @@ MODELS = {
 
 
 def make_inputs(kind: str, model, batch: int, seq: int, device, image_size: int = 224) -> dict[str, torch.Tensor]:
-    """A fixed random batch: ``{"x"}`` images for timm models; token ids and labels (the ids for a causal LM, zeros
-    for a classifier) for HF ones."""
+    """A fixed random batch: ``{"x"}`` images for timm models; token ids and labels (the ids for a language model:
+    causal, masked or seq2seq; zeros for a classifier) for HF ones."""
     g = torch.Generator().manual_seed(0)
     if kind == "image":
         return {"x": torch.randn(batch, 3, image_size, image_size, generator=g).to(device)}
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     out = {"input_ids": ids}
-    out["labels"] = ids if "CausalLM" in type(model).__name__ or "LMHead" in type(model).__name__ else \
-        torch.zeros(batch, dtype=torch.long, device=device)
+    language_model = any(kind in type(model).__name__ for kind in ("CausalLM", "LMHead", "MaskedLM", "Generation"))
+    out["labels"] = ids if language_model else torch.zeros(batch, dtype=torch.long, device=device)
     return out
 
 
