@@ -50,6 +50,10 @@ def _timm(name: str):
     return build
 
 
+#: the LLaMA-style decoder's sizes, shared by the decoders measured beside it
+_LLAMA_SIZES = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+                "num_key_value_heads": 4}
+
 # Attention-probability dropout is off in the HF configs: with it, CPU SDPA takes its math path and saves the
 # S x S probabilities, which GPU fused kernels never store; without it the CPU baseline matches the GPU one
 # (bert-base bf16: 50.4 MiB/sample here, 47.8 MiB measured on an H100), so the ratios are not inflated.
@@ -59,24 +63,18 @@ MODELS = {
                       num_attention_heads=16, intermediate_size=4096, attention_probs_dropout_prob=0.0),
     "roberta-base": _hf("RobertaConfig", "RobertaForSequenceClassification", attention_probs_dropout_prob=0.0),
     "gpt2": _hf("GPT2Config", "GPT2LMHeadModel", attn_pdrop=0.0),
-    "llama-style": _hf("LlamaConfig", "LlamaForCausalLM", hidden_size=1024, intermediate_size=2816,
-                       num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
+    "llama-style": _hf("LlamaConfig", "LlamaForCausalLM", **_LLAMA_SIZES, vocab_size=32000),
     # HF causal LMs without an act_hf family, on the generic fallback: the llama-style sizes
-    "phi3-style": _hf("Phi3Config", "Phi3ForCausalLM", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, vocab_size=32064, pad_token_id=0),
-    "mixtral-style": _hf("MixtralConfig", "MixtralForCausalLM", hidden_size=1024, intermediate_size=2816,
-                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
-                         num_local_experts=4, num_experts_per_tok=2),
+    "phi3-style": _hf("Phi3Config", "Phi3ForCausalLM", **_LLAMA_SIZES, vocab_size=32064, pad_token_id=0),
+    "mixtral-style": _hf("MixtralConfig", "MixtralForCausalLM", **(_LLAMA_SIZES | {"num_hidden_layers": 4}),
+                         vocab_size=32000, num_local_experts=4, num_experts_per_tok=2),
     # ... and ones that scale (Granite, Cohere) or soft-cap (Gemma 2) the head's output, at their vocabularies
-    "granite-style": _hf("GraniteConfig", "GraniteForCausalLM", hidden_size=1024, intermediate_size=2816,
-                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=49155,
-                         logits_scaling=8.0, pad_token_id=0),
-    "cohere-style": _hf("CohereConfig", "CohereForCausalLM", hidden_size=1024, intermediate_size=2816,
-                        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, vocab_size=256000,
-                        logit_scale=0.0625, pad_token_id=0),
-    "gemma2-style": _hf("Gemma2Config", "Gemma2ForCausalLM", hidden_size=1024, intermediate_size=2816,
-                        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                        vocab_size=256000, pad_token_id=0),
+    "granite-style": _hf("GraniteConfig", "GraniteForCausalLM", **_LLAMA_SIZES, vocab_size=49155, logits_scaling=8.0,
+                         pad_token_id=0),
+    "cohere-style": _hf("CohereConfig", "CohereForCausalLM", **_LLAMA_SIZES, vocab_size=256000, logit_scale=0.0625,
+                        pad_token_id=0),
+    "gemma2-style": _hf("Gemma2Config", "Gemma2ForCausalLM", **_LLAMA_SIZES, head_dim=64, vocab_size=256000,
+                        pad_token_id=0),
     # OPT-125m (the config's defaults) on the fallback: dropout 0.1 called as a function after attention and MLP
     "opt-125m": _hf("OPTConfig", "OPTForCausalLM"),
     # language models that compute their own loss (every position labelled): a masked LM, T5, BART (fallback)
