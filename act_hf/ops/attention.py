@@ -1,8 +1,9 @@
 """Scaled dot-product attention (SDPA) and eager attention with a quantized saved context.
 
 Forward is the original computation, bit for bit: :func:`act_sdpa` calls ``F.scaled_dot_product_attention``
-itself (so the same fused kernel runs), :func:`act_eager_attention` runs the eager formula exactly as
-transformers / timm write it. The context kept for backward is only
+itself, by the backend the unpatched call picks in grad mode (so the same fused kernel runs);
+:func:`act_eager_attention` runs the eager formula exactly as transformers / timm write it. The context kept
+for backward is only
 
 * ``q``, ``k``, ``v`` quantized through the context store, one slot each: ``<base>:q``, ``<base>:k``,
   ``<base>:v`` (``<base>`` is ``settings.slot``, e.g. ``bert.encoder.layer.0.attention.self``), each at the
@@ -58,6 +59,7 @@ Fully masked rows follow PyTorch, since the recomputation is SDPA itself.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -180,19 +182,19 @@ class ActSDPAFunction(torch.autograd.Function):
     ``q``, ``k`` or the mask need a gradient: ``dv = P^T dO`` does not read ``v``, with dropout either) and
     ``attn_mask`` as given. ``k`` and ``v`` are saved before the ``n_rep`` head repetition. With dropout, ``ctx``
     also keeps the RNG state the forward drew its mask from and the SDPA backend it ran (:class:`_DropoutReplay`).
+    Backward's recomputation casts its inputs as autocast cast them in forward.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
                 scale: float | None, enable_gqa: bool, n_rep: int, settings: OpSettings) -> Tensor:
         k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        ctx.replay = None
+        ctx.replay, ctx.cast = None, _autocast_dtype(q.device.type)
         if dropout_p > 0.0:
             out, ctx.replay = _sdpa_with_replayable_dropout(q, k_full, v_full, attn_mask, dropout_p, is_causal, scale,
                                                             enable_gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=attn_mask, dropout_p=0.0,
-                                                 is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            out = _sdpa_as_unpatched(q, k_full, v_full, attn_mask, is_causal, scale, enable_gqa)
         need_q, need_k, need_v, need_m = ctx.needs_input_grad[:4]
         any_grad = need_q or need_k or need_v or need_m
         pq = compress_role(q, settings, "q") if any_grad else None
@@ -216,10 +218,11 @@ class ActSDPAFunction(torch.autograd.Function):
             k = k.requires_grad_(need[1])
             v = v.requires_grad_(need[2])
             m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
-            if replay is None:
-                out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=m,
-                                                     dropout_p=0.0, is_causal=is_causal, scale=scale,
-                                                     enable_gqa=enable_gqa)
+            if replay is None:  # cast as autocast did in forward (an fp32 mask beside bf16 q, k stops fused kernels)
+                inputs = [_autocast_cast(t, ctx.cast) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), m)]
+                with torch.autocast(q.device.type, enabled=False):
+                    out = F.scaled_dot_product_attention(*inputs, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                                                         enable_gqa=enable_gqa)
             else:
                 inputs = [replay.cast(t) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), m)]
                 with replayed_rng(replay.rng), sdpa_kernel(replay.backend), \
@@ -256,6 +259,56 @@ def _same(t: Tensor) -> Tensor:
     return t
 
 
+def _stand_ins(tensors: tuple[Tensor | None, ...], dtype: torch.dtype | None) -> list[Tensor | None]:
+    """Detached copies of SDPA's inputs as the unpatched call sees them: cast as autocast casts them to ``dtype``
+    (:func:`_autocast_cast`) and requiring grad as the inputs do."""
+    stand_ins = []
+    for t in tensors:
+        if t is not None:
+            requires_grad = t.requires_grad
+            t = t.detach()
+            t = _autocast_cast(t, dtype).requires_grad_(requires_grad and t.is_floating_point())
+        stand_ins.append(t)
+    return stand_ins
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _sdpa_as_unpatched(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                       scale: float | None, enable_gqa: bool) -> Tensor:
+    """SDPA without dropout by the backend the unpatched call runs, bit for bit its output.
+
+    An autograd ``forward`` runs without grad mode, so autocast's casts there make inputs that do not require
+    grad, and whether an input requires grad takes part in the backend choice: under CPU autocast, T5's fp32
+    position bias (a learned additive mask) sends the unpatched call to the math path, while its cast without
+    grad mode lets flash attention run, whose bf16 output differs. When autocast casts an input that requires
+    grad, SDPA runs on stand-ins cast by hand, and when the two choices differ, the unpatched one is forced
+    (``torch.nn.attention.sdpa_kernel``). Else (no autocast; bf16 q, k, v and a mask without grad) SDPA runs as
+    it is."""
+    tensors = (q, k, v, attn_mask)
+    dtype = _autocast_dtype(q.device.type)
+    cast = [_casts_with_grad(t, dtype) for t in tensors]
+    if not any(cast):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    stand_ins = _stand_ins(tensors, dtype)
+    as_called = [t.detach() if c else t for t, c in zip(stand_ins, cast)]
+    unpatched = torch.ops.aten._fused_sdp_choice(*stand_ins, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    here = torch.ops.aten._fused_sdp_choice(*as_called, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    with torch.autocast(q.device.type, enabled=False), \
+            sdpa_kernel(SDPBackend(unpatched)) if unpatched != here else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(*as_called, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
+def _casts_with_grad(t: Tensor | None, dtype: torch.dtype | None) -> bool:
+    """Whether autocast to ``dtype`` casts ``t``, an input that requires grad (:func:`_autocast_cast`)."""
+    return dtype is not None and t is not None and t.requires_grad and t.is_floating_point() \
+        and t.dtype not in (dtype, torch.float64)
+
+
 def _sdpa_with_replayable_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                                   is_causal: bool, scale: float | None,
                                   enable_gqa: bool) -> tuple[Tensor, _DropoutReplay]:
@@ -269,14 +322,8 @@ def _sdpa_with_replayable_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Te
     their own dropout (CUDA flash / memory-efficient / cuDNN) run in both passes.
     """
     device_type = q.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-    stand_ins = []
-    for t in (q, k, v, attn_mask):
-        if t is not None:
-            requires_grad = t.requires_grad
-            t = t.detach()
-            t = _autocast_cast(t, dtype).requires_grad_(requires_grad and t.is_floating_point())
-        stand_ins.append(t)
+    dtype = _autocast_dtype(device_type)
+    stand_ins = _stand_ins((q, k, v, attn_mask), dtype)
     # the stand-ins' graph is dropped on return; the identity hooks keep its saves from the caller's saved-tensor
     # hooks (act_hf.track_saved, torch.utils.checkpoint)
     with torch.enable_grad(), torch.autocast(device_type, enabled=False), \

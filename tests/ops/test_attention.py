@@ -155,6 +155,38 @@ def test_sdpa_learned_mask_gets_gradient():
         _check_grads(ref_g, g, SQNR_MIN[8])
 
 
+@pytest.mark.parametrize("qkv_dtype", [torch.bfloat16, torch.float32])
+def test_sdpa_learned_mask_under_autocast_runs_the_unpatched_backend(qkv_dtype):
+    """T5's case: under CPU bf16 autocast, an fp32 additive mask that requires grad. The unpatched call casts it in
+    grad mode (the cast requires grad: math path); an autograd forward casts it without grad (flash attention,
+    whose bf16 output differs for transformers' (B, S, H, D) -> (B, H, S, D) views). The mask is made from a
+    parameter, as T5's is: autocast caches its cast of a leaf that requires grad, and the forward would reuse
+    the reference's cast. Forward must equal the unpatched call bit for bit, and the gradients follow."""
+    leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in _qkv(s=12, d=8, dtype=qkv_dtype)]
+    weight = torch.randn(1, H, 12, 12, requires_grad=True)
+    grad_out = torch.randn(B, H, 12, 8, dtype=torch.bfloat16)
+
+    def inputs():
+        return *(t.transpose(1, 2) for t in leaves), weight * 1.0
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, ref_g, _ = _run(lambda: F.scaled_dot_product_attention(*inputs(), scale=1.0), (*leaves, weight),
+                             grad_out)
+        act_hf.manual_seed(7)
+        out, g, _ = _run(lambda: act_sdpa(*inputs(), scale=1.0, settings=_settings(8)), (*leaves, weight),
+                         grad_out)
+        deq = _dequantized(inputs()[:3], 8)
+        _, at_deq, _ = _run(lambda: F.scaled_dot_product_attention(*deq, weight * 1.0, scale=1.0), (*deq, weight),
+                            grad_out)
+    assert out.dtype == torch.bfloat16 and torch.equal(ref, out)
+    assert [x.dtype for x in g] == [x.dtype for x in ref_g]
+    _check_grads(ref_g, g, 20.0)  # the bf16 reference gradient itself carries bf16 rounding
+    # backward is autograd of the forward's call (autocast's casts included) at Q(q), Q(k), Q(v)
+    for name, r, x in zip(("dq", "dk", "dv"), at_deq, g):
+        assert torch.equal(r.transpose(1, 2), x), name
+    assert torch.equal(at_deq[3], g[3]), "dmask"
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_sdpa_fully_masked_rows_match_pytorch(dropout_p):
     q, k, v = _qkv()
