@@ -19,7 +19,7 @@ from transformers.pytorch_utils import Conv1D
 from act_hf.config import ActConfig
 from act_hf.errors import ActHFWarning
 from act_hf.nn._base import ActModule
-from act_hf.ops.loss import HeadLossScope, causal_lm_loss, note_head_output
+from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output
 from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules, remove_handles
 
 __all__ = ["HF_ACTIVATIONS", "enable_lm_loss", "hf_rules", "patch_hf", "rms_norm_rule"]
@@ -140,6 +140,7 @@ def enable_lm_loss(model: nn.Module, config: ActConfig, *, cross_entropy_routed:
         scope = HeadLossScope()
         handles = [head.register_forward_hook(scope.enter),
                    model.register_forward_hook(scope.leave, always_call=True)]
+    handles.append(head.register_forward_pre_hook(cast_head_input))
     add_cleanup(model, functools.partial(_restore_lm_loss, model, handles))
 
 

@@ -40,8 +40,8 @@ from ..derived import drop_dead_notes, note_made_by, recall, remember
 from ._saving import autocast_state
 
 __all__ = ["HEAD_LOSS_FUNCS", "HeadCrossEntropyFunction", "HeadLossMode", "HeadLossScope", "ReplayedLogits",
-           "causal_lm_loss", "flat_head_output", "head_cross_entropy", "note_head_output", "note_head_steps",
-           "run_for_head_loss", "scaled_head_output"]
+           "cast_head_input", "causal_lm_loss", "flat_head_output", "head_cross_entropy", "note_head_output",
+           "note_head_steps", "run_for_head_loss", "scaled_head_output"]
 
 #: Bytes of fp32 logits one backward chunk may hold.
 CHUNK_BYTES = 128 * 2**20
@@ -52,6 +52,25 @@ def note_head_output(module: nn.Module, args: tuple, output: Tensor) -> None:
     (while ``output`` lives) when training with autograd on."""
     if module.training and torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad:
         remember(output, "lm_head", (args[0], module.weight, module.bias))
+
+
+def cast_head_input(module: nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook of an LM head (``nn.Linear``): under autocast, in training with autograd on, hand the head
+    its input already cast to autocast's dtype, the cast autocast's ``F.linear`` makes of it (same output, same
+    gradient). The head's own backward then saves that tensor, and the recomputing loss (or a soft cap's
+    :class:`ReplayedLogits`), which keeps the head's input, keeps the same storage: an fp32 input (a final
+    norm's output in the fp32 residual stream) was kept whole beside the head's bf16 cast, ``4 * H`` bytes a
+    token more."""
+    x = args[0] if args else None
+    if not (module.training and torch.is_grad_enabled() and isinstance(x, Tensor) and x.is_floating_point()):
+        return None
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    if x.dtype in (dtype, torch.float64):
+        return None
+    return (x.to(dtype), *args[1:])
 
 
 #: the autograd nodes of the elementwise steps :func:`scaled_head_output` replays, by name
