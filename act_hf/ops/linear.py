@@ -21,8 +21,8 @@ from ..context import store
 from ..derived import RectifiedAffine, note_packed, rectified_input
 from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
 
-__all__ = ["ActChannelScaleFunction", "ActConvFunction", "ActLinearFunction", "ActStandardizedConvFunction",
-           "act_channel_scale", "act_conv", "act_linear", "act_standardized_conv", "standardize_weight"]
+__all__ = ["ActConvFunction", "ActLinearFunction", "ActScaleFunction", "ActStandardizedConvFunction",
+           "act_channel_scale", "act_conv", "act_linear", "act_scale", "act_standardized_conv", "standardize_weight"]
 
 
 def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffine:
@@ -213,41 +213,51 @@ def _channel_view(gamma: Tensor, ndim: int, dim: int) -> Tensor:
     return gamma.view(shape)
 
 
-class ActChannelScaleFunction(torch.autograd.Function):
-    """``y = x * gamma`` with ``gamma`` a vector along ``dim`` of ``x`` (layer scale: a diagonal linear map).
+class ActScaleFunction(torch.autograd.Function):
+    """``y = x * s`` with ``s`` broadcast to ``x``'s shape (a diagonal linear map: layer scale's ``gamma`` along
+    one dim; a squeeze-and-excitation gate, one value per sample and channel).
 
-    The product is computed as ``x.mul(gamma.view(...))`` (type promotion included, as in timm). Saves
-    ``quantize(x)`` if ``gamma`` needs a gradient (``grad_gamma = sum(grad * x)`` over the other dims) and
-    ``gamma`` if ``x`` does (``grad_x = grad * gamma``, exact).
+    The product is computed as ``x.mul(s)`` (type promotion included, as the originals compute it). Saves
+    ``quantize(x)`` if ``s`` needs a gradient (``grad_s = sum(grad * x)`` over the dims ``s`` is broadcast
+    along) and ``s`` if ``x`` does (``grad_x = grad * s``, exact).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, gamma: Tensor, dim: int, settings: OpSettings) -> Tensor:
-        dim = dim % x.dim()
-        out = x.mul(_channel_view(gamma, x.dim(), dim))
-        need_x, need_g = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        packed = store.compress_as(x, settings) if need_g else None
-        save_context(ctx, packed, gamma if need_x else None)
-        ctx.meta = (dim, x.dtype, gamma.dtype)
+    def forward(ctx, x: Tensor, s: Tensor, settings: OpSettings) -> Tensor:
+        out = x.mul(s)
+        need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        packed = store.compress_as(x, settings) if need_s else None
+        save_context(ctx, packed, s if need_x else None)
+        ctx.meta = (x.dtype, s.dtype, tuple(s.shape))
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        packed, gamma = load_context(ctx)
-        dim, x_dtype, gamma_dtype = ctx.meta
-        ndim = grad_out.dim()
-        grad_x = grad_g = None
+        packed, s = load_context(ctx)
+        x_dtype, s_dtype, s_shape = ctx.meta
+        grad_x = grad_s = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out.mul(_channel_view(gamma, ndim, dim)).to(x_dtype)
+            grad_x = grad_out.mul(s).to(x_dtype)
         if ctx.needs_input_grad[1]:
             prod = grad_out * dequantize(packed)
-            grad_g = prod.sum(dim=[d for d in range(ndim) if d != dim]).to(gamma_dtype)
-        return grad_x, grad_g, None, None
+            dims = [d for d, n in enumerate(s_shape) if n == 1 and prod.shape[d] != 1]
+            grad_s = (prod.sum(dim=dims, keepdim=True) if dims else prod).to(s_dtype)
+        return grad_x, grad_s, None
+
+
+def act_scale(x: Tensor, s: Tensor, settings: OpSettings) -> Tensor:
+    """Functional form of :class:`ActScaleFunction`: ``x * s`` for ``s`` with ``x``'s number of dims, each of
+    its sizes ``x``'s or 1."""
+    if s.dim() != x.dim() or any(n not in (1, m) for n, m in zip(s.shape, x.shape)):
+        raise ValueError(f"s: expected a shape that broadcasts to x's {tuple(x.shape)} with as many dims "
+                         f"(each size 1 or x's), got {tuple(s.shape)}")
+    return ActScaleFunction.apply(x, s, settings)
 
 
 def act_channel_scale(x: Tensor, gamma: Tensor, dim: int, settings: OpSettings) -> Tensor:
-    """Functional form of :class:`ActChannelScaleFunction`."""
+    """:func:`act_scale` by ``gamma``, a vector along ``dim`` of ``x`` (layer scale)."""
     if gamma.dim() != 1 or gamma.shape[0] != x.shape[dim]:
         raise ValueError(f"gamma: expected a vector of x.shape[{dim}] = {x.shape[dim]} values, "
                          f"got {tuple(gamma.shape)}")
-    return ActChannelScaleFunction.apply(x, gamma, dim, settings)
+    return ActScaleFunction.apply(x, _channel_view(gamma, x.dim(), dim % x.dim()), settings)
+

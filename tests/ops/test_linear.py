@@ -292,6 +292,45 @@ def test_channel_scale_forward_exact_and_grads_against_autograd(dim, shape, x_dt
     assert sqnr_db(exact, ga8.grad) >= 30
 
 
+@pytest.mark.parametrize("x_dtype, s_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32)])
+def test_scale_by_a_per_sample_channel_gate_against_autograd(x_dtype, s_dtype):
+    """A squeeze-and-excitation gate (one value per sample and channel, (B, C, 1, 1)): forward is ``x.mul(s)``
+    (promotion included), grad_x exact, grad_s autograd's at the dequantized x (the same draw), summed over the
+    broadcast dims, and at 8 bits close to the float64 gradient."""
+    from act_hf.compress import dequantize, manual_seed, quantize
+    from act_hf.ops._saving import OpSettings
+    from act_hf.ops.linear import act_scale
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 24, 7, 5).to(x_dtype)
+    s = torch.rand(3, 24, 1, 1).to(s_dtype)
+    xr, sr = x.clone().requires_grad_(), s.clone().requires_grad_()
+    xa, sa = x.clone().requires_grad_(), s.clone().requires_grad_()
+    yr = xr.mul(sr)
+    manual_seed(5)
+    ya = act_scale(xa, sa, OpSettings(slot="se", bits=3))
+    assert ya.dtype == yr.dtype and torch.equal(ya, yr)
+    g = torch.randn_like(yr)
+    yr.backward(g)
+    ya.backward(g)
+    assert xa.grad.dtype == x_dtype and torch.equal(xa.grad, xr.grad)
+    manual_seed(5)
+    x_hat = dequantize(quantize(x, 3, 256))
+    sh = s.clone().requires_grad_()
+    x_hat.mul(sh).backward(g)
+    assert sa.grad.dtype == s_dtype and sa.grad.shape == s.shape
+    torch.testing.assert_close(sa.grad, sh.grad, rtol=1e-5, atol=1e-5)
+
+    x64, s64, g64 = x.double(), s.double().requires_grad_(), g.double()
+    act_scale(x64, s64, OpSettings(slot="se", bits=8)).backward(g64)
+    assert sqnr_db((g64 * x64).sum((2, 3), keepdim=True), s64.grad) >= 30
+    with pytest.raises(ValueError, match="s: expected a shape"):
+        act_scale(x, torch.ones(3, 24, 2, 1), OpSettings(slot="se", bits=3))
+    with pytest.raises(ValueError, match="s: expected a shape"):
+        act_scale(x, torch.ones(24, 1, 1), OpSettings(slot="se", bits=3))
+
+
 def test_channel_scale_needs_input_grad_and_bad_gamma():
     from act_hf.ops._saving import OpSettings
     from act_hf.ops.linear import act_channel_scale
