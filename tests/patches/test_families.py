@@ -943,6 +943,61 @@ def test_timm_layer_scale_keeps_its_input_quantized(name, kwargs, role):
     assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)
 
 
+@pytest.mark.parametrize("name, size", [("efficientnet_b0", 64), ("seresnet18", 32), ("ese_vovnet19b_dw", 32)])
+def test_timm_squeeze_excite_keeps_its_input_packed(name, size):
+    """A squeeze-and-excitation module's ``x * gate`` would keep x at full width for the gate's gradient (in a
+    family: EfficientNet's SqueezeExcite, SE-ResNet's SEModule; on the fallback, VoVNet's eSE); patched, it keeps
+    x packed, the forward is unchanged, and gradients match at 8 bits."""
+    import timm
+
+    torch.manual_seed(0)
+    ref = timm.create_model(name, pretrained=False, num_classes=3).train()
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    excites = [p for p, m in model.named_modules() if getattr(m, "act_se_gate", None) is not None]
+    assert excites and all(p in model.act_hf_patched_modules for p in excites)
+    x = torch.randn(4, 3, size, size)
+    with act_hf.track_saved(model) as saved:
+        out = model(x)
+    assert torch.equal(out, ref(x))
+    assert all(f"{p}:input" in saved.by_slot for p in excites)
+    out.pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    assert_grads_match(ref, model, name=name)
+    saved_bytes = {}
+    for label, exclude in (("all", None), ("without squeeze-excite", excites)):
+        three = act_hf.patch(copy.deepcopy(ref), bits=3, exclude_modules=exclude)
+        with act_hf.track_saved(three) as saved:
+            y = three(x)
+        y.sum().backward()
+        saved_bytes[label] = saved
+    packed = sum(saved_bytes["all"].by_slot[f"{p}:input"] for p in excites)
+    if name != "ese_vovnet19b_dw":  # on the fallback (VoVNet) the hooks packed x before, at the same bits
+        plain = saved_bytes["without squeeze-excite"].bytes - saved_bytes["all"].bytes
+        assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)
+
+
+def test_timm_squeeze_excite_other_code_is_left_as_it_is():
+    """An SE module with a max pool in its squeeze (its backward reads x exactly) or a subclass with a forward of
+    its own keeps autograd's product; the channels-last one is converted."""
+    from timm.layers.squeeze_excite import SEModule, SqueezeExciteCl
+
+    class Doubled(SEModule):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = torch.nn.ModuleDict({"max": SEModule(16, add_maxpool=True), "own": Doubled(16),
+                                 "plain": SEModule(16), "cl": SqueezeExciteCl(16)})
+    act_hf.patch(model, bits=8, strict=False)
+    converted = {k for k, m in model.items() if getattr(m, "act_se_gate", None) is not None}
+    assert converted == {"plain", "cl"}
+    x = torch.randn(2, 5, 6, 16, requires_grad=True)
+    ref = SqueezeExciteCl(16)
+    ref.load_state_dict(model["cl"].state_dict())
+    with act_hf.track_saved(model) as saved:
+        out = model["cl"](x)
+    assert torch.equal(out, ref(x)) and saved.by_slot["cl:input"] > 0
+
+
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
 def test_gated_mlp_product_keeps_both_operands_packed(model_type):
     """``act(gate) * up`` would keep both operands at full width; patched, both are packed, the forward is
