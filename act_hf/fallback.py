@@ -34,7 +34,10 @@ and ``clamp`` with numeric bounds run as :func:`act_hf.ops.extremum.act_elementw
 ``torch.dropout`` in training as :func:`act_hf.ops.dropout.act_dropout` (slot ``<root class>:dropout``): the same
 mask from the same draws, kept at 1 bit an element where the hooks saw PyTorch's ``bool`` mask (CUDA) or its noise
 in the input's dtype (CPU), which needs no gradient and stayed exact. OPT, XGLM, Seed-OSS call dropout as a
-function, not a module.
+function, not a module. Functional ReLUs and leaky ReLUs (``F.relu``, ``torch.relu``, ``x.relu()``, their in-place
+forms, ``F.leaky_relu``: DETR-style models, RWKV, ...) run as :func:`act_hf.ops.activation.act_activation` (slot
+``<root class>:relu``): their backward reads the saved result ``> 0``, and a quantized result rounded small
+positive elements to 0, dropping their gradient (biased); the 1-bit code of ``x > 0`` is exact.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from .compress import PackedTensor, dequantize
 from .context import _is_parameter_like, _without_history, store
 from .nn._base import ActModule
 from .ops._saving import OpSettings
+from .ops.activation import ActivationSpec, act_activation
 from .ops.attention import act_sdpa
 from .ops.dropout import act_dropout
 from .ops.extremum import _is_number, act_clamp, act_elementwise_extremum, act_extremum
@@ -129,6 +133,15 @@ _SDPA_SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dr
 
 _EXTREMUM_SIGNATURE = inspect.signature(lambda input, dim=(), keepdim=False: None)
 #: functional dropouts -> their signature (``torch.dropout`` is ATen's: no defaults, ``train`` for ``training``)
+_RELU_SIGNATURE = inspect.signature(lambda input: None)
+_LEAKY_SIGNATURE = inspect.signature(lambda input, negative_slope=0.01: None)
+#: rectifiers -> (their signature, in place): torch's ``threshold_backward`` reads their saved result ``> 0``
+_RECTIFIERS = {F.relu: (inspect.signature(lambda input, inplace=False: None), None),
+               torch.relu: (_RELU_SIGNATURE, False), torch.Tensor.relu: (_RELU_SIGNATURE, False),
+               torch.relu_: (_RELU_SIGNATURE, True), torch.Tensor.relu_: (_RELU_SIGNATURE, True),
+               F.relu_: (_RELU_SIGNATURE, True),
+               F.leaky_relu: (inspect.signature(lambda input, negative_slope=0.01, inplace=False: None), None),
+               F.leaky_relu_: (_LEAKY_SIGNATURE, True)}
 _DROPOUTS = {F.dropout: inspect.signature(lambda input, p=0.5, training=True, inplace=False: None),
              torch.dropout: inspect.signature(lambda input, p, train: None)}
 #: reductions autograd differentiates by comparing its saved input and result -> (takes the maximum, whole tensor)
@@ -279,7 +292,7 @@ class _Statics:
 
 
 class _FallbackOps(TorchFunctionMode):
-    """While the innermost scope compresses (not inside act_hf's modules, not in the exact head), runs two kinds
+    """While the innermost scope compresses (not inside act_hf's modules, not in the exact head), runs these kinds
     of call as act_hf ops instead of leaving their context to the hooks; any other call runs as it was, and so
     does one it cannot bind or whose tensors are not plain tensors.
 
@@ -291,7 +304,9 @@ class _FallbackOps(TorchFunctionMode):
       ``max(a, b)`` / ``min(a, b)`` as :func:`act_elementwise_extremum` and ``clamp`` / ``clip`` / ``clamp_min``
       / ``clamp_max`` with numeric bounds as :func:`act_clamp` (the comparison's outcome, 1-2 bits an element);
     * ``F.dropout`` / ``torch.dropout`` in training as :func:`act_dropout` (the same mask, kept at 1 bit an
-      element; when ``dropout`` settings are given), from :data:`MIN_NUMEL` input elements on.
+      element; when ``dropout`` settings are given), from :data:`MIN_NUMEL` input elements on;
+    * functional ReLUs and leaky ReLUs (:data:`_RECTIFIERS`) as :func:`act_activation` (the exact 1-bit code of
+      ``x > 0``), from :data:`MIN_NUMEL` input elements on.
 
     Throughout the root's forward it also marks the results of calls on static tensors alone as static
     (:class:`_Statics`), and unmarks a static tensor written in place with anything else.
@@ -301,6 +316,7 @@ class _FallbackOps(TorchFunctionMode):
                  loss: bool = False) -> None:
         super().__init__()
         self.scopes, self.sdpa, self.slot, self.dropout, self.loss = scopes, sdpa, slot, dropout, loss
+        self.rectifier = OpSettings(slot=scopes.routed_slot("relu"), bits=1)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -360,6 +376,23 @@ class _FallbackOps(TorchFunctionMode):
             if not all(v is None or _is_number(v) for v in (lo, hi)) or (lo is None and hi is None):
                 return func(*args, **kwargs)  # tensor bounds: autograd splits their ties its own way
             return act_clamp(x, lo, hi, slot=self.slot)
+        elif func in _RECTIFIERS:
+            x = args[0] if args else kwargs.get("input")
+            if not self._routable(x):
+                return func(*args, **kwargs)
+            signature, inplace = _RECTIFIERS[func]
+            try:
+                a = signature.bind(*args, **kwargs)
+            except TypeError:
+                return func(*args, **kwargs)
+            a.apply_defaults()
+            inplace = a.arguments.get("inplace", False) if inplace is None else inplace
+            slope = a.arguments.get("negative_slope")
+            if slope is not None and not _is_number(slope):
+                return func(*args, **kwargs)
+            spec = ActivationSpec("relu") if slope is None else ActivationSpec("leaky_relu", negative_slope=slope)
+            return act_activation(x, spec, self.rectifier, fn=lambda t: func(t, *a.args[1:], **a.kwargs),
+                                  inplace=inplace)
         elif func in _DROPOUTS and self.dropout is not None:
             x = args[0] if args else kwargs.get("input")
             if not self._routable(x):
