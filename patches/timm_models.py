@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from act_hf.context import store
 from act_hf.derived import note_scaled
 from act_hf.nn._base import ActModule
 from act_hf.ops.linear import act_channel_scale, act_scale
@@ -176,7 +177,11 @@ class ActSqueezeExciteMixin(ActModule):
         gate = self.act_se_gate(self, x)  # a function held by the instance: not bound
         if not gate.requires_grad:
             return x * gate
-        return act_scale(x, gate, self.act_settings("input"))
+        settings = self.act_settings("input")
+        out = act_scale(x, gate, settings)
+        if self.act_share_residual:  # a residual add after it may read out as g * x_hat (act_hf.derived)
+            note_scaled(out, x, gate, packed=store.compress_as(x, settings), slot=settings.slot)
+        return out
 
 
 def timm_rules() -> list[Rule]:
@@ -198,7 +203,7 @@ def timm_rules() -> list[Rule]:
              attrs=lambda m, c: {"act_share_bn_relu": c.share_bn_relu}),
         Rule("linear", _is_convnext_block, lambda m: ActConvNeXtBlockMixin),
         Rule("linear", lambda m: _squeeze_excite_gate(m) is not None, lambda m: ActSqueezeExciteMixin,
-             attrs=lambda m, c: {"act_se_gate": _squeeze_excite_gate(m)}),
+             attrs=lambda m, c: {"act_se_gate": _squeeze_excite_gate(m), "act_share_residual": c.share_residual}),
         Rule("dropout", _is_drop_path, lambda m: ActDropPathMixin,
              attrs=lambda m, c: {"act_share_residual": c.share_residual}),
         Rule("linear", same_forward(layers.LayerScale), lambda m: linear.ActLayerScaleMixin),

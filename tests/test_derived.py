@@ -256,13 +256,15 @@ class Stage(nn.Module):
     output before the ReLU asks; ``"edited_rebound"`` the same after an edit of ``y`` autograd does not see;
     ``"alpha"`` ``torch.add(y, h, alpha=2)``), then a head conv: every conv after the first
     block reads a residual block's output. With ``drop_path``, timm's stochastic depth follows each block's
-    BatchNorm."""
+    BatchNorm; with ``se``, timm's squeeze-and-excitation (SE-ResNet's ``SEModule``) comes before it."""
 
-    def __init__(self, blocks: int = 3, add: str = "in_place", edit_shortcut: bool = False, drop_path: float = 0.0):
+    def __init__(self, blocks: int = 3, add: str = "in_place", edit_shortcut: bool = False, drop_path: float = 0.0,
+                 se: bool = False):
         super().__init__()
-        from timm.layers import DropPath
+        from timm.layers import DropPath, SEModule
 
         self.drop_paths = nn.ModuleList(DropPath(drop_path) for _ in range(blocks))
+        self.ses = nn.ModuleList(SEModule(C, rd_ratio=0.25) if se else nn.Identity() for _ in range(blocks))
         self.bn0 = nn.BatchNorm2d(C)
         self.relu0 = nn.ReLU(inplace=True)
         self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1, bias=False) for _ in range(blocks))
@@ -277,8 +279,8 @@ class Stage(nn.Module):
 
     def forward(self, x):
         h = self.relu0(self.bn0(x))
-        for conv, bn, relu, drop_path in zip(self.convs, self.bns, self.relus, self.drop_paths):
-            y = drop_path(bn(conv(h)))
+        for conv, bn, relu, drop_path, se in zip(self.convs, self.bns, self.relus, self.drop_paths, self.ses):
+            y = drop_path(se(bn(conv(h))))
             if self.edit_shortcut:
                 with torch.no_grad():
                     h.mul_(1.0)  # same values, one more version: the note on h no longer vouches for them
@@ -507,6 +509,33 @@ def test_stochastic_depth_draws_as_timm_does_and_gradients_match_at_8_bits():
 
 def test_stochastic_depth_conv_weight_gradient_is_unbiased():
     _assert_unbiased(*_stage(bits=2, drop_path=0.5), "head", torch_seed=3)
+
+
+@pytest.mark.parametrize("drop_path", [0.0, 0.5])
+def test_squeeze_excite_keeps_the_block_inputs_shared(drop_path):
+    """SE-ResNet: ``y = se(bn(.)) = g * bn(.)``, ``g`` one gate value per sample and channel; the SE module notes
+    its output as BatchNorm's term times ``g`` (exact), so the block inputs after it are still read from the
+    ops before them (alone, the SE module packs its input for the gate's gradient)."""
+    _, shared = _stage(se=True, drop_path=drop_path)
+    _, own = _stage(share=False, se=True, drop_path=drop_path)
+    assert all(isinstance(m, ActModule) for m in shared.ses)
+    x = _input()
+    with act_hf.track_saved(shared) as s:
+        shared(x.clone().requires_grad_())
+    with act_hf.track_saved(own) as o:
+        own(x.clone().requires_grad_())
+    assert not set(READERS) & set(s.by_slot) and all(o.by_slot[slot] > 0 for slot in READERS)
+    assert all(s.by_slot[f"ses.{i}:input"] > 0 for i in range(3))
+    products = 3 * 4 * C * 4 if drop_path else 0  # the drop path's scale times the gate: fp32, a block each
+    assert s.bytes == o.bytes - sum(o.by_slot[slot] for slot in READERS) + products
+
+
+def test_squeeze_excite_forward_is_unchanged_and_gradients_match_at_8_bits():
+    _assert_exact_at_8_bits(*_stage(bits=8, se=True), name="squeeze-excite")
+
+
+def test_squeeze_excite_conv_weight_gradient_is_unbiased():
+    _assert_unbiased(*_stage(bits=2, se=True), "head")
 
 
 def test_drop_path_code_other_than_the_copied_one_is_left_as_it_is(monkeypatch):
