@@ -86,8 +86,9 @@ from torch import Tensor
 from .compress import PackedTensor, dequantize, unpack_bits
 from .context import store
 
-__all__ = ["AffineTerm", "RectifiedAffine", "affine_of", "drop_dead_notes", "note_affine", "note_made_by",
-           "note_packed", "note_pending", "note_rectified", "note_scaled", "recall", "rectified_input", "remember"]
+__all__ = ["AffineTerm", "RectifiedAffine", "affine_input", "affine_of", "drop_dead_notes", "note_affine",
+           "note_made_by", "note_packed", "note_pending", "note_rectified", "note_scaled", "rebuild_derived", "recall",
+           "rectified_input", "remember"]
 
 
 @dataclass
@@ -170,12 +171,8 @@ class RectifiedAffine:
     @classmethod
     def rebuild(cls, tensors: list[Tensor] | tuple[Tensor, ...], meta: tuple,
                 resolve: Callable[[PackedTensor], PackedTensor] = lambda packed: packed) -> RectifiedAffine:
-        """The context :attr:`tensors` and :attr:`meta` came from, each packed tensor passed through ``resolve``
-        (e.g. :meth:`act_hf.context.ContextStore.resolve`)."""
-        rebuilt, used = _rebuild(list(tensors), 0, meta, resolve)
-        if used != len(tensors):
-            raise ValueError(f"a derived context with meta {meta} takes {used} tensors, got {len(tensors)}")
-        return rebuilt
+        """The context :attr:`tensors` and :attr:`meta` came from (:func:`rebuild_derived`)."""
+        return rebuild_derived(tensors, meta, resolve)
 
     def leaves(self) -> list[PackedTensor]:
         """Every packed tensor it reads."""
@@ -196,6 +193,17 @@ class RectifiedAffine:
         if self.negative_slope:
             return torch.where(keep.bool(), values, values * self.negative_slope)
         return values.mul_(keep)
+
+
+def rebuild_derived(tensors: list[Tensor] | tuple[Tensor, ...], meta: tuple,
+                    resolve: Callable[[PackedTensor], PackedTensor] = lambda packed: packed
+                    ) -> AffineTerm | RectifiedAffine:
+    """The derived context (:class:`RectifiedAffine` or :class:`AffineTerm`) whose ``tensors`` and ``meta`` these
+    are, each packed tensor passed through ``resolve`` (e.g. :meth:`act_hf.context.ContextStore.resolve`)."""
+    rebuilt, used = _rebuild(list(tensors), 0, meta, resolve)
+    if used != len(tensors):
+        raise ValueError(f"a derived context with meta {meta} takes {used} tensors, got {len(tensors)}")
+    return rebuilt
 
 
 def _rebuild(tensors: list[Tensor], i: int, meta: tuple, resolve) -> tuple[AffineTerm | RectifiedAffine, int]:
@@ -343,14 +351,16 @@ def note_packed(x: Tensor, packed: PackedTensor, slot: str) -> None:
         remember(x, "affine", _Affine(packed, None, None, slot))
 
 
-def note_scaled(out: Tensor, x: Tensor, scale: Tensor, packed: PackedTensor | None = None, slot: str = "") -> None:
+def note_scaled(out: Tensor, x: Tensor, scale: Tensor, packed: Callable[[], PackedTensor] | None = None,
+                slot: str = "") -> None:
     """Record that ``out = x * scale``, ``scale`` one value per sample (shape ``(batch, 1, ..., 1)``: stochastic
     depth) or per sample and channel (``(batch, channels, 1, ..., 1)``: a squeeze-and-excitation gate), when ``x``
-    is noted as BatchNorm's output or a tensor an op packed itself, or ``packed`` is ``x`` packed under ``slot``
-    by the caller (a residual add may read ``out`` as its operand); nothing otherwise."""
+    is noted as BatchNorm's output or a tensor an op packed itself, or else when ``packed`` gives the copy of
+    ``x`` the caller packed under ``slot`` (a residual add may read ``out`` as its operand); nothing otherwise."""
     source = recall(x, "affine")
-    if not isinstance(source, _Affine) and packed is not None and tuple(packed.shape) == tuple(x.shape):
-        source = _Affine(packed, None, None, slot)
+    if not isinstance(source, _Affine) and packed is not None:
+        own = packed()
+        source = _Affine(own, None, None, slot) if tuple(own.shape) == tuple(x.shape) else None
     if not isinstance(source, _Affine) or out.shape != x.shape or x.dim() < 2 or scale.dim() != x.dim() \
             or scale.shape[0] != x.shape[0] or scale.shape[1] not in (1, x.shape[1]) \
             or any(n != 1 for n in scale.shape[2:]):
@@ -462,6 +472,33 @@ def note_rectified(out: Tensor, source: _Affine | _Sum, mask: Tensor, negative_s
     remember(out, "rectified", _Rectified(source, mask, negative_slope))
 
 
+def affine_input(x: Tensor, settings) -> AffineTerm | None:
+    """The derived context of ``x`` when it is BatchNorm's output (:func:`note_affine`, possibly scaled), noted and
+    unmodified since, its packed input at ``settings.bits`` and ``settings.group_size``: ``weight * Q(x_norm) +
+    bias``, unbiased, for an op whose gradient is linear in ``x`` (a squeeze-and-excitation gate's); else
+    ``None`` (the op packs ``x`` itself)."""
+    found = recall(x, "affine")
+    if not isinstance(found, _Affine) or found.weight is None:
+        return None
+    return found.context(x.dtype) if _use_sources(found, settings) else None
+
+
+def _use_sources(found: _Affine | _Rectified, settings) -> bool:
+    """Whether a consumer with ``settings`` may read ``found``'s packed tensors (its bits and group size), and if
+    so, register the extra read with the host swap and the sensitivity probe (one slot group, one width)."""
+    sources = found.sources()
+    if any((packed.bits, packed.group_size) != (settings.bits, settings.group_size) for _, packed in sources):
+        return False
+    probe = store._probe
+    for slot, packed in sources:
+        if store.swap.is_swapped(packed):  # one more op fetches this host copy in backward
+            store.swap.reused(packed)
+        if probe is not None:  # the consumer reads BatchNorm's draw: one slot group, one width
+            probe._union(settings.slot, slot)
+            probe._used(packed)
+    return True
+
+
 def rectified_input(x: Tensor, settings) -> RectifiedAffine | None:
     """The derived context of ``x`` when it is ``relu(batch_norm(.))`` (or a leaky ReLU), or a residual block's
     ``relu(batch_norm(.) + shortcut)`` (with ``settings.share_residual``), noted by the ops that
@@ -472,14 +509,4 @@ def rectified_input(x: Tensor, settings) -> RectifiedAffine | None:
         return None
     if isinstance(found.source, _Sum) and not settings.share_residual:
         return None
-    sources = found.sources()
-    if any((packed.bits, packed.group_size) != (settings.bits, settings.group_size) for _, packed in sources):
-        return None
-    probe = store._probe
-    for slot, packed in sources:
-        if store.swap.is_swapped(packed):  # one more op fetches this host copy in backward
-            store.swap.reused(packed)
-        if probe is not None:  # the consumer reads BatchNorm's draw: one slot group, one width
-            probe._union(settings.slot, slot)
-            probe._used(packed)
-    return found.context(x.dtype)
+    return found.context(x.dtype) if _use_sources(found, settings) else None

@@ -180,7 +180,7 @@ class ActSqueezeExciteMixin(ActModule):
         settings = self.act_settings("input")
         out = act_scale(x, gate, settings)
         if self.act_share_residual:  # a residual add after it may read out as g * x_hat (act_hf.derived)
-            note_scaled(out, x, gate, packed=store.compress_as(x, settings), slot=settings.slot)
+            note_scaled(out, x, gate, packed=lambda: store.compress_as(x, settings), slot=settings.slot)
         return out
 
 

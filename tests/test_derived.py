@@ -515,7 +515,7 @@ def test_stochastic_depth_conv_weight_gradient_is_unbiased():
 def test_squeeze_excite_keeps_the_block_inputs_shared(drop_path):
     """SE-ResNet: ``y = se(bn(.)) = g * bn(.)``, ``g`` one gate value per sample and channel; the SE module notes
     its output as BatchNorm's term times ``g`` (exact), so the block inputs after it are still read from the
-    ops before them (alone, the SE module packs its input for the gate's gradient)."""
+    ops before them, and it reads its own input, for the gate's gradient, from BatchNorm's packed input."""
     _, shared = _stage(se=True, drop_path=drop_path)
     _, own = _stage(share=False, se=True, drop_path=drop_path)
     assert all(isinstance(m, ActModule) for m in shared.ses)
@@ -525,9 +525,19 @@ def test_squeeze_excite_keeps_the_block_inputs_shared(drop_path):
     with act_hf.track_saved(own) as o:
         own(x.clone().requires_grad_())
     assert not set(READERS) & set(s.by_slot) and all(o.by_slot[slot] > 0 for slot in READERS)
-    assert all(s.by_slot[f"ses.{i}:input"] > 0 for i in range(3))
+    assert not {f"ses.{i}:input" for i in range(3)} & (set(s.by_slot) | set(o.by_slot))
     products = 3 * 4 * C * 4 if drop_path else 0  # the drop path's scale times the gate: fp32, a block each
     assert s.bytes == o.bytes - sum(o.by_slot[slot] for slot in READERS) + products
+
+
+def test_squeeze_excite_packs_its_input_where_batchnorm_does_not_note_it():
+    """``share_bn_relu=False``: BatchNorm notes nothing, so the SE module packs its input itself and notes its output
+    from that copy; the block inputs are still shared."""
+    _, model = _twins(Stage, 3, {"share_bn_relu": False}, se=True)
+    with act_hf.track_saved(model) as saved:
+        model(_input().requires_grad_())
+    assert all(saved.by_slot[f"ses.{i}:input"] > 0 for i in range(3))
+    assert not set(READERS) & set(saved.by_slot)
 
 
 def test_squeeze_excite_forward_is_unchanged_and_gradients_match_at_8_bits():

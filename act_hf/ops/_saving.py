@@ -16,7 +16,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..compress import PackedTensor
 from ..context import store
-from ..derived import RectifiedAffine
+from ..derived import AffineTerm, RectifiedAffine, rebuild_derived
 
 __all__ = ["OpSettings", "RngState", "autocast_state", "load_context", "owned_output", "replayed_rng", "rng_state",
            "save_context"]
@@ -91,9 +91,9 @@ def replayed_rng(state: RngState | None) -> Iterator[None]:
         yield
 
 
-def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine | None) -> None:
-    """Save ``items`` (tensors, :class:`PackedTensor`, :class:`~act_hf.derived.RectifiedAffine` or ``None``) on
-    ``ctx``; :func:`load_context` gives them back."""
+def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine | AffineTerm | None) -> None:
+    """Save ``items`` (tensors, :class:`PackedTensor`, the derived contexts :class:`~act_hf.derived.RectifiedAffine`
+    and :class:`~act_hf.derived.AffineTerm`, or ``None``) on ``ctx``; :func:`load_context` gives them back."""
     flat: list[torch.Tensor] = []
     layout: list[tuple] = []
     for item in items:
@@ -102,24 +102,25 @@ def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine
         elif isinstance(item, PackedTensor):
             layout.append(("packed", len(flat), item.spec))
             flat.extend(item.tensors)
-        elif isinstance(item, RectifiedAffine):
+        elif isinstance(item, (RectifiedAffine, AffineTerm)):
             tensors = item.tensors
-            layout.append(("rectified", len(flat), len(tensors), item.meta))
+            layout.append(("derived", len(flat), len(tensors), item.meta))
             flat.extend(tensors)
         elif isinstance(item, torch.Tensor):
             layout.append(("tensor", len(flat)))
             flat.append(item)
         else:
-            raise TypeError(f"save_context takes tensors, PackedTensor, RectifiedAffine or None, "
+            raise TypeError(f"save_context takes tensors, PackedTensor, RectifiedAffine, AffineTerm or None, "
                             f"got {type(item).__name__}")
     ctx.save_for_backward(*flat)
     ctx.act_layout = layout
     if store._probe is not None:  # ctx is the op's backward node
         store._probe.saved_by(ctx, tuple(leaf for i in items
-                                         for leaf in (i.leaves() if isinstance(i, RectifiedAffine) else (i,))))
+                                         for leaf in (i.leaves() if isinstance(i, (RectifiedAffine, AffineTerm))
+                                                      else (i,))))
 
 
-def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | RectifiedAffine | None]:
+def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | RectifiedAffine | AffineTerm | None]:
     """The items given to :func:`save_context`, in order (a packed item is the probe's twin draw while a
     sensitivity probe redraws its group, see :meth:`act_hf.context.ContextStore.resolve`)."""
     saved = ctx.saved_tensors
@@ -130,9 +131,9 @@ def load_context(ctx: Any) -> list[torch.Tensor | PackedTensor | RectifiedAffine
         elif entry[0] == "packed":
             i, spec = entry[1], entry[2]
             out.append(store.resolve(PackedTensor.rebuild(saved[i : i + spec.n_tensors], spec)))
-        elif entry[0] == "rectified":
+        elif entry[0] == "derived":
             i, n, meta = entry[1:]
-            out.append(RectifiedAffine.rebuild(saved[i : i + n], meta, store.resolve))
+            out.append(rebuild_derived(saved[i : i + n], meta, store.resolve))
         else:
             out.append(saved[entry[1]])
     return out

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..compress import PackedTensor, dequantize
 from ..context import store
-from ..derived import RectifiedAffine, note_packed, rectified_input
+from ..derived import AffineTerm, RectifiedAffine, affine_input, note_packed, rectified_input
 from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
 
 __all__ = ["ActConvFunction", "ActLinearFunction", "ActScaleFunction", "ActStandardizedConvFunction",
@@ -219,14 +219,16 @@ class ActScaleFunction(torch.autograd.Function):
 
     The product is computed as ``x.mul(s)`` (type promotion included, as the originals compute it). Saves
     ``quantize(x)`` if ``s`` needs a gradient (``grad_s = sum(grad * x)`` over the dims ``s`` is broadcast
-    along) and ``s`` if ``x`` does (``grad_x = grad * s``, exact).
+    along) and ``s`` if ``x`` does (``grad_x = grad * s``, exact). When ``x`` is BatchNorm's output (SE-ResNet's
+    ``se(bn3(.))``), ``grad_s`` reads it from BatchNorm's packed input instead (:func:`act_hf.derived.affine_input`:
+    ``weight * Q(x_norm) + bias``, unbiased), and nothing of ``x`` is packed again.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, s: Tensor, settings: OpSettings) -> Tensor:
         out = x.mul(s)
         need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        packed = store.compress_as(x, settings) if need_s else None
+        packed = (affine_input(x, settings) or store.compress_as(x, settings)) if need_s else None
         save_context(ctx, packed, s if need_x else None)
         ctx.meta = (x.dtype, s.dtype, tuple(s.shape))
         return out
@@ -239,7 +241,8 @@ class ActScaleFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad_out.mul(s).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            prod = grad_out * dequantize(packed)
+            x_hat = packed.add_to(None, x_dtype) if isinstance(packed, AffineTerm) else dequantize(packed)
+            prod = grad_out * x_hat
             dims = [d for d, n in enumerate(s_shape) if n == 1 and prod.shape[d] != 1]
             grad_s = (prod.sum(dim=dims, keepdim=True) if dims else prod).to(s_dtype)
         return grad_x, grad_s, None
