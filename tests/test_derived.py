@@ -312,16 +312,23 @@ READERS = ["convs.1:input", "convs.2:input", "head:input"]  # each reads relu(bn
 ADDS = ["in_place", "new", "rebound"]
 
 
-@pytest.mark.parametrize("add", ADDS)
-def test_convs_after_residual_blocks_save_no_input_of_their_own(add):
-    _, shared = _stage(add=add)
-    _, own = _stage(share=False, add=add)
+def _shared_and_own(**kwargs):
+    """The saved-tensor trackers of a stage's forward with ``share_residual`` on and off; the convs after its
+    residual blocks read their input from the ops before them only with it on."""
+    _, shared = _stage(**kwargs)
+    _, own = _stage(share=False, **kwargs)
     x = _input()
     with act_hf.track_saved(shared) as s:
         shared(x.clone().requires_grad_())
     with act_hf.track_saved(own) as o:
         own(x.clone().requires_grad_())
     assert not set(READERS) & set(s.by_slot) and all(o.by_slot[slot] > 0 for slot in READERS)
+    return s, o
+
+
+@pytest.mark.parametrize("add", ADDS)
+def test_convs_after_residual_blocks_save_no_input_of_their_own(add):
+    s, o = _shared_and_own(add=add)
     assert "convs.0:input" not in s.by_slot and "convs.0:input" not in o.by_slot  # relu(bn(.)): shared either way
     assert s.bytes == o.bytes - sum(o.by_slot[slot] for slot in READERS)
 
@@ -516,15 +523,8 @@ def test_squeeze_excite_keeps_the_block_inputs_shared(drop_path):
     """SE-ResNet: ``y = se(bn(.)) = g * bn(.)``, ``g`` one gate value per sample and channel; the SE module notes
     its output as BatchNorm's term times ``g`` (exact), so the block inputs after it are still read from the
     ops before them, and it reads its own input, for the gate's gradient, from BatchNorm's packed input."""
-    _, shared = _stage(se=True, drop_path=drop_path)
-    _, own = _stage(share=False, se=True, drop_path=drop_path)
-    assert all(isinstance(m, ActModule) for m in shared.ses)
-    x = _input()
-    with act_hf.track_saved(shared) as s:
-        shared(x.clone().requires_grad_())
-    with act_hf.track_saved(own) as o:
-        own(x.clone().requires_grad_())
-    assert not set(READERS) & set(s.by_slot) and all(o.by_slot[slot] > 0 for slot in READERS)
+    assert all(isinstance(m, ActModule) for m in _stage(se=True)[1].ses)
+    s, o = _shared_and_own(se=True, drop_path=drop_path)
     assert not {f"ses.{i}:input" for i in range(3)} & (set(s.by_slot) | set(o.by_slot))
     products = 3 * 4 * C * 4 if drop_path else 0  # the drop path's scale times the gate: fp32, a block each
     assert s.bytes == o.bytes - sum(o.by_slot[slot] for slot in READERS) + products

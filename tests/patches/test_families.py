@@ -464,14 +464,11 @@ class _Comparisons(torch.nn.Module):
         return out * self.weights  # a product with a constant keeps no activation
 
 
-@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
-def test_the_fallback_keeps_elementwise_extrema_and_clamps_as_their_comparisons():
-    """``min(x, eps)``, ``clamp``, ``maximum`` saved their operands, which the hooks quantized: elements near the
-    other operand or a bound then compared the wrong way (Apertus's xIELU: 4.7% gradient error at 8 bits, 1.1%
-    with exact comparisons). The fallback keeps the comparisons' outcome: here, where nothing else is saved but
-    the exact input, the gradient is the original's bit for bit."""
-    ref = _Comparisons().train()
-    x = torch.randn(2, 128, 16, generator=torch.Generator().manual_seed(1)) * 3
+def _routed_exactly(ref: torch.nn.Module, x: torch.Tensor):
+    """Patch ``ref`` at 2 bits on the fallback with its Linear left plain, so that what the calls the fallback
+    routes keep is all that is packed; assert the forward and every gradient are the original's bit for bit and
+    return the saved-tensor tracker of the patched forward."""
+    ref.train()
     ref(x).sum().backward()
     model = act_hf.patch(copy.deepcopy(ref), bits=2, kinds=("dropout",))  # the Linear stays a plain Linear
     with act_hf.track_saved(model) as saved:
@@ -480,6 +477,16 @@ def test_the_fallback_keeps_elementwise_extrema_and_clamps_as_their_comparisons(
     assert torch.equal(out, ref(x))
     for p_ref, p in zip(ref.parameters(), model.parameters()):
         assert torch.equal(p.grad, p_ref.grad)
+    return saved
+
+
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+def test_the_fallback_keeps_elementwise_extrema_and_clamps_as_their_comparisons():
+    """``min(x, eps)``, ``clamp``, ``maximum`` saved their operands, which the hooks quantized: elements near the
+    other operand or a bound then compared the wrong way (Apertus's xIELU: 4.7% gradient error at 8 bits, 1.1%
+    with exact comparisons). The fallback keeps the comparisons' outcome: here, where nothing else is saved but
+    the exact input, the gradient is the original's bit for bit."""
+    saved = _routed_exactly(_Comparisons(), torch.randn(2, 128, 16, generator=torch.Generator().manual_seed(1)) * 3)
     numel = 2 * 128 * 64
     assert saved.by_slot["_Comparisons:extremum"] == (2 + 1 + 2 + 1) * numel // 8  # min, clamp, maximum, clamp_max
     assert "_Comparisons:saved" not in saved.by_slot
@@ -508,16 +515,7 @@ def test_the_fallback_keeps_functional_rectifiers_as_one_bit_masks():
     Linear's first weight gradient averaged over 16 draws came out at 0.74 of its norm, 49% error). The fallback
     runs them as act_hf's ReLU and leaky ReLU (the exact 1-bit code of ``x > 0``): where nothing else is saved
     but the exact input, the gradient is the original's bit for bit."""
-    ref = _Rectifiers().train()
-    x = torch.randn(2, 128, 16, generator=torch.Generator().manual_seed(1))
-    ref(x).sum().backward()
-    model = act_hf.patch(copy.deepcopy(ref), bits=2, kinds=("dropout",))  # the Linear stays a plain Linear
-    with act_hf.track_saved(model) as saved:
-        out = model(x)
-    out.sum().backward()
-    assert torch.equal(out, ref(x))
-    for p_ref, p in zip(ref.parameters(), model.parameters()):
-        assert torch.equal(p.grad, p_ref.grad)
+    saved = _routed_exactly(_Rectifiers(), torch.randn(2, 128, 16, generator=torch.Generator().manual_seed(1)))
     assert saved.by_slot["_Rectifiers:relu"] == 9 * 2 * 128 * 64 // 8  # one bit an element, nine calls
     assert "_Rectifiers:saved" not in saved.by_slot
 
@@ -944,6 +942,19 @@ def test_real_pretrained_efficientnet_lite0_weights():
     print(f"tf_efficientnet_lite0 (ImageNet weights) at 8 bits: worst per-parameter cosine {worst:.5f}")
 
 
+def _saved_at_3_bits(ref: torch.nn.Module, x: torch.Tensor, without: list[str]) -> dict:
+    """``{"all": tracker, "without": tracker}``: the saved tensors of one training step of ``ref`` patched at 3 bits,
+    whole and with the modules ``without`` left out."""
+    saved_bytes = {}
+    for label, exclude in (("all", None), ("without", without)):
+        three = act_hf.patch(copy.deepcopy(ref), bits=3, exclude_modules=exclude)
+        with act_hf.track_saved(three) as saved:
+            y = three(x)
+        y.sum().backward()  # a tracked forward that never runs backward outlives its graph (see track_saved)
+        saved_bytes[label] = saved
+    return saved_bytes
+
+
 @pytest.mark.parametrize("name, kwargs, role", [
     ("convnext_atto", {}, "layer_scale"),  # ConvNeXtBlock's own gamma
     ("vit_tiny_patch16_224", {"init_values": 1e-5, "img_size": 32, "patch_size": 8}, "input"),  # LayerScale
@@ -967,15 +978,9 @@ def test_timm_layer_scale_keeps_its_input_quantized(name, kwargs, role):
     out.pow(2).mean().backward()
     ref(x).pow(2).mean().backward()
     assert_grads_match(ref, model, name=name)
-    saved_bytes = {}
-    for label, exclude in (("all", None), ("without layer scale", scaled)):
-        three = act_hf.patch(copy.deepcopy(ref), bits=3, exclude_modules=exclude)
-        with act_hf.track_saved(three) as saved:
-            y = three(x)
-        y.sum().backward()  # a tracked forward that never runs backward outlives its graph (see track_saved)
-        saved_bytes[label] = saved
+    saved_bytes = _saved_at_3_bits(ref, x, without=scaled)
     # what the layer scales keep at 3 bits instead of fp32: at least 4x less
-    plain = saved_bytes["without layer scale"].bytes - saved_bytes["all"].bytes
+    plain = saved_bytes["without"].bytes - saved_bytes["all"].bytes
     packed = sum(b for slot, b in saved_bytes["all"].by_slot.items() if slot.split(":")[0] in scaled)
     assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)
 
@@ -1003,15 +1008,9 @@ def test_timm_squeeze_excite_keeps_its_input_packed(name, size, own):
     out.pow(2).mean().backward()
     ref(x).pow(2).mean().backward()
     assert_grads_match(ref, model, name=name)
-    saved_bytes = {}
-    for label, exclude in (("all", None), ("without squeeze-excite", excites)):
-        three = act_hf.patch(copy.deepcopy(ref), bits=3, exclude_modules=exclude)
-        with act_hf.track_saved(three) as saved:
-            y = three(x)
-        y.sum().backward()
-        saved_bytes[label] = saved
+    saved_bytes = _saved_at_3_bits(ref, x, without=excites)
     packed = sum(saved_bytes["all"].by_slot.get(f"{p}:input", 0) for p in excites)
-    plain = saved_bytes["without squeeze-excite"].bytes - saved_bytes["all"].bytes
+    plain = saved_bytes["without"].bytes - saved_bytes["all"].bytes
     if name != "ese_vovnet19b_dw":  # on the fallback (VoVNet) the hooks packed x before, at the same bits
         assert plain > 0 and plain + packed >= 4 * packed, (plain, packed)
 
