@@ -132,7 +132,6 @@ _SDPA_SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dr
 
 
 _EXTREMUM_SIGNATURE = inspect.signature(lambda input, dim=(), keepdim=False: None)
-#: functional dropouts -> their signature (``torch.dropout`` is ATen's: no defaults, ``train`` for ``training``)
 _RELU_SIGNATURE = inspect.signature(lambda input: None)
 _LEAKY_SIGNATURE = inspect.signature(lambda input, negative_slope=0.01: None)
 #: rectifiers -> (their signature, in place): torch's ``threshold_backward`` reads their saved result ``> 0``
@@ -142,6 +141,7 @@ _RECTIFIERS = {F.relu: (inspect.signature(lambda input, inplace=False: None), No
                F.relu_: (_RELU_SIGNATURE, True),
                F.leaky_relu: (inspect.signature(lambda input, negative_slope=0.01, inplace=False: None), None),
                F.leaky_relu_: (_LEAKY_SIGNATURE, True)}
+#: functional dropouts -> their signature (``torch.dropout`` is ATen's: no defaults, ``train`` for ``training``)
 _DROPOUTS = {F.dropout: inspect.signature(lambda input, p=0.5, training=True, inplace=False: None),
              torch.dropout: inspect.signature(lambda input, p, train: None)}
 #: reductions autograd differentiates by comparing its saved input and result -> (takes the maximum, whole tensor)

@@ -18,8 +18,8 @@ from ..compress import PackedTensor
 from ..context import store
 from ..derived import AffineTerm, RectifiedAffine, rebuild_derived
 
-__all__ = ["OpSettings", "RngState", "autocast_state", "load_context", "owned_output", "replayed_rng", "rng_state",
-           "save_context"]
+__all__ = ["OpSettings", "RngState", "autocast_cast", "autocast_casts", "autocast_dtype", "autocast_state",
+           "load_context", "owned_output", "replayed_rng", "rng_state", "save_context"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,22 @@ def autocast_state(device_type: str) -> dict[str, Any]:
     arguments: what a backward that recomputes part of the forward records, to recompute under the same ones."""
     return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
             "cache_enabled": torch.is_autocast_cache_enabled()}
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes its lower-precision ops in on ``device_type``; ``None`` when it is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def autocast_casts(t: torch.Tensor | None, dtype: torch.dtype | None) -> bool:
+    """Whether autocast's lower-precision policy (``F.linear``'s, SDPA's, on CPU and CUDA) casts ``t`` to ``dtype``
+    (``None``: autocast off): a floating tensor of another dtype than ``dtype``, not float64."""
+    return dtype is not None and t is not None and t.is_floating_point() and t.dtype not in (dtype, torch.float64)
+
+
+def autocast_cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` as autocast's lower-precision policy hands it to an op computing in ``dtype`` (:func:`autocast_casts`)."""
+    return t.to(dtype) if autocast_casts(t, dtype) else t
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..compress import dequantize, pack_bits, unpack_bits
 from ..context import store
 from ..errors import ActHFTypeError, ActHFValueError
-from ._saving import OpSettings, RngState, load_context, replayed_rng, rng_state, save_context
+from ._saving import (
+    OpSettings,
+    RngState,
+    autocast_cast,
+    autocast_casts,
+    autocast_dtype,
+    load_context,
+    replayed_rng,
+    rng_state,
+    save_context,
+)
 
 __all__ = [
     "ActEagerAttentionFunction",
@@ -189,7 +199,7 @@ class ActSDPAFunction(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
                 scale: float | None, enable_gqa: bool, n_rep: int, settings: OpSettings) -> Tensor:
         k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        ctx.replay, ctx.cast = None, _autocast_dtype(q.device.type)
+        ctx.replay, ctx.cast = None, autocast_dtype(q.device.type)
         if dropout_p > 0.0:
             out, ctx.replay = _sdpa_with_replayable_dropout(q, k_full, v_full, attn_mask, dropout_p, is_causal, scale,
                                                             enable_gqa)
@@ -218,41 +228,27 @@ class ActSDPAFunction(torch.autograd.Function):
             k = k.requires_grad_(need[1])
             v = v.requires_grad_(need[2])
             m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
-            if replay is None:  # cast as autocast did in forward (an fp32 mask beside bf16 q, k stops fused kernels)
-                inputs = [_autocast_cast(t, ctx.cast) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), m)]
-                with torch.autocast(q.device.type, enabled=False):
+            # cast as autocast did in forward (an fp32 mask beside bf16 q, k stops fused kernels)
+            inputs = [autocast_cast(t, ctx.cast) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), m)]
+            with torch.autocast(q.device.type, enabled=False):
+                if replay is None:
                     out = F.scaled_dot_product_attention(*inputs, dropout_p=0.0, is_causal=is_causal, scale=scale,
                                                          enable_gqa=enable_gqa)
-            else:
-                inputs = [replay.cast(t) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), m)]
-                with replayed_rng(replay.rng), sdpa_kernel(replay.backend), \
-                        torch.autocast(q.device.type, enabled=False):
-                    out = F.scaled_dot_product_attention(*inputs, dropout_p=dropout_p, is_causal=is_causal,
-                                                         scale=scale, enable_gqa=enable_gqa)
+                else:
+                    with replayed_rng(replay.rng), sdpa_kernel(replay.backend):
+                        out = F.scaled_dot_product_attention(*inputs, dropout_p=dropout_p, is_causal=is_causal,
+                                                             scale=scale, enable_gqa=enable_gqa)
             dq, dk, dv, dm = grads_of(out, [q, k, v, m], grad_out)
         return dq, dk, dv, dm, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
 class _DropoutReplay:
-    """What redraws an SDPA call's dropout mask: the generators' state before the call, the backend that ran
-    (its kernel decides how the mask is drawn) and the dtype the call computed in (autocast's, if it cast)."""
+    """What redraws an SDPA call's dropout mask: the generators' state before the call and the backend that ran
+    (its kernel decides how the mask is drawn)."""
 
     rng: RngState
     backend: SDPBackend
-    dtype: torch.dtype | None
-
-    def cast(self, t: Tensor | None) -> Tensor | None:
-        """``t`` as autocast handed it to SDPA in forward."""
-        return _autocast_cast(t, self.dtype)
-
-
-def _autocast_cast(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
-    """``t`` cast as autocast's lower-precision policy (SDPA's, on CPU and CUDA) casts it to ``dtype``: floating
-    tensors other than float64; ``dtype=None`` (autocast off) leaves ``t`` as it is."""
-    if dtype is None or t is None or not t.is_floating_point() or t.dtype == torch.float64:
-        return t
-    return t.to(dtype)
 
 
 def _same(t: Tensor) -> Tensor:
@@ -261,19 +257,15 @@ def _same(t: Tensor) -> Tensor:
 
 def _stand_ins(tensors: tuple[Tensor | None, ...], dtype: torch.dtype | None) -> list[Tensor | None]:
     """Detached copies of SDPA's inputs as the unpatched call sees them: cast as autocast casts them to ``dtype``
-    (:func:`_autocast_cast`) and requiring grad as the inputs do."""
+    (:func:`autocast_cast`) and requiring grad as the inputs do."""
     stand_ins = []
     for t in tensors:
         if t is not None:
             requires_grad = t.requires_grad
             t = t.detach()
-            t = _autocast_cast(t, dtype).requires_grad_(requires_grad and t.is_floating_point())
+            t = autocast_cast(t, dtype).requires_grad_(requires_grad and t.is_floating_point())
         stand_ins.append(t)
     return stand_ins
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _sdpa_as_unpatched(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
@@ -288,8 +280,8 @@ def _sdpa_as_unpatched(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
     (``torch.nn.attention.sdpa_kernel``). Else (no autocast; bf16 q, k, v and a mask without grad) SDPA runs as
     it is."""
     tensors = (q, k, v, attn_mask)
-    dtype = _autocast_dtype(q.device.type)
-    cast = [_casts_with_grad(t, dtype) for t in tensors]
+    dtype = autocast_dtype(q.device.type)
+    cast = [t is not None and t.requires_grad and autocast_casts(t, dtype) for t in tensors]
     if not any(cast):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
                                               scale=scale, enable_gqa=enable_gqa)
@@ -301,12 +293,6 @@ def _sdpa_as_unpatched(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
             sdpa_kernel(SDPBackend(unpatched)) if unpatched != here else contextlib.nullcontext():
         return F.scaled_dot_product_attention(*as_called, dropout_p=0.0, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
-
-
-def _casts_with_grad(t: Tensor | None, dtype: torch.dtype | None) -> bool:
-    """Whether autocast to ``dtype`` casts ``t``, an input that requires grad (:func:`_autocast_cast`)."""
-    return dtype is not None and t is not None and t.requires_grad and t.is_floating_point() \
-        and t.dtype not in (dtype, torch.float64)
 
 
 def _sdpa_with_replayable_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
@@ -322,7 +308,7 @@ def _sdpa_with_replayable_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Te
     their own dropout (CUDA flash / memory-efficient / cuDNN) run in both passes.
     """
     device_type = q.device.type
-    dtype = _autocast_dtype(device_type)
+    dtype = autocast_dtype(device_type)
     stand_ins = _stand_ins((q, k, v, attn_mask), dtype)
     # the stand-ins' graph is dropped on return; the identity hooks keep its saves from the caller's saved-tensor
     # hooks (act_hf.track_saved, torch.utils.checkpoint)
@@ -334,7 +320,7 @@ def _sdpa_with_replayable_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Te
         with sdpa_kernel(backend):
             out = F.scaled_dot_product_attention(*stand_ins, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                                  enable_gqa=enable_gqa)
-    return out.detach(), _DropoutReplay(rng, backend, dtype)
+    return out.detach(), _DropoutReplay(rng, backend)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, n_rep: int) -> None:

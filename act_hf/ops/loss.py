@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..derived import drop_dead_notes, note_made_by, recall, remember
-from ._saving import autocast_state
+from ._saving import autocast_casts, autocast_dtype, autocast_state
 
 __all__ = ["HEAD_LOSS_FUNCS", "HeadCrossEntropyFunction", "HeadLossMode", "HeadLossScope", "ReplayedLogits",
            "cast_head_input", "causal_lm_loss", "flat_head_output", "head_cross_entropy", "note_head_output",
@@ -62,15 +62,10 @@ def cast_head_input(module: nn.Module, args: tuple) -> tuple | None:
     norm's output in the fp32 residual stream) was kept whole beside the head's bf16 cast, ``4 * H`` bytes a
     token more."""
     x = args[0] if args else None
-    if not (module.training and torch.is_grad_enabled() and isinstance(x, Tensor) and x.is_floating_point()):
+    if not (module.training and torch.is_grad_enabled() and isinstance(x, Tensor)):
         return None
-    device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    dtype = torch.get_autocast_dtype(device_type)
-    if x.dtype in (dtype, torch.float64):
-        return None
-    return (x.to(dtype), *args[1:])
+    dtype = autocast_dtype(x.device.type)
+    return (x.to(dtype), *args[1:]) if autocast_casts(x, dtype) else None
 
 
 #: the autograd nodes of the elementwise steps :func:`scaled_head_output` replays, by name
@@ -182,8 +177,7 @@ class ReplayedLogits:
             return None
         (hidden, weight, bias), steps = found
         device_type = t.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
-            else torch.result_type(hidden, weight)
+        dtype = autocast_dtype(device_type) or torch.result_type(hidden, weight)
         if tuple(t.shape) != (*hidden.shape[:-1], weight.shape[0]) or t.dtype != dtype:
             return None
         return cls((hidden, weight, bias), steps, device_type)
