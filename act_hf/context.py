@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .compress import PackedSpec, PackedTensor, quantize
+from .regions import enter_own_hooks, leave_own_hooks
 from .swap import HostSwap
 
 __all__ = ["ContextStore", "Probe", "SavedTracker", "store", "track_saved"]
@@ -399,9 +400,12 @@ def track_saved(model: nn.Module | None = None) -> Iterator[SavedTracker]:
                 for shape in (tuple(t.shape), tuple(reversed(t.shape))):
                     tracker._param_shapes.setdefault(shape, set()).add(t.dtype)
     store._trackers.append(tracker)
+    pack = tracker._pack
+    enter_own_hooks(pack)  # measuring must not change what a forward shares (see act_hf.regions)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(tracker._pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield tracker
     finally:
+        leave_own_hooks()
         store._trackers.remove(tracker)
         tracker._keep.clear()

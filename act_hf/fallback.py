@@ -62,6 +62,7 @@ from .ops.attention import act_sdpa
 from .ops.dropout import act_dropout
 from .ops.extremum import _is_number, act_clamp, act_elementwise_extremum, act_extremum
 from .ops.loss import HEAD_LOSS_FUNCS, ReplayedLogits, run_for_head_loss
+from .regions import enter_own_hooks, leave_own_hooks
 
 __all__ = ["MIN_NUMEL", "install_fallback_hooks"]
 
@@ -471,6 +472,7 @@ class _HookScopes:
     def _open(self, module: nn.Module, hooks: tuple, kind: str) -> None:
         if module.training and torch.is_grad_enabled():
             scope = torch.autograd.graph.saved_tensors_hooks(*hooks)
+            enter_own_hooks(hooks[0])
             scope.__enter__()
             self.stack.append((module, scope, kind))
 
@@ -498,7 +500,10 @@ class _HookScopes:
 
     def leave(self, module: nn.Module, args, output) -> None:
         while self.stack and self.stack[-1][0] is module:
-            self.stack.pop()[1].__exit__(None, None, None)
+            scope = self.stack.pop()[1]
+            scope.__exit__(None, None, None)
+            if isinstance(scope, torch.autograd.graph.saved_tensors_hooks):
+                leave_own_hooks()
         if not self.stack:
             self.statics = _Statics()
 

@@ -3,6 +3,7 @@ invalidation."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import warnings
@@ -371,28 +372,61 @@ def test_adaptive_bits_give_a_residual_chain_one_group():
     act_hf.unpatch(model)
 
 
-def test_residual_chain_under_gradient_checkpointing():
-    """A checkpointed block reads a shortcut noted outside it; its recomputation must decide the same way."""
+def _checkpointed_stage(stage, inp):
+    """The stage with its second block in torch's non-reentrant checkpoint: the block's input ``h`` and its
+    shortcut are noted outside the checkpoint."""
+    h = stage.relu0(stage.bn0(inp))
+    y = stage.bns[0](stage.convs[0](h))
+    y += h
+    h = stage.relus[0](y)
+
+    def block(h):
+        y = stage.bns[1](stage.convs[1](h))
+        y += h
+        return stage.head(stage.relus[1](y))
+
+    return torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+
+
+# the saved-tensor hooks a checkpointed forward may run inside: torch's recomputation then gets the block's input
+# as a new tensor object, which carries none of the notes made on the forward's
+SURROUNDING_HOOKS = {"none": contextlib.nullcontext, "track_saved": act_hf.track_saved,
+                     "save_on_cpu": torch.autograd.graph.save_on_cpu}
+
+
+@pytest.mark.parametrize("hooks", SURROUNDING_HOOKS)
+def test_residual_chain_under_gradient_checkpointing(hooks):
+    """The checkpointed block's forward and its recomputation decide alike: neither reads the notes made outside
+    the checkpoint (the forward did, the recomputation under saved-tensor hooks could not: CheckpointError)."""
     ref, model = _stage(bits=8)
     x = _input()
-
-    def run(stage, inp):
-        h = stage.relu0(stage.bn0(inp))
-        y = stage.bns[0](stage.convs[0](h))
-        y += h
-        h = stage.relus[0](y)
-
-        def block(h):
-            y = stage.bns[1](stage.convs[1](h))
-            y += h
-            return stage.head(stage.relus[1](y))
-
-        return torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
-
-    out = run(model, x.clone().requires_grad_())
+    with SURROUNDING_HOOKS[hooks]():
+        out = _checkpointed_stage(model, x.clone().requires_grad_())
     out.backward(torch.ones_like(out))
-    run(ref, x.clone().requires_grad_()).backward(torch.ones_like(out))
+    _checkpointed_stage(ref, x.clone().requires_grad_()).backward(torch.ones_like(out))
     assert_grads_match(ref, model, name="checkpointed residual")
+
+
+def test_notes_are_seen_only_in_the_checkpoint_pass_that_made_them_and_dropped_after_it():
+    x = torch.randn(2, C, 4, 4, requires_grad=True)
+    outer = x * 1
+    derived.remember(outer, "affine", "outer")
+    seen, inner = [], []
+
+    def block(h):
+        u = h * 2
+        derived.remember(u, "affine", "inner")
+        seen.append((derived.recall(outer, "affine"), derived.recall(u, "affine")))
+        inner.append(u)
+        return (u * u).sum()
+
+    out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    assert seen == [(None, "inner")]
+    assert derived.recall(outer, "affine") == "outer"
+    assert derived.recall(inner[0], "affine") is None  # outside the pass that noted it
+    assert len(derived._local.regions) == 0  # that pass is over: its notes, and what they hold, are gone
+    out.backward()
+    assert seen[1] == (None, "inner")  # the recomputation: a pass of its own
 
 
 def test_share_residual_is_validated():
