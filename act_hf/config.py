@@ -73,15 +73,16 @@ class ActConfig:
             minibatch gradient variance (GACT's failure predictor); ``0`` turns the check off.
         swap: move each packed context to pinned host memory as soon as it is packed, and fetch it back (with
             prefetch) in backward (:mod:`act_hf.swap`); only contexts on CUDA devices are moved.
-        share_bn_relu: a conv or linear fed by ``relu(batch_norm(x))`` reads its input from BatchNorm's packed
-            normalized input and the ReLU's 1-bit mask (unbiased, no bytes of its own; :mod:`act_hf.derived`)
-            instead of packing it again.
+        share_bn_relu: a conv or linear fed by ``relu(batch_norm(x))`` (or ``batch_norm(x)`` itself) reads its
+            input from BatchNorm's packed normalized input and the ReLU's 1-bit mask (unbiased, no bytes of its
+            own; :mod:`act_hf.derived`) instead of packing it again.
         share_residual: the same for a conv fed by a residual block's output ``relu(bn(.) + shortcut)`` (a ResNet
             block's input; timm's and torchvision's ResNet and RegNet, timm's CSPNet): read from the last
             BatchNorm's packed input, the ReLU's mask and the shortcut's own derived context, so a stage's block
             inputs cost nothing of their own (unbiased; the shortcut chain's rounding adds up, see
-            :mod:`act_hf.derived`), with timm's stochastic depth (``DropPath``) before the add too. With an
-            adaptive budget a stage's chain is one slot group.
+            :mod:`act_hf.derived`), with timm's stochastic depth (``DropPath``) before the add too; and a conv fed
+            by a squeeze-and-excitation's ``g * h`` reads ``g`` times what describes ``h`` (EfficientNet's
+            ``conv_pwl``, RegNetY's ``conv3``). With an adaptive budget a stage's chain is one slot group.
         lm_loss_recompute: a language model's loss (transformers' ``ForCausalLMLoss`` after an ``lm_head``, or
             the cross-entropy a model computes itself on its output embedding's rows: T5, masked LMs, BART under
             the fallback) keeps the head's input instead of the fp32 logits and recomputes them in backward (exact;

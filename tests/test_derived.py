@@ -582,6 +582,72 @@ def test_squeeze_excite_conv_weight_gradient_is_unbiased():
     _assert_unbiased(*_stage(bits=2, se=True), "head")
 
 
+class GatedChain(nn.Module):
+    """BatchNorm -> ``act`` -> squeeze-and-excitation (timm's ``SEModule``, ``g * h``) -> Conv: RegNetY's
+    ``conv3(se(relu(bn2(.))))`` (``"relu"``), EfficientNet's ``conv_pwl(se(silu(bn(.))))`` (``"silu"``), or none;
+    without ``se``, BatchNorm -> ``act`` -> Conv."""
+
+    def __init__(self, act: str = "relu", se: bool = True):
+        super().__init__()
+        from timm.layers import SEModule
+
+        self.bn = nn.BatchNorm2d(C)
+        self.act = {"relu": nn.ReLU(inplace=True), "silu": nn.SiLU(inplace=True), "none": nn.Identity()}[act]
+        self.se = SEModule(C, rd_ratio=0.25) if se else nn.Identity()
+        self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False)
+        with torch.no_grad():
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.normal_(0, 0.5)
+
+    def forward(self, x):
+        return self.conv(self.se(self.act(self.bn(x))))
+
+
+GATES = pytest.mark.parametrize("act", ["relu", "silu", "none"])
+
+
+@GATES
+def test_conv_after_squeeze_excite_reads_its_input_from_the_ops_before_it(act):
+    """The conv reads ``g * h`` as ``g`` (exact) times what the ops before it saved of ``h``: BatchNorm's packed
+    input (and the ReLU's mask), or the SE's own packed copy of a SiLU's output; so does the SE, for its gate's
+    gradient, where BatchNorm's input describes ``h``. Neither packs anything of its own then."""
+    _, shared = _twins(GatedChain, 3, {}, act=act)
+    _, own = _twins(GatedChain, 3, {"share_bn_relu": False, "share_residual": False}, act=act)
+    x = _input()
+    with act_hf.track_saved(shared) as s:
+        shared(x.clone().requires_grad_())
+    with act_hf.track_saved(own) as o:
+        own(x.clone().requires_grad_())
+    readers = ["conv:input"] + (["se:input"] if act != "silu" else [])
+    assert not set(readers) & set(s.by_slot) and all(o.by_slot[slot] > 0 for slot in readers)
+    assert s.bytes == o.bytes - sum(o.by_slot[slot] for slot in readers)
+
+
+@GATES
+def test_squeeze_excite_chain_forward_is_unchanged_and_gradients_match_at_8_bits(act):
+    _assert_exact_at_8_bits(*_twins(GatedChain, 8, {}, act=act), name=f"{act}-squeeze-excite-conv")
+
+
+@GATES
+def test_conv_after_squeeze_excite_weight_gradient_is_unbiased(act):
+    _assert_unbiased(*_twins(GatedChain, 2, {}, act=act), "conv")
+
+
+def test_squeeze_excite_gate_gradient_is_unbiased_when_read_from_batchnorm_and_relu():
+    _assert_unbiased(*_twins(GatedChain, 2, {}, act="relu"), "se.fc2")
+
+
+def test_conv_after_batchnorm_reads_its_packed_input():
+    """BatchNorm -> Conv (a MobileNet block's output read by the next block's first conv): the conv reads
+    ``weight * Q(x_norm) + bias``, exact at 8 bits, unbiased at 2."""
+    _, shared = _twins(GatedChain, 3, {}, act="none", se=False)
+    with act_hf.track_saved(shared) as s:
+        shared(_input().requires_grad_())
+    assert set(s.by_slot) == {"bn:input", "<uncompressed:torch.float32>"}  # and BatchNorm's statistics
+    _assert_exact_at_8_bits(*_twins(GatedChain, 8, {}, act="none", se=False), name="bn-conv")
+    _assert_unbiased(*_twins(GatedChain, 2, {}, act="none", se=False), "conv")
+
+
 def test_drop_path_code_other_than_the_copied_one_is_left_as_it_is(monkeypatch):
     from act_hf.patches import timm_models
 

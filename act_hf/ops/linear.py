@@ -18,22 +18,22 @@ from torch import Tensor
 
 from ..compress import PackedTensor, dequantize
 from ..context import store
-from ..derived import AffineTerm, RectifiedAffine, affine_input, note_packed, rectified_input
+from ..derived import AffineTerm, RectifiedAffine, derived_input, note_packed
 from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
 
 __all__ = ["ActConvFunction", "ActLinearFunction", "ActScaleFunction", "ActStandardizedConvFunction",
            "act_channel_scale", "act_conv", "act_linear", "act_scale", "act_standardized_conv", "standardize_weight"]
 
 
-def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffine:
+def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffine | AffineTerm:
     """What a linear or conv keeps of its input for the weight gradient: the context the ops before it already
-    saved when ``x = relu(batch_norm(.))`` or a residual block's ``relu(batch_norm(.) + shortcut)``
-    (:mod:`act_hf.derived`), else ``x`` packed through the store, at no fewer than ``settings.data_bits`` bits
-    when ``x`` has no autograd history (the batch the model is fed); a packed ``x`` is noted for a residual add
-    that takes it as its shortcut."""
+    saved when ``x = relu(batch_norm(.))``, a residual block's ``relu(batch_norm(.) + shortcut)``, BatchNorm's
+    output or a squeeze-and-excitation's ``g * x`` (:func:`act_hf.derived.derived_input`), else ``x`` packed
+    through the store, at no fewer than ``settings.data_bits`` bits when ``x`` has no autograd history (the batch
+    the model is fed); a packed ``x`` is noted for a residual add that takes it as its shortcut."""
     if not x.requires_grad and settings.data_bits > settings.bits:
         settings = replace(settings, bits=settings.data_bits)
-    derived = rectified_input(x, settings)
+    derived = derived_input(x, settings)
     if derived is not None:
         return derived
     packed = store.compress_as(x, settings)
@@ -42,9 +42,11 @@ def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffi
     return packed
 
 
-def input_values(saved: PackedTensor | RectifiedAffine) -> Tensor:
-    """The input estimate :func:`saved_input`'s context stands for."""
-    return saved.dequantize() if isinstance(saved, RectifiedAffine) else dequantize(saved)
+def input_values(saved: PackedTensor | RectifiedAffine | AffineTerm, dtype: torch.dtype) -> Tensor:
+    """The input estimate :func:`saved_input`'s context stands for, in ``dtype``."""
+    if isinstance(saved, (RectifiedAffine, AffineTerm)):
+        return saved.add_to(None, dtype).to(dtype)
+    return dequantize(saved).to(dtype)
 
 
 def _transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -80,7 +82,7 @@ class ActLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             g2d = grad_out.reshape(-1, grad_out.shape[-1])
             if ctx.needs_input_grad[1]:
-                x2d = input_values(packed).to(dtype)
+                x2d = input_values(packed, dtype)
                 x2d = x2d.reshape(-1, x2d.shape[-1])
                 grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
                 del x2d
@@ -101,12 +103,12 @@ def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSetti
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def _conv_input(packed: PackedTensor | RectifiedAffine | None, grad_out: Tensor, input_shape) -> Tensor:
+def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | None, grad_out: Tensor, input_shape) -> Tensor:
     """What ``convolution_backward`` reads as the input: the saved input's values in the gradient's dtype, or,
     when only the input gradient is wanted, a zero-stride stand-in (only its shape is read)."""
     if packed is None:
         return grad_out.new_zeros(()).expand(input_shape)
-    return input_values(packed).to(grad_out.dtype)
+    return input_values(packed, grad_out.dtype)
 
 
 class ActConvFunction(torch.autograd.Function):
@@ -220,15 +222,16 @@ class ActScaleFunction(torch.autograd.Function):
     The product is computed as ``x.mul(s)`` (type promotion included, as the originals compute it). Saves
     ``quantize(x)`` if ``s`` needs a gradient (``grad_s = sum(grad * x)`` over the dims ``s`` is broadcast
     along) and ``s`` if ``x`` does (``grad_x = grad * s``, exact). When ``x`` is BatchNorm's output (SE-ResNet's
-    ``se(bn3(.))``), ``grad_s`` reads it from BatchNorm's packed input instead (:func:`act_hf.derived.affine_input`:
-    ``weight * Q(x_norm) + bias``, unbiased), and nothing of ``x`` is packed again.
+    ``se(bn3(.))``) or a rectified one (RegNetY's ``se(relu(bn2(.)))``), ``grad_s`` reads it from what BatchNorm
+    and the ReLU saved instead (:func:`act_hf.derived.derived_input`: ``weight * Q(x_norm) + bias``, times the
+    ReLU's exact mask, unbiased), and nothing of ``x`` is packed again.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, s: Tensor, settings: OpSettings) -> Tensor:
         out = x.mul(s)
         need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        packed = (affine_input(x, settings) or store.compress_as(x, settings)) if need_s else None
+        packed = (derived_input(x, settings) or store.compress_as(x, settings)) if need_s else None
         save_context(ctx, packed, s if need_x else None)
         ctx.meta = (x.dtype, s.dtype, tuple(s.shape))
         return out
@@ -241,8 +244,7 @@ class ActScaleFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad_out.mul(s).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            x_hat = packed.add_to(None, x_dtype) if isinstance(packed, AffineTerm) else dequantize(packed)
-            prod = grad_out * x_hat
+            prod = grad_out * input_values(packed, x_dtype)
             dims = [d for d, n in enumerate(s_shape) if n == 1 and prod.shape[d] != 1]
             grad_s = (prod.sum(dim=dims, keepdim=True) if dims else prod).to(s_dtype)
         return grad_x, grad_s, None

@@ -380,7 +380,7 @@ def test_standardized_conv_is_the_module_forward_and_backward_without_rounding(m
     assert is_standardized_conv(ref)
     act = convert(copy.deepcopy(ref), ActStandardizedConvMixin, slot="m", bits=3)
     monkeypatch.setattr(linear_ops, "saved_input", lambda x, settings: x)
-    monkeypatch.setattr(linear_ops, "input_values", lambda saved: saved)
+    monkeypatch.setattr(linear_ops, "input_values", lambda saved, dtype: saved.to(dtype))
     x = torch.randn(2, 4, 9, 11, dtype=torch.float64)
     xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
     yr, ya = ref(xr), act(xa)

@@ -986,13 +986,14 @@ def test_timm_layer_scale_keeps_its_input_quantized(name, kwargs, role):
 
 
 @pytest.mark.parametrize("name, size, own", [("efficientnet_b0", 64, True), ("seresnet18", 128, False),
-                                             ("ese_vovnet19b_dw", 32, True)])
+                                             ("ese_vovnet19b_dw", 128, False)])
 def test_timm_squeeze_excite_keeps_its_input_packed(name, size, own):
     """A squeeze-and-excitation module's ``x * gate`` would keep x at full width for the gate's gradient (in a
     family: EfficientNet's SqueezeExcite, SE-ResNet's SEModule; on the fallback, VoVNet's eSE); patched, it keeps
-    x packed (``own``), or reads it from BatchNorm's packed input (SE-ResNet: ``se(bn3(.))``; 128 x 128, so that
-    the last stage's BatchNorms see enough values a channel to pack theirs); the forward is unchanged, and
-    gradients match at 8 bits."""
+    x packed (``own``: EfficientNet's x is a SiLU's output), or reads it from BatchNorm's packed input (SE-ResNet:
+    ``se(bn3(.))``; 128 x 128, so that the last stage's BatchNorms see enough values a channel to pack theirs),
+    with the ReLU's mask (VoVNet: ``ese(relu(bn(.)))``); the forward is unchanged, and gradients match at 8
+    bits."""
     import timm
 
     torch.manual_seed(0)
