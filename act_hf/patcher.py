@@ -126,7 +126,7 @@ def code_fingerprint(fn) -> str:
 def generic_rules() -> list[Rule]:
     """Rules shared by every family (family rules go in front of these): torch's own modules, Global Response
     Norm, which any library may define (found by name, confirmed by its formula), and timm's weight-standardized
-    convs (found by their forward's code)."""
+    and SAME-padding convs (found by their forward's code)."""
     from .nn import activation, dropout, linear, norm, pooling
 
     residual = lambda m, c: {"act_share_residual": c.share_residual}
@@ -134,6 +134,7 @@ def generic_rules() -> list[Rule]:
         Rule("linear", same_forward(nn.Linear), lambda m: linear.ActLinearMixin),
         Rule("conv", same_forward(nn.Conv1d, nn.Conv2d, nn.Conv3d), lambda m: linear.ActConvMixin, attrs=residual),
         Rule("conv", linear.is_standardized_conv, lambda m: linear.ActStandardizedConvMixin),
+        Rule("conv", linear.is_same_padding_conv, lambda m: linear.ActConv2dSameMixin, attrs=residual),
         Rule("norm", same_forward(nn.LayerNorm), lambda m: norm.ActLayerNormMixin,
              attrs=lambda m, c: {"act_norm_context": c.norm_context}),
         Rule("norm", same_forward(nn.RMSNorm), lambda m: norm.ActRMSNormMixin,

@@ -10,9 +10,9 @@ from torch import Tensor, nn
 from ..ops.linear import act_channel_scale, act_conv, act_linear, act_standardized_conv
 from ._base import ActModule, register_act_class
 
-__all__ = ["STANDARDIZED_CONV_FORWARDS", "ActConv1d", "ActConv2d", "ActConv3d", "ActConvMixin", "ActLayerScaleMixin",
-           "ActLinear", "ActLinearMixin", "ActStandardizedConvMixin", "ActTransposedLinearMixin",
-           "is_standardized_conv"]
+__all__ = ["CONV2D_SAME_CODE", "STANDARDIZED_CONV_FORWARDS", "ActConv1d", "ActConv2d", "ActConv2dSameMixin",
+           "ActConv3d", "ActConvMixin", "ActLayerScaleMixin", "ActLinear", "ActLinearMixin", "ActStandardizedConvMixin",
+           "ActTransposedLinearMixin", "is_same_padding_conv", "is_standardized_conv"]
 
 
 class ActLinearMixin(ActModule):
@@ -79,6 +79,41 @@ def _same_padding(size: int, kernel: int, stride: int, dilation: int) -> int:
     return max((math.ceil(size / stride) - 1) * stride + (kernel - 1) * dilation + 1 - size, 0)
 
 
+def _same_pad(x: Tensor, kernel_size, stride, dilation) -> tuple[int, int, int, int]:
+    """TF's SAME padding of ``x``'s last two dims as timm's ``pad_same`` computes it, in ``F.pad``'s form (the odd
+    pixel after)."""
+    (ih, iw), (kh, kw), (sh, sw), (dh, dw) = x.shape[-2:], kernel_size, stride, dilation
+    pad_h, pad_w = _same_padding(ih, kh, sh, dh), _same_padding(iw, kw, sw, dw)
+    return pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2
+
+
+#: :func:`act_hf.patcher.code_fingerprint` of timm's ``Conv2dSame.forward`` and of the ``conv2d_same``,
+#: ``pad_same`` and ``get_same_padding`` it calls (timm 1.0), which :class:`ActConv2dSameMixin` reproduces
+CONV2D_SAME_CODE = ("b315082c088fc4c2", "8cfe33c5ce2e7093", "77a1f0249229f57f", "2185fef1df64e425")
+
+
+def _callee(fn, name: str):
+    return getattr(fn, "__globals__", {}).get(name)
+
+
+def is_same_padding_conv(module: nn.Module) -> bool:
+    """A ``Conv2d`` computing timm's ``Conv2dSame`` forward (TF's SAME padding from the input's size, then the
+    conv), statement for statement down to the padding arithmetic (:data:`CONV2D_SAME_CODE`)."""
+    from ..patcher import code_fingerprint
+
+    if not isinstance(module, nn.Conv2d) or module.padding_mode != "zeros":
+        return False
+    forward = type(module).forward
+    conv2d_same = _callee(forward, "conv2d_same")
+    pad_same = _callee(conv2d_same, "pad_same")
+    get_same_padding = _callee(pad_same, "get_same_padding")
+    try:
+        return tuple(code_fingerprint(f) for f in (forward, conv2d_same, pad_same, get_same_padding)) \
+            == CONV2D_SAME_CODE
+    except (OSError, TypeError):  # a callee missing or without source
+        return False
+
+
 class ActStandardizedConvMixin(ActModule):
     """For timm's weight-standardized convs (:func:`is_standardized_conv`): slot ``<path>:input``; the
     standardized weight is made again in backward instead of being kept (see
@@ -89,12 +124,24 @@ class ActStandardizedConvMixin(ActModule):
             return super().forward(x)  # timm pads with zeros; a string padding stays on the original op
         scaled, same = _standardized_form(self.act_original_class)
         if same and self.same_pad:
-            (ih, iw), (kh, kw), (sh, sw), (dh, dw) = x.shape[-2:], self.kernel_size, self.stride, self.dilation
-            pad_h, pad_w = _same_padding(ih, kh, sh, dh), _same_padding(iw, kw, sw, dw)
-            x = F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0)
+            x = F.pad(x, _same_pad(x, self.kernel_size, self.stride, self.dilation), value=0)
         return act_standardized_conv(x, self.weight, self.gain if scaled else None, self.bias,
                                      self.scale if scaled else 1.0, self.eps, self.stride, self.padding,
                                      self.dilation, self.groups, self.act_settings("input"))
+
+
+class ActConv2dSameMixin(ActModule):
+    """For timm's ``Conv2dSame`` (:func:`is_same_padding_conv`: TF-ported EfficientNets, MobileNets, MixNets):
+    slot ``<path>:input``. The input is saved before the padding (:class:`~act_hf.ops.linear.ActConvFunction`'s
+    ``pad``), where the ops before may already describe it (:mod:`act_hf.derived`); the unpatched module kept
+    the padded copy at full width."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        pad = _same_pad(x, self.weight.shape[-2:], self.stride, self.dilation)
+        return act_conv(x, self.weight, self.bias, self.stride, (0, 0), self.dilation, self.groups,
+                        self.act_settings("input"), pad=pad)
 
 
 class ActLayerScaleMixin(ActModule):

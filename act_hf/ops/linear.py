@@ -111,42 +111,60 @@ def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | None, grad
     return input_values(packed, grad_out.dtype)
 
 
+def _unpad(grad: Tensor, pad: tuple[int, ...], shape: torch.Size) -> Tensor:
+    """The part of ``grad`` (the gradient of ``F.pad(x, pad)``) that belongs to ``x`` of ``shape``: what
+    ``F.pad``'s own backward returns."""
+    for i in range(len(pad) // 2):
+        dim = grad.dim() - 1 - i
+        grad = grad.narrow(dim, pad[2 * i], shape[dim])
+    return grad
+
+
 class ActConvFunction(torch.autograd.Function):
     """N-d convolution (any groups, stride, dilation, zero padding); saves ``quantize(x)`` and ``weight``.
 
-    Non-zero padding modes are applied by the module with ``F.pad`` before this op, as ``nn.ConvNd`` does.
+    Non-zero padding modes are applied by the module with ``F.pad`` before this op, as ``nn.ConvNd`` does. With
+    ``pad`` (``F.pad``'s form: the last dim's two sides first), the op convolves ``F.pad(x, pad)``, zeros, as timm's
+    ``Conv2dSame`` does for TF's uneven SAME padding, and saves ``x`` itself: backward pads the estimate again.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, ...],
-                padding: tuple[int, ...], dilation: tuple[int, ...], groups: int, settings: OpSettings) -> Tensor:
-        out = _CONV[len(stride)](x, weight, bias, stride, padding, dilation, groups)  # autocast applies as usual
+                padding: tuple[int, ...], dilation: tuple[int, ...], groups: int, settings: OpSettings,
+                pad: tuple[int, ...] | None = None) -> Tensor:
+        padded = x if pad is None else F.pad(x, pad)
+        out = _CONV[len(stride)](padded, weight, bias, stride, padding, dilation, groups)  # autocast as usual
         need_w = ctx.needs_input_grad[1]
         packed = saved_input(x, settings) if need_w else None
         save_context(ctx, packed, weight)  # the parameter itself: its shape is needed even for grad_x only
-        ctx.conv_args = (stride, padding, dilation, groups)
-        ctx.input_shape = x.shape
+        ctx.conv_args = (stride, padding, dilation, groups, pad)
+        ctx.input_shape, ctx.padded_shape = x.shape, padded.shape
         ctx.bias_shape = None if bias is None else list(bias.shape)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         packed, weight = load_context(ctx)
-        stride, padding, dilation, groups = ctx.conv_args
+        stride, padding, dilation, groups, pad = ctx.conv_args
         dtype = grad_out.dtype
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.bias_shape is not None]
-        x_hat = _conv_input(packed, grad_out, ctx.input_shape)
+        x_hat = _conv_input(packed, grad_out, ctx.padded_shape)
+        if pad is not None and packed is not None:
+            x_hat = F.pad(x_hat, pad)
         grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
             grad_out, x_hat, weight.to(dtype), ctx.bias_shape, list(stride), list(padding), list(dilation), False,
             [0] * len(stride), groups, mask,
         )
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        if pad is not None and grad_x is not None:
+            grad_x = _unpad(grad_x, pad, ctx.input_shape)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def act_conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation, groups: int,
-             settings: OpSettings) -> Tensor:
+             settings: OpSettings, pad: tuple[int, ...] | None = None) -> Tensor:
     """Functional form of :class:`ActConvFunction`."""
-    return ActConvFunction.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups, settings)
+    return ActConvFunction.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups, settings,
+                                 None if pad is None else tuple(pad))
 
 
 def standardize_weight(weight: Tensor, gain: Tensor | None, scale: float, eps: float) -> Tensor:

@@ -463,3 +463,83 @@ def test_a_standardized_conv_with_string_padding_runs_its_own_forward():
     with track_saved(act) as saved:
         y = act(x)
     assert torch.equal(y, ref(x)) and "m:input" not in saved.by_slot
+
+
+# ------------------------------------------------------------------------------------ SAME-padding conv
+
+
+def _same_padding_convs():
+    """timm's ``Conv2dSame`` (TF's SAME padding from the input's size: uneven at stride 2 or an even kernel)."""
+    layers = pytest.importorskip("timm.layers")
+    return [("stride_2", lambda: layers.Conv2dSame(4, 6, 3, stride=2)),
+            ("even_kernel_depthwise", lambda: layers.Conv2dSame(4, 4, (4, 2), stride=(2, 1), groups=4, bias=False)),
+            ("dilated", lambda: layers.Conv2dSame(4, 6, 3, dilation=2))]
+
+
+@pytest.mark.parametrize("index", range(3), ids=["stride_2", "even_kernel_depthwise", "dilated"])
+def test_same_padding_conv_is_the_module_forward_and_backward_without_rounding(monkeypatch, index):
+    """Forward is timm's own, bit for bit; with packing turned into the identity, the input, weight and bias
+    gradients are float64 autograd's through the padding (the estimate padded again, the gradient cut back)."""
+    from act_hf.nn.linear import ActConv2dSameMixin, is_same_padding_conv
+    from act_hf.ops import linear as linear_ops
+
+    name, make = _same_padding_convs()[index]
+    torch.manual_seed(0)
+    ref = make().double()
+    assert is_same_padding_conv(ref)
+    act = convert(copy.deepcopy(ref), ActConv2dSameMixin, slot="m", bits=3)
+    monkeypatch.setattr(linear_ops, "saved_input", lambda x, settings: x)
+    monkeypatch.setattr(linear_ops, "input_values", lambda saved, dtype: saved.to(dtype))
+    x = torch.randn(2, 4, 9, 11, dtype=torch.float64)
+    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ya = ref(xr), act(xa)
+    assert torch.equal(ya, yr), name
+    g = torch.randn_like(yr)
+    yr.backward(g)
+    ya.backward(g)
+    torch.testing.assert_close(xa.grad, xr.grad, rtol=1e-10, atol=0)
+    for (pname, p), q in zip(ref.named_parameters(), act.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-14, msg=pname)
+
+
+def test_same_padding_conv_saves_its_input_packed_before_the_padding():
+    """The unpatched module keeps the padded input at full width; converted, it keeps the input itself packed
+    (no padded copy), and a frozen weight saves nothing."""
+    from act_hf.nn.linear import ActConv2dSameMixin
+
+    _, make = _same_padding_convs()[0]
+    torch.manual_seed(0)
+    ref = make()
+    act = convert(copy.deepcopy(ref), ActConv2dSameMixin, slot="m", bits=8)
+    x = torch.randn(2, 4, 15, 15)  # padded to 16 x 16
+    with track_saved(act) as saved:
+        ya = act(x)
+    assert set(saved.by_slot) == {"m:input"}
+    assert saved.bytes <= x.numel() + math.ceil(x.numel() / 256) * 4 + 64 < 2 * 4 * 16 * 16
+    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(xr).square().sum().backward()
+    act(xa).square().sum().backward()
+    for p, q in [(xr, xa), *zip(ref.parameters(), act.parameters())]:
+        assert sqnr_db(p.grad, q.grad) > 30
+    act.weight.requires_grad_(False)
+    act.bias.requires_grad_(False)
+    xa = x.clone().requires_grad_()
+    with track_saved(act) as saved:
+        ya = act(xa)
+    assert saved.bytes == 0
+    ya.sum().backward()
+    assert xa.grad.shape == x.shape
+
+
+def test_a_changed_same_padding_conv_keeps_its_own_forward():
+    """Recognised by the code of its forward and of the padding functions it calls."""
+    layers = pytest.importorskip("timm.layers")
+    from act_hf.nn.linear import is_same_padding_conv
+
+    class Reflected(layers.Conv2dSame):
+        def forward(self, x):
+            return super().forward(torch.nn.functional.pad(x, (1, 1, 1, 1), mode="reflect"))
+
+    assert is_same_padding_conv(layers.Conv2dSame(3, 4, 3, stride=2))
+    assert not is_same_padding_conv(Reflected(3, 4, 3, stride=2))
+    assert not is_same_padding_conv(nn.Conv2d(3, 4, 3))
