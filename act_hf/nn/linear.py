@@ -34,18 +34,40 @@ class ActTransposedLinearMixin(ActModule):
         return act_linear(x, self.weight, self.bias, self.act_settings("input"), transposed=True)
 
 
+def _torch_same_padding(kernel_size: tuple[int, ...], dilation: tuple[int, ...]
+                        ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """``(padding, pad)`` computing a stride-1 conv's ``padding="same"`` as PyTorch does: the smaller side's
+    padding on both sides of every dim, and, where a dim's total is odd (an even kernel), an ``F.pad`` of one more
+    zero after it (``None`` when every dim is even)."""
+    totals = [d * (k - 1) for k, d in zip(kernel_size, dilation)]
+    padding = tuple(t // 2 for t in totals)
+    extra = [t - t // 2 - t // 2 for t in totals]
+    if not any(extra):
+        return padding, None
+    pad = []
+    for e in reversed(extra):  # F.pad's order: the last dim first
+        pad += [0, e]
+    return padding, tuple(pad)
+
+
 class ActConvMixin(ActModule):
-    """For ``nn.Conv1d/2d/3d`` (any groups, stride, dilation, padding mode): slot ``<path>:input``."""
+    """For ``nn.Conv1d/2d/3d`` (any groups, stride, dilation, padding mode, numeric or string padding): slot
+    ``<path>:input``. ``padding="same"`` is computed as PyTorch computes it, so the output is the same bit for
+    bit; an even kernel's extra zero is padded inside the op, which keeps the input unpadded."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.act_enabled(x) or isinstance(self.padding, str) and self.padding != "valid":
-            return super().forward(x)  # string padding "same" stays on the original op
-        padding = (0,) * len(self.kernel_size) if isinstance(self.padding, str) else self.padding
+        if not self.act_enabled(x):
+            return super().forward(x)
+        padding, pad = self.padding, None
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = (0,) * len(self.kernel_size)
+        elif padding == "valid":
+            padding = (0,) * len(self.kernel_size)
+        elif padding == "same":
+            padding, pad = _torch_same_padding(self.kernel_size, self.dilation)
         return act_conv(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
-                        self.act_settings("input"))
+                        self.act_settings("input"), pad=pad)
 
 
 #: :func:`act_hf.patcher.code_fingerprint` of the forwards of timm's weight-standardized convs (timm 1.0) ->

@@ -543,3 +543,43 @@ def test_a_changed_same_padding_conv_keeps_its_own_forward():
     assert is_same_padding_conv(layers.Conv2dSame(3, 4, 3, stride=2))
     assert not is_same_padding_conv(Reflected(3, 4, 3, stride=2))
     assert not is_same_padding_conv(nn.Conv2d(3, 4, 3))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Conv2d(4, 6, 3, padding="same"),
+                                  lambda: nn.Conv2d(4, 6, (4, 3), padding="same", dilation=(1, 2), bias=False),
+                                  lambda: nn.Conv1d(4, 4, 2, padding="same", groups=4),
+                                  lambda: nn.Conv2d(4, 6, 2, padding="valid"),
+                                  lambda: nn.Conv2d(4, 6, 4, padding="same", padding_mode="reflect")],
+                         ids=["odd", "even_kernel_dilated", "even_1d_depthwise", "valid", "same_reflect"])
+def test_conv_with_string_padding_is_the_module_forward_and_backward_without_rounding(monkeypatch, make):
+    """``padding="same"`` (HF's EfficientNet, timm's ConvMixer) runs converted: the forward is PyTorch's own bit for
+    bit (an even kernel's extra zero after the input, as ATen pads it), and with packing turned into the identity
+    the gradients are float64 autograd's."""
+    from act_hf.ops import linear as linear_ops
+
+    torch.manual_seed(0)
+    ref = make().double()
+    act = convert(copy.deepcopy(ref), ActConvMixin, slot="m", bits=3)
+    monkeypatch.setattr(linear_ops, "saved_input", lambda x, settings: x)
+    monkeypatch.setattr(linear_ops, "input_values", lambda saved, dtype: saved.to(dtype))
+    shape = (2, 4, 9) if isinstance(ref, nn.Conv1d) else (2, 4, 9, 11)
+    x = torch.randn(shape, dtype=torch.float64)
+    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ya = ref(xr), act(xa)
+    assert torch.equal(ya, yr)
+    g = torch.randn_like(yr)
+    yr.backward(g)
+    ya.backward(g)
+    torch.testing.assert_close(xa.grad, xr.grad, rtol=1e-10, atol=0)
+    for (pname, p), q in zip(ref.named_parameters(), act.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-14, msg=pname)
+
+
+def test_conv_with_same_padding_saves_its_input_packed():
+    torch.manual_seed(0)
+    _, act = _pair(nn.Conv2d(4, 6, 4, padding="same"), ActConvMixin, bits=8)
+    x = torch.randn(2, 4, 15, 15)
+    with track_saved(act) as saved:
+        act(x)
+    assert set(saved.by_slot) == {"m:input"}
+    assert saved.bytes <= x.numel() + math.ceil(x.numel() / 256) * 4 + 64  # unpadded, 8 bits and group scales
