@@ -137,19 +137,18 @@ def is_same_padding_conv(module: nn.Module) -> bool:
 
 
 class ActStandardizedConvMixin(ActModule):
-    """For timm's weight-standardized convs (:func:`is_standardized_conv`): slot ``<path>:input``; the
-    standardized weight is made again in backward instead of being kept (see
+    """For timm's weight-standardized convs (:func:`is_standardized_conv`): slot ``<path>:input``, saved before
+    the SAME forms' padding; the standardized weight is made again in backward instead of being kept (see
     :class:`act_hf.ops.linear.ActStandardizedConvFunction`)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x) or self.padding_mode != "zeros" or isinstance(self.padding, str):
             return super().forward(x)  # timm pads with zeros; a string padding stays on the original op
         scaled, same = _standardized_form(self.act_original_class)
-        if same and self.same_pad:
-            x = F.pad(x, _same_pad(x, self.kernel_size, self.stride, self.dilation), value=0)
+        pad = _same_pad(x, self.kernel_size, self.stride, self.dilation) if same and self.same_pad else None
         return act_standardized_conv(x, self.weight, self.gain if scaled else None, self.bias,
                                      self.scale if scaled else 1.0, self.eps, self.stride, self.padding,
-                                     self.dilation, self.groups, self.act_settings("input"))
+                                     self.dilation, self.groups, self.act_settings("input"), pad=pad)
 
 
 class ActConv2dSameMixin(ActModule):

@@ -103,12 +103,15 @@ def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSetti
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | None, grad_out: Tensor, input_shape) -> Tensor:
-    """What ``convolution_backward`` reads as the input: the saved input's values in the gradient's dtype, or,
-    when only the input gradient is wanted, a zero-stride stand-in (only its shape is read)."""
+def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | None, grad_out: Tensor, padded_shape,
+                pad: tuple[int, ...] | None = None) -> Tensor:
+    """What ``convolution_backward`` reads as the input: the saved input's values in the gradient's dtype, padded
+    with ``pad`` (``F.pad``'s form) where the op padded it, or, when only the input gradient is wanted, a
+    zero-stride stand-in of ``padded_shape`` (only its shape is read)."""
     if packed is None:
-        return grad_out.new_zeros(()).expand(input_shape)
-    return input_values(packed, grad_out.dtype)
+        return grad_out.new_zeros(()).expand(padded_shape)
+    values = input_values(packed, grad_out.dtype)
+    return values if pad is None else F.pad(values, pad)
 
 
 def _unpad(grad: Tensor, pad: tuple[int, ...], shape: torch.Size) -> Tensor:
@@ -148,9 +151,7 @@ class ActConvFunction(torch.autograd.Function):
         stride, padding, dilation, groups, pad = ctx.conv_args
         dtype = grad_out.dtype
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.bias_shape is not None]
-        x_hat = _conv_input(packed, grad_out, ctx.padded_shape)
-        if pad is not None and packed is not None:
-            x_hat = F.pad(x_hat, pad)
+        x_hat = _conv_input(packed, grad_out, ctx.padded_shape, pad)
         grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
             grad_out, x_hat, weight.to(dtype), ctx.bias_shape, list(stride), list(padding), list(dilation), False,
             [0] * len(stride), groups, mask,
@@ -176,7 +177,8 @@ def standardize_weight(weight: Tensor, gain: Tensor | None, scale: float, eps: f
 
 
 class ActStandardizedConvFunction(torch.autograd.Function):
-    """2-d convolution with a standardized weight (:func:`standardize_weight`), zero padding.
+    """2-d convolution with a standardized weight (:func:`standardize_weight`), zero padding (``pad`` as
+    :class:`ActConvFunction`'s: the SAME forms' uneven padding, with the input saved before it).
 
     Saves ``quantize(x)`` (if the weight or gain needs a gradient), the ``weight`` and ``gain`` parameters, and
     no standardized weight: backward standardizes again, a weight-sized op, and maps the standardized weight's
@@ -187,25 +189,27 @@ class ActStandardizedConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, gain: Tensor | None, bias: Tensor | None, scale: float, eps: float,
                 stride: tuple[int, ...], padding: tuple[int, ...], dilation: tuple[int, ...], groups: int,
-                settings: OpSettings) -> Tensor:
-        out = F.conv2d(x, standardize_weight(weight, gain, scale, eps), bias, stride, padding, dilation, groups)
+                settings: OpSettings, pad: tuple[int, ...] | None = None) -> Tensor:
+        padded = x if pad is None else F.pad(x, pad)
+        out = F.conv2d(padded, standardize_weight(weight, gain, scale, eps), bias, stride, padding, dilation, groups)
         need_params = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         save_context(ctx, saved_input(x, settings) if need_params else None, weight, gain)
-        ctx.meta = (scale, eps, (stride, padding, dilation, groups), x.shape,
+        ctx.meta = (scale, eps, (stride, padding, dilation, groups, pad), x.shape, padded.shape,
                     None if bias is None else list(bias.shape), x.device.type, autocast_state(x.device.type))
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         packed, weight, gain = load_context(ctx)
-        scale, eps, (stride, padding, dilation, groups), input_shape, bias_shape, device_type, autocast = ctx.meta
+        scale, eps, (stride, padding, dilation, groups, pad), input_shape, padded_shape, bias_shape, device_type, \
+            autocast = ctx.meta
         need_x, need_w, need_gain, need_b = ctx.needs_input_grad[:4]
         with torch.enable_grad(), torch.autocast(device_type, **autocast):
             w_leaf = weight.detach().requires_grad_(need_w)
             gain_leaf = None if gain is None else gain.detach().requires_grad_(need_gain)
             standardized = standardize_weight(w_leaf, gain_leaf, scale, eps)
         dtype = grad_out.dtype
-        x_hat = _conv_input(packed, grad_out, input_shape)
+        x_hat = _conv_input(packed, grad_out, padded_shape, pad)
         grad_x, grad_std, grad_b = torch.ops.aten.convolution_backward(
             grad_out, x_hat, standardized.detach().to(dtype), bias_shape, list(stride), list(padding), list(dilation),
             False, [0, 0], groups, [need_x, need_w or need_gain, need_b and bias_shape is not None],
@@ -217,14 +221,17 @@ class ActStandardizedConvFunction(torch.autograd.Function):
             grads = iter(torch.autograd.grad(standardized, leaves, grad_std.to(standardized.dtype)))
             grad_w = next(grads) if need_w else None
             grad_gain = next(grads) if need_gain else None
-        return grad_x, grad_w, grad_gain, grad_b, None, None, None, None, None, None, None
+        if pad is not None and grad_x is not None:
+            grad_x = _unpad(grad_x, pad, input_shape)
+        return grad_x, grad_w, grad_gain, grad_b, None, None, None, None, None, None, None, None
 
 
 def act_standardized_conv(x: Tensor, weight: Tensor, gain: Tensor | None, bias: Tensor | None, scale: float,
-                          eps: float, stride, padding, dilation, groups: int, settings: OpSettings) -> Tensor:
+                          eps: float, stride, padding, dilation, groups: int, settings: OpSettings,
+                          pad: tuple[int, ...] | None = None) -> Tensor:
     """Functional form of :class:`ActStandardizedConvFunction`."""
     return ActStandardizedConvFunction.apply(x, weight, gain, bias, scale, eps, tuple(stride), tuple(padding),
-                                             tuple(dilation), groups, settings)
+                                             tuple(dilation), groups, settings, None if pad is None else tuple(pad))
 
 
 def _channel_view(gamma: Tensor, ndim: int, dim: int) -> Tensor:

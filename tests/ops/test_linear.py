@@ -421,6 +421,19 @@ def test_standardized_conv_saves_its_input_packed_and_no_weight_and_follows_need
     assert act.bias.grad is not None
 
 
+def test_standardized_conv_same_form_saves_its_input_before_the_padding():
+    from act_hf.nn.linear import ActStandardizedConvMixin
+
+    _, make = _standardized_convs()[1]  # StdConv2dSame, stride 2: one more row and column after the input
+    torch.manual_seed(0)
+    act = convert(make(), ActStandardizedConvMixin, slot="m", bits=8)
+    x = torch.randn(2, 4, 15, 15)
+    with track_saved(act) as saved:
+        act(x)
+    assert set(saved.by_slot) == {"m:input"}
+    assert saved.bytes <= x.numel() + math.ceil(x.numel() / 256) * 4 + 64 < 2 * 4 * 16 * 16
+
+
 def test_standardized_conv_under_bf16_autocast_is_the_module_and_grads_stay_fp32():
     from act_hf.nn.linear import ActStandardizedConvMixin
 
