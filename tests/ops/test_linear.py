@@ -366,22 +366,13 @@ def _random_gain(module):
     return module
 
 
-@pytest.mark.parametrize("index", range(4), ids=["StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame"])
-def test_standardized_conv_is_the_module_forward_and_backward_without_rounding(monkeypatch, index):
-    """Forward is timm's own, bit for bit. With packing turned into the identity, every gradient (input, weight,
-    gain, bias) is float64 autograd's through the module's forward: the standardization made again in backward
-    and the map of the standardized weight's gradient through it are right."""
-    from act_hf.nn.linear import ActStandardizedConvMixin, is_standardized_conv
+def _assert_exact_without_rounding(monkeypatch, ref: nn.Module, act: nn.Module, x: torch.Tensor, name: str = ""):
+    """``act``'s forward is ``ref``'s bit for bit, and with packing turned into the identity every gradient (the
+    input's and the parameters') is ``ref``'s float64 autograd's."""
     from act_hf.ops import linear as linear_ops
 
-    name, make = _standardized_convs()[index]
-    torch.manual_seed(0)
-    ref = _random_gain(make()).double()
-    assert is_standardized_conv(ref)
-    act = convert(copy.deepcopy(ref), ActStandardizedConvMixin, slot="m", bits=3)
     monkeypatch.setattr(linear_ops, "saved_input", lambda x, settings: x)
     monkeypatch.setattr(linear_ops, "input_values", lambda saved, dtype: saved.to(dtype))
-    x = torch.randn(2, 4, 9, 11, dtype=torch.float64)
     xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
     yr, ya = ref(xr), act(xa)
     assert torch.equal(ya, yr), name
@@ -391,6 +382,21 @@ def test_standardized_conv_is_the_module_forward_and_backward_without_rounding(m
     torch.testing.assert_close(xa.grad, xr.grad, rtol=1e-10, atol=0)
     for (pname, p), q in zip(ref.named_parameters(), act.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-14, msg=pname)
+
+
+@pytest.mark.parametrize("index", range(4), ids=["StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame"])
+def test_standardized_conv_is_the_module_forward_and_backward_without_rounding(monkeypatch, index):
+    """Forward is timm's own, bit for bit. With packing turned into the identity, every gradient (input, weight,
+    gain, bias) is float64 autograd's through the module's forward: the standardization made again in backward
+    and the map of the standardized weight's gradient through it are right."""
+    from act_hf.nn.linear import ActStandardizedConvMixin, is_standardized_conv
+
+    name, make = _standardized_convs()[index]
+    torch.manual_seed(0)
+    ref = _random_gain(make()).double()
+    assert is_standardized_conv(ref)
+    act = convert(copy.deepcopy(ref), ActStandardizedConvMixin, slot="m", bits=3)
+    _assert_exact_without_rounding(monkeypatch, ref, act, torch.randn(2, 4, 9, 11, dtype=torch.float64), name)
 
 
 def test_standardized_conv_saves_its_input_packed_and_no_weight_and_follows_needs_input_grad():
@@ -494,25 +500,13 @@ def test_same_padding_conv_is_the_module_forward_and_backward_without_rounding(m
     """Forward is timm's own, bit for bit; with packing turned into the identity, the input, weight and bias
     gradients are float64 autograd's through the padding (the estimate padded again, the gradient cut back)."""
     from act_hf.nn.linear import ActConv2dSameMixin, is_same_padding_conv
-    from act_hf.ops import linear as linear_ops
 
     name, make = _same_padding_convs()[index]
     torch.manual_seed(0)
     ref = make().double()
     assert is_same_padding_conv(ref)
     act = convert(copy.deepcopy(ref), ActConv2dSameMixin, slot="m", bits=3)
-    monkeypatch.setattr(linear_ops, "saved_input", lambda x, settings: x)
-    monkeypatch.setattr(linear_ops, "input_values", lambda saved, dtype: saved.to(dtype))
-    x = torch.randn(2, 4, 9, 11, dtype=torch.float64)
-    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
-    yr, ya = ref(xr), act(xa)
-    assert torch.equal(ya, yr), name
-    g = torch.randn_like(yr)
-    yr.backward(g)
-    ya.backward(g)
-    torch.testing.assert_close(xa.grad, xr.grad, rtol=1e-10, atol=0)
-    for (pname, p), q in zip(ref.named_parameters(), act.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-14, msg=pname)
+    _assert_exact_without_rounding(monkeypatch, ref, act, torch.randn(2, 4, 9, 11, dtype=torch.float64), name)
 
 
 def test_same_padding_conv_saves_its_input_packed_before_the_padding():
@@ -568,24 +562,11 @@ def test_conv_with_string_padding_is_the_module_forward_and_backward_without_rou
     """``padding="same"`` (HF's EfficientNet, timm's ConvMixer) runs converted: the forward is PyTorch's own bit for
     bit (an even kernel's extra zero after the input, as ATen pads it), and with packing turned into the identity
     the gradients are float64 autograd's."""
-    from act_hf.ops import linear as linear_ops
-
     torch.manual_seed(0)
     ref = make().double()
     act = convert(copy.deepcopy(ref), ActConvMixin, slot="m", bits=3)
-    monkeypatch.setattr(linear_ops, "saved_input", lambda x, settings: x)
-    monkeypatch.setattr(linear_ops, "input_values", lambda saved, dtype: saved.to(dtype))
     shape = (2, 4, 9) if isinstance(ref, nn.Conv1d) else (2, 4, 9, 11)
-    x = torch.randn(shape, dtype=torch.float64)
-    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
-    yr, ya = ref(xr), act(xa)
-    assert torch.equal(ya, yr)
-    g = torch.randn_like(yr)
-    yr.backward(g)
-    ya.backward(g)
-    torch.testing.assert_close(xa.grad, xr.grad, rtol=1e-10, atol=0)
-    for (pname, p), q in zip(ref.named_parameters(), act.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-14, msg=pname)
+    _assert_exact_without_rounding(monkeypatch, ref, act, torch.randn(shape, dtype=torch.float64))
 
 
 def test_conv_with_same_padding_saves_its_input_packed():

@@ -27,6 +27,18 @@ def _pair(name: str, dropout=0.0, **kw):
     return case, ref, model, inputs
 
 
+def _checkpointed_pair(name: str):
+    """:func:`_pair` at 8 bits, both models in training mode with HF's or timm's gradient checkpointing on."""
+    case, ref, model, inputs = _pair(name, bits=8)
+    for m in (ref, model):
+        if case.timm:
+            m.set_grad_checkpointing(True)
+        else:
+            enable_hf_checkpointing(m)
+        m.train()
+    return case, ref, model, inputs
+
+
 @pytest.mark.parametrize("name", ["bert-seqcls", "llama", "gpt2", "vit-hf", "swin-hf", "timm-vit", "timm-swin",
                                   "timm-swinv2", "timm-convnext", "timm-resnet", "timm-efficientvit"])
 def test_gradient_checkpointing(name):
@@ -35,13 +47,7 @@ def test_gradient_checkpointing(name):
     forward saves and checks that the recomputation saves tensors of the same shapes: a LayerNorm output shared
     with the next Linear (one channel-scaled copy in the recomputation) must be packed in that same form in the
     forward, where the LayerNorm's copy is already gone (Swin raised CheckpointError before)."""
-    case, ref, model, inputs = _pair(name, bits=8)
-    for m in (ref, model):
-        if case.timm:
-            m.set_grad_checkpointing(True)
-        else:
-            enable_hf_checkpointing(m)
-        m.train()
+    case, ref, model, inputs = _checkpointed_pair(name)
     lr, la = loss_of(case, ref, inputs), loss_of(case, model, inputs)
     assert torch.equal(la, lr)
     lr.backward()
@@ -54,13 +60,7 @@ def test_gradient_checkpointing_measured_by_track_saved(name):
     """A checkpointed forward measured by :func:`act_hf.track_saved` and run backward after it: under the
     tracker's saved-tensor hooks torch's recomputation gets each block's input as a new tensor object (timm
     ``resnet18`` raised CheckpointError: 54 tensors saved in the forward, 26 in the recomputation)."""
-    case, ref, model, inputs = _pair(name, bits=8)
-    for m in (ref, model):
-        if case.timm:
-            m.set_grad_checkpointing(True)
-        else:
-            enable_hf_checkpointing(m)
-        m.train()
+    case, ref, model, inputs = _checkpointed_pair(name)
     lr = loss_of(case, ref, inputs)
     with act_hf.track_saved(model) as saved:
         la = loss_of(case, model, inputs)
