@@ -278,6 +278,10 @@ def _region_notes() -> _RegionNotes:
         regions = _local.regions = weakref.WeakKeyDictionary()
     for closed in [r for r in regions if not region_is_open(r)]:
         del regions[closed]
+    try:
+        weakref.ref(region)
+    except TypeError:  # a user's pack hook that takes no weak reference (a builtin): not a checkpoint's
+        region = None
     if region is None:
         state = getattr(_local, "outside", None)
         if state is None:

@@ -407,6 +407,18 @@ def test_residual_chain_under_gradient_checkpointing(hooks):
     assert_grads_match(ref, model, name="checkpointed residual")
 
 
+def test_notes_under_a_builtin_pack_hook_are_the_outside_ones():
+    """A pack hook without weak references (a builtin) names no region: notes go on as outside any hooks."""
+    x = torch.randn(2, C, 4, 4, requires_grad=True)
+    t = x * 1
+    derived.remember(t, "affine", "outside")
+    with torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, torch.Tensor.detach):
+        assert derived.recall(t, "affine") == "outside"
+        u = x * 2
+        derived.remember(u, "affine", "inside")
+    assert derived.recall(u, "affine") == "inside"
+
+
 def test_notes_are_seen_only_in_the_checkpoint_pass_that_made_them_and_dropped_after_it():
     x = torch.randn(2, C, 4, 4, requires_grad=True)
     outer = x * 1
