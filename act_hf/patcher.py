@@ -283,6 +283,7 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
         patched = generic.patch_generic(model, config)
     else:
         patched = PATCH_FUNCTIONS[family](model, config)
+        _warn_sync_batch_norm(model, config)
     if not patched:
         del model.act_hf_slot_bits
         raise NoMatchingModuleError(
@@ -308,6 +309,19 @@ def patch(model: nn.Module, bits: float = 3, config: ActConfig | None = None, *,
         if allocator is not None:
             target.act_hf_allocator = allocator
     return wrapper
+
+
+def _warn_sync_batch_norm(model: nn.Module, config: ActConfig) -> None:
+    """A family leaves ``nn.SyncBatchNorm`` as it is (its statistics are reduced across processes in a kernel of
+    torch's): say so, since its input is then saved at full width and no conv after it reads its context."""
+    if "norm" not in config.kinds:
+        return
+    count = sum(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+    if count:
+        warnings.warn(f"act_hf does not compress nn.SyncBatchNorm: {count} of them in {type(model).__name__} keep "
+                      "their inputs at full width (and the convs after them pack their own). Per-process "
+                      "BatchNorm (no nn.SyncBatchNorm.convert_sync_batchnorm) is compressed.", ActHFWarning,
+                      stacklevel=3)
 
 
 def _enable_checkpoint_compression(model: nn.Module, config: ActConfig) -> None:

@@ -1041,6 +1041,16 @@ def test_timm_same_padding_convs_keep_their_input_packed():
     assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)
 
 
+def test_sync_batch_norm_left_as_it_is_is_said():
+    """A family leaves ``nn.SyncBatchNorm`` unconverted (full-width inputs): the patch says so."""
+    import timm
+
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(timm.create_model("resnet18", num_classes=3))
+    with pytest.warns(act_hf.ActHFWarning, match="20 of them in ResNet keep their inputs at full width"):
+        act_hf.patch(model, bits=3)
+    assert all(type(m) is torch.nn.SyncBatchNorm for m in model.modules() if isinstance(m, torch.nn.SyncBatchNorm))
+
+
 def test_hf_efficientnet_string_padding_convs_keep_their_input_packed():
     """HF's EfficientNet builds its stride-1 convs with ``padding="same"``, which act_hf's conv ran on the original
     op, inside its own shield from the fallback's hooks: those inputs stayed at full width (2 x 224 x 224, 3 bits,
