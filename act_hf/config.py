@@ -82,7 +82,9 @@ class ActConfig:
             inputs cost nothing of their own (unbiased; the shortcut chain's rounding adds up, see
             :mod:`act_hf.derived`), with timm's stochastic depth (``DropPath``) before the add too; and a conv fed
             by a squeeze-and-excitation's ``g * h`` reads ``g`` times what describes ``h`` (EfficientNet's
-            ``conv_pwl``, RegNetY's ``conv3``). With an adaptive budget a stage's chain is one slot group.
+            ``conv_pwl``, RegNetY's ``conv3``), and one fed by a linear bottleneck's ``bn3(.) + shortcut``
+            (MobileNetV2 / V3, EfficientNet) reads the sum. With an adaptive budget a stage's chain is one slot
+            group.
         lm_loss_recompute: a language model's loss (transformers' ``ForCausalLMLoss`` after an ``lm_head``, or
             the cross-entropy a model computes itself on its output embedding's rows: T5, masked LMs, BART under
             the fallback) keeps the head's input instead of the fp32 logits and recomputes them in backward (exact;

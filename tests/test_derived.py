@@ -660,6 +660,61 @@ def test_conv_after_batchnorm_reads_its_packed_input():
     _assert_unbiased(*_twins(GatedChain, 2, {}, act="none", se=False), "conv")
 
 
+class LinearStage(nn.Module):
+    """A linear-bottleneck stage (MobileNetV2's, EfficientNet's): ``x = bn(conv(x))``, then ``blocks`` residual
+    blocks ``x = drop_path(bn(conv(x))) + x``, out of place and with no ReLU after the add (as timm's
+    ``InvertedResidual``), then a head conv: every conv after the second reads a block output."""
+
+    def __init__(self, blocks: int = 3, drop_path: float = 0.0):
+        super().__init__()
+        from timm.layers import DropPath
+
+        self.convs = nn.ModuleList(nn.Conv2d(C, C, 3, padding=1, bias=False) for _ in range(blocks + 1))
+        self.bns = nn.ModuleList(nn.BatchNorm2d(C) for _ in range(blocks + 1))
+        self.drop_paths = nn.ModuleList(DropPath(drop_path) for _ in range(blocks))
+        self.head = nn.Conv2d(C, C, 3, padding=1, bias=False)
+        with torch.no_grad():
+            for bn in self.bns:
+                bn.weight.uniform_(0.5, 1.5)
+                bn.bias.normal_(0, 0.5)
+
+    def forward(self, x):
+        x = self.bns[0](self.convs[0](x))
+        for conv, bn, drop_path in zip(self.convs[1:], self.bns[1:], self.drop_paths):
+            shortcut = x
+            x = drop_path(bn(conv(x))) + shortcut
+        return self.head(x)
+
+
+LINEAR_READERS = ["convs.2:input", "convs.3:input", "head:input"]  # each reads bn(.) + shortcut
+
+
+@pytest.mark.parametrize("drop_path", [0.0, 0.5])
+def test_convs_after_linear_bottlenecks_save_no_input_of_their_own(drop_path):
+    """The sum is read from autograd's graph; each block output is noted as it, so the next add finds its
+    shortcut; the stage's block inputs cost nothing of their own (``share_residual``)."""
+    _, shared = _twins(LinearStage, 3, {}, drop_path=drop_path)
+    _, own = _twins(LinearStage, 3, {"share_residual": False}, drop_path=drop_path)
+    x = _input()
+    torch.manual_seed(3)
+    with act_hf.track_saved(shared) as s:
+        shared(x.clone().requires_grad_())
+    torch.manual_seed(3)
+    with act_hf.track_saved(own) as o:
+        own(x.clone().requires_grad_())
+    assert "convs.1:input" not in s.by_slot and "convs.1:input" not in o.by_slot  # BatchNorm's output either way
+    assert not set(LINEAR_READERS) & set(s.by_slot) and all(o.by_slot[slot] > 0 for slot in LINEAR_READERS)
+    assert s.bytes == o.bytes - sum(o.by_slot[slot] for slot in LINEAR_READERS)
+
+
+def test_linear_bottleneck_forward_is_unchanged_and_gradients_match_at_8_bits():
+    _assert_exact_at_8_bits(*_twins(LinearStage, 8, {}), name="linear bottleneck")
+
+
+def test_linear_bottleneck_conv_weight_gradient_is_unbiased():
+    _assert_unbiased(*_twins(LinearStage, 2, {}), "head")
+
+
 def test_drop_path_code_other_than_the_copied_one_is_left_as_it_is(monkeypatch):
     from act_hf.patches import timm_models
 

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..compress import PackedTensor
 from ..context import store
-from ..derived import AffineTerm, RectifiedAffine, rebuild_derived
+from ..derived import DERIVED_CONTEXTS, AffineTerm, RectifiedAffine, rebuild_derived
 
 __all__ = ["OpSettings", "RngState", "autocast_cast", "autocast_casts", "autocast_dtype", "autocast_state",
            "load_context", "owned_output", "replayed_rng", "rng_state", "save_context"]
@@ -108,8 +108,8 @@ def replayed_rng(state: RngState | None) -> Iterator[None]:
 
 
 def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine | AffineTerm | None) -> None:
-    """Save ``items`` (tensors, :class:`PackedTensor`, the derived contexts :class:`~act_hf.derived.RectifiedAffine`
-    and :class:`~act_hf.derived.AffineTerm`, or ``None``) on ``ctx``; :func:`load_context` gives them back."""
+    """Save ``items`` (tensors, :class:`PackedTensor`, the derived contexts of
+    :data:`~act_hf.derived.DERIVED_CONTEXTS`, or ``None``) on ``ctx``; :func:`load_context` gives them back."""
     flat: list[torch.Tensor] = []
     layout: list[tuple] = []
     for item in items:
@@ -118,7 +118,7 @@ def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine
         elif isinstance(item, PackedTensor):
             layout.append(("packed", len(flat), item.spec))
             flat.extend(item.tensors)
-        elif isinstance(item, (RectifiedAffine, AffineTerm)):
+        elif isinstance(item, DERIVED_CONTEXTS):
             tensors = item.tensors
             layout.append(("derived", len(flat), len(tensors), item.meta))
             flat.extend(tensors)
@@ -126,13 +126,13 @@ def save_context(ctx: Any, *items: torch.Tensor | PackedTensor | RectifiedAffine
             layout.append(("tensor", len(flat)))
             flat.append(item)
         else:
-            raise TypeError(f"save_context takes tensors, PackedTensor, RectifiedAffine, AffineTerm or None, "
+            raise TypeError(f"save_context takes tensors, PackedTensor, a derived context or None, "
                             f"got {type(item).__name__}")
     ctx.save_for_backward(*flat)
     ctx.act_layout = layout
     if store._probe is not None:  # ctx is the op's backward node
         store._probe.saved_by(ctx, tuple(leaf for i in items
-                                         for leaf in (i.leaves() if isinstance(i, (RectifiedAffine, AffineTerm))
+                                         for leaf in (i.leaves() if isinstance(i, DERIVED_CONTEXTS)
                                                       else (i,))))
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..compress import PackedTensor, dequantize
 from ..context import store
-from ..derived import AffineTerm, RectifiedAffine, derived_input, note_packed
+from ..derived import DERIVED_CONTEXTS, AffineSum, AffineTerm, RectifiedAffine, derived_input, note_packed
 from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
 
 __all__ = ["ActConvFunction", "ActLinearFunction", "ActScaleFunction", "ActStandardizedConvFunction",
@@ -42,9 +42,9 @@ def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffi
     return packed
 
 
-def input_values(saved: PackedTensor | RectifiedAffine | AffineTerm, dtype: torch.dtype) -> Tensor:
+def input_values(saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum, dtype: torch.dtype) -> Tensor:
     """The input estimate :func:`saved_input`'s context stands for, in ``dtype``."""
-    if isinstance(saved, (RectifiedAffine, AffineTerm)):
+    if isinstance(saved, DERIVED_CONTEXTS):
         return saved.add_to(None, dtype).to(dtype)
     return dequantize(saved).to(dtype)
 
