@@ -625,14 +625,11 @@ def sum_input(x: Tensor, settings) -> AffineSum | None:
         return None
     found = recall(x, "sum")
     if found is None:
-        try:
-            found = _residual_sum(x)
-        finally:
-            _dead().clear()  # read once: the forward has moved past them
+        found = _residual_sum(x)
         if found is None:
             return None
         if _live_note(x) is None:
-            remember(x, "sum", found)
+            remember(x, "sum", found)  # which also drops the dead notes the sum was read from
     return found.context(x.dtype) if _use_sources(found, settings) else None
 
 
