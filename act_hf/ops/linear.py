@@ -25,10 +25,11 @@ __all__ = ["ActConvFunction", "ActLinearFunction", "ActScaleFunction", "ActStand
            "act_channel_scale", "act_conv", "act_linear", "act_scale", "act_standardized_conv", "standardize_weight"]
 
 
-def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffine | AffineTerm:
+def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffine | AffineTerm | AffineSum:
     """What a linear or conv keeps of its input for the weight gradient: the context the ops before it already
     saved when ``x = relu(batch_norm(.))``, a residual block's ``relu(batch_norm(.) + shortcut)``, BatchNorm's
-    output or a squeeze-and-excitation's ``g * x`` (:func:`act_hf.derived.derived_input`), else ``x`` packed
+    output, a squeeze-and-excitation's ``g * x`` or a linear bottleneck's ``bn3(.) + shortcut``
+    (:func:`act_hf.derived.derived_input`), else ``x`` packed
     through the store, at no fewer than ``settings.data_bits`` bits when ``x`` has no autograd history (the batch
     the model is fed); a packed ``x`` is noted for a residual add that takes it as its shortcut."""
     if not x.requires_grad and settings.data_bits > settings.bits:
@@ -103,7 +104,7 @@ def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSetti
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | None, grad_out: Tensor, padded_shape,
+def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | AffineSum | None, grad_out: Tensor, padded_shape,
                 pad: tuple[int, ...] | None = None) -> Tensor:
     """What ``convolution_backward`` reads as the input: the saved input's values in the gradient's dtype, padded
     with ``pad`` (``F.pad``'s form) where the op padded it, or, when only the input gradient is wanted, a
