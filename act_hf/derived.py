@@ -71,8 +71,9 @@ input, for the gate's gradient, from them too), or the SE's own packed copy of `
 bottleneck's block output ``drop_path(bn3(.)) + shortcut`` with no ReLU after the add (MobileNetV2 / V3,
 EfficientNet: :func:`sum_input` reads the add from autograd's graph and notes the output as the sum, so the next
 block's add finds its shortcut; mobilenetv2_100 5.76 -> 5.68 MiB a sample at 3 bits, efficientnet_b0 7.31 -> 7.23,
-mobilenetv3_large_100 3.36 -> 3.28; whole-gradient error at 3 bits 0.434 -> 0.437 and 0.511 -> 0.512). Measured (timm, random init, 2 x 3 x 224
-x 224 under bf16 autocast, 3 bits; MiB a sample saved, before -> after): regnety_016 5.72 -> 4.18, efficientnet_b0
+mobilenetv3_large_100 3.36 -> 3.28; whole-gradient error at 3 bits 0.434 -> 0.437 and 0.511 -> 0.512).
+Measured (timm, random init, 2 x 3 x 224 x 224 under bf16 autocast, 3 bits; MiB a sample saved, before -> after,
+for the squeeze-and-excitation and BatchNorm reads): regnety_016 5.72 -> 4.18, efficientnet_b0
 8.17 -> 7.31, mobilenetv3_large_100 3.67 -> 3.36; the whole gradient's relative error against fp64 autograd (4 x 3 x
 128 x 128, BatchNorm gamma ~ U(0.2, 1), beta ~ N(0, 0.2), mean of 3 draws) 0.353 -> 0.364, 0.509 -> 0.511 and
 0.526 -> 0.521 at 3 bits, 0.0117 -> 0.0119, 0.0233 -> 0.0231 and 0.0186 -> 0.0179 at 8.

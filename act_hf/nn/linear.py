@@ -11,8 +11,8 @@ from ..ops.linear import act_channel_scale, act_conv, act_linear, act_standardiz
 from ._base import ActModule, register_act_class
 
 __all__ = ["CONV2D_SAME_CODE", "STANDARDIZED_CONV_FORWARDS", "ActConv1d", "ActConv2d", "ActConv2dSameMixin",
-           "ActConv3d", "ActConvMixin", "ActLayerScaleMixin", "ActLinear", "ActLinearMixin", "ActStandardizedConvMixin",
-           "ActTransposedLinearMixin", "is_same_padding_conv", "is_standardized_conv"]
+           "ActConv3d", "ActConvMixin", "ActLayerScaleMixin", "ActLinear", "ActLinearMixin",
+           "ActStandardizedConvMixin", "ActTransposedLinearMixin", "is_same_padding_conv", "is_standardized_conv"]
 
 
 class ActLinearMixin(ActModule):
