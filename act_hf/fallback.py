@@ -62,6 +62,7 @@ from .ops.attention import act_sdpa
 from .ops.dropout import act_dropout
 from .ops.extremum import _is_number, act_clamp, act_elementwise_extremum, act_extremum
 from .ops.loss import HEAD_LOSS_FUNCS, ReplayedLogits, run_for_head_loss
+from .regions import TOP_HOOKS_QUERY as _TOP_HOOKS_QUERY  # a module global: tests set it to None
 from .regions import enter_own_hooks, leave_own_hooks
 
 __all__ = ["MIN_NUMEL", "install_fallback_hooks"]
@@ -176,10 +177,6 @@ def _saving_frame_is_checkpoint(frame) -> bool:
     if frame is not None and frame.f_code.co_filename == _FUNCTION_FILE:
         frame = frame.f_back
     return frame is not None and frame.f_code.co_filename == _CHECKPOINT_FILE
-
-
-#: torch's query of the innermost saved-tensor hooks (torch 2.11 has it, 2.6 does not), or None
-_TOP_HOOKS_QUERY = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def _checkpoint_frames() -> int:

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["current_region", "enter_own_hooks", "leave_own_hooks", "region_is_open"]
+__all__ = ["TOP_HOOKS_QUERY", "current_region", "enter_own_hooks", "leave_own_hooks", "region_is_open"]
 
-_TOP_HOOKS_QUERY = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+#: torch's query of the innermost saved-tensor hooks, ``(pack, unpack)`` or None (torch 2.11 has it, 2.6 does not)
+TOP_HOOKS_QUERY = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 _local = threading.local()
 
@@ -42,9 +43,9 @@ def _own_pushes() -> list[tuple[Any, Any]]:
 def current_region() -> Any:
     """The region the running code is in: the pack hook of the innermost saved-tensor hooks that are not act_hf's
     own, or ``None`` outside all of them (and wherever torch cannot say which hooks are innermost)."""
-    if _TOP_HOOKS_QUERY is None:
+    if TOP_HOOKS_QUERY is None:
         return None
-    top = _TOP_HOOKS_QUERY(False)
+    top = TOP_HOOKS_QUERY(False)
     if top is None:
         return None
     pushes = _own_pushes()
