@@ -554,8 +554,9 @@ _OPERAND_KINDS = ("affine", "rectified", "sum")
 
 def _live_note(t: Tensor) -> tuple[int, _Affine | _Rectified | _Sum] | None:
     """The (version, value) of the note :func:`remember` attached to ``t`` as an operand kind, if any."""
+    notes = _notes()
     for kind in _OPERAND_KINDS:
-        note = _notes().get((kind, id(t)))
+        note = notes.get((kind, id(t)))
         if note is not None and note[0]() is t:
             return note[1], note[2]
     return None
