@@ -114,7 +114,7 @@ class ActDropPathMixin(ActModule):
         if keep_prob > 0.0 and self.scale_by_keep:
             scale.div_(keep_prob)
         out = x * scale
-        note_scaled(out, x, scale)
+        note_scaled(out, x, scale, slot=self.act_slot_name("input"))
         return out
 
 

@@ -20,18 +20,29 @@ from tests.utils import assert_grads_match, sqnr_db
 C, H = 16, 16  # 256 values per channel: BatchNorm packs x_norm (above MIN_VALUES_PER_CHANNEL)
 
 
+#: the activations a conv reads through: name -> module (inplace), and BatchNorm's gamma range for it (ReLU6's
+#: wide enough that it clips at 6 too)
+RECTIFIERS = {
+    "relu": (lambda inplace: nn.ReLU(inplace=inplace), (0.5, 1.5)),
+    "leaky_relu": (lambda inplace: nn.LeakyReLU(0.2, inplace=inplace), (0.5, 1.5)),
+    "relu6": (lambda inplace: nn.ReLU6(inplace=inplace), (2.0, 6.0)),
+    "hardtanh": (lambda inplace: nn.Hardtanh(-0.5, 1.0, inplace=inplace), (0.5, 1.5)),
+}
+
+
 class Chain(nn.Module):
-    """BatchNorm -> ReLU (or a leaky ReLU of ``slope``) -> Conv, with an optional in-place edit between two of
+    """BatchNorm -> ReLU (or another of :data:`RECTIFIERS`) -> Conv, with an optional in-place edit between two of
     them."""
 
-    def __init__(self, inplace: bool = True, edit: str | None = None, slope: float | None = None):
+    def __init__(self, inplace: bool = True, edit: str | None = None, act: str = "relu"):
         super().__init__()
+        make, gamma = RECTIFIERS[act]
         self.bn = nn.BatchNorm2d(C)
-        self.relu = nn.ReLU(inplace=inplace) if slope is None else nn.LeakyReLU(slope, inplace=inplace)
+        self.relu = make(inplace)
         self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False)
         self.edit = edit
         with torch.no_grad():
-            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.weight.uniform_(*gamma)
             self.bn.bias.normal_(0, 0.5)
 
     def forward(self, x):
@@ -65,21 +76,24 @@ def _input():
     return torch.randn(4, C, H, H) * 2 + 0.3
 
 
-SLOPES = pytest.mark.parametrize("slope", [None, 0.2], ids=["relu", "leaky_relu"])
+ACTS = pytest.mark.parametrize("act", list(RECTIFIERS))
 
 
-@SLOPES
+@ACTS
 @pytest.mark.parametrize("inplace", [True, False])
-def test_conv_saves_no_input_of_its_own(inplace, slope):
-    _, shared = _chain(inplace=inplace, slope=slope)
-    _, own = _chain(share=False, inplace=inplace, slope=slope)
+def test_conv_saves_no_input_of_its_own(inplace, act):
+    """The conv keeps nothing of its own after a (leaky) ReLU; after a clipping one, 1 bit an element: where the
+    activation clipped at the top."""
+    _, shared = _chain(inplace=inplace, act=act)
+    _, own = _chain(share=False, inplace=inplace, act=act)
     x = _input()
     with act_hf.track_saved(shared) as s:
         shared(x.clone().requires_grad_())
     with act_hf.track_saved(own) as o:
         own(x.clone().requires_grad_())
-    assert "conv:input" not in s.by_slot and o.by_slot["conv:input"] > 0
-    assert s.bytes == o.bytes - o.by_slot["conv:input"]
+    upper = x.numel() // 8 if act in ("relu6", "hardtanh") else 0
+    assert s.by_slot.get("conv:input", 0) == upper and o.by_slot["conv:input"] > 2 * upper
+    assert s.bytes == o.bytes - o.by_slot["conv:input"] + upper
 
 
 def _assert_exact_at_8_bits(ref, model, name):
@@ -121,14 +135,34 @@ def _assert_unbiased(ref, model, conv: str, torch_seed: int | None = None):
     assert (total / draws - exact).norm() < 0.15 * first_error
 
 
-@SLOPES
-def test_forward_is_unchanged_and_gradients_match_at_8_bits(slope):
-    _assert_exact_at_8_bits(*_chain(bits=8, inplace=True, slope=slope), name="bn-relu-conv")
+@ACTS
+def test_forward_is_unchanged_and_gradients_match_at_8_bits(act):
+    _assert_exact_at_8_bits(*_chain(bits=8, inplace=True, act=act), name="bn-relu-conv")
 
 
-@SLOPES
-def test_conv_weight_gradient_is_unbiased(slope):
-    _assert_unbiased(*_chain(bits=2, slope=slope), "conv")
+@ACTS
+def test_conv_weight_gradient_is_unbiased(act):
+    _assert_unbiased(*_chain(bits=2, act=act), "conv")
+
+
+class Fork(Chain):
+    """BatchNorm -> ReLU6 -> two convs that read its output."""
+
+    def __init__(self):
+        super().__init__(act="relu6")
+        self.conv2 = nn.Conv2d(C, C, 1, bias=False)
+
+    def forward(self, x):
+        h = self.relu(self.bn(x))
+        return self.conv(h) + self.conv2(h)
+
+
+def test_convs_reading_one_clipped_tensor_share_its_upper_code():
+    ref, model = _twins(Fork, 8, {})
+    with act_hf.track_saved(model) as saved:
+        model(_input().requires_grad_())
+    assert saved.by_slot["conv:input"] == _input().numel() // 8 and "conv2:input" not in saved.by_slot
+    _assert_exact_at_8_bits(ref, model, name="fork")
 
 
 def test_one_bit_more_beats_the_own_copy_with_fewer_bytes():
@@ -560,6 +594,39 @@ def test_stochastic_depth_draws_as_timm_does_and_gradients_match_at_8_bits():
     assert sqnr_db(xr.grad, xm.grad) > 30
 
 
+class DroppedChain(Chain):
+    """BatchNorm -> ReLU6 -> stochastic depth -> Conv: the conv reads ``s * h``, ``h`` clipped."""
+
+    def __init__(self):
+        from timm.layers import DropPath
+
+        super().__init__(act="relu6")
+        self.drop = DropPath(0.5)
+
+    def forward(self, x):
+        return self.conv(self.drop(self.relu(self.bn(x))))
+
+
+def test_a_scaled_clipped_tensor_is_read_with_the_code_of_where_it_clipped():
+    """Stochastic depth notes ``s * h`` with the 1-bit code of where ``h`` clipped at the top, packed from ``h``
+    (``s * h`` cannot tell it: ``s`` may be 0), under its slot; the conv reads that."""
+    ref, model = _twins(DroppedChain, 8, {})
+    x = _input()
+    torch.manual_seed(3)
+    with act_hf.track_saved(model) as saved:
+        model(x.clone().requires_grad_())
+    assert saved.by_slot["drop:input"] == x.numel() // 8 and "conv:input" not in saved.by_slot
+    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(3)
+    out = model(xm)
+    torch.manual_seed(3)
+    expected = ref(xr)
+    assert torch.equal(out, expected)
+    out.backward(torch.ones_like(out))
+    expected.backward(torch.ones_like(out))
+    assert_grads_match(ref, model, name="relu6-drop-path-conv")
+
+
 def test_stochastic_depth_conv_weight_gradient_is_unbiased():
     _assert_unbiased(*_stage(bits=2, drop_path=0.5), "head", torch_seed=3)
 
@@ -596,33 +663,35 @@ def test_squeeze_excite_conv_weight_gradient_is_unbiased():
 
 class GatedChain(nn.Module):
     """BatchNorm -> ``act`` -> squeeze-and-excitation (timm's ``SEModule``, ``g * h``) -> Conv: RegNetY's
-    ``conv3(se(relu(bn2(.))))`` (``"relu"``), EfficientNet's ``conv_pwl(se(silu(bn(.))))`` (``"silu"``), or none;
-    without ``se``, BatchNorm -> ``act`` -> Conv."""
+    ``conv3(se(relu(bn2(.))))`` (``"relu"``; ``"relu6"`` clips), EfficientNet's ``conv_pwl(se(silu(bn(.))))``
+    (``"silu"``), or none; without ``se``, BatchNorm -> ``act`` -> Conv."""
 
     def __init__(self, act: str = "relu", se: bool = True):
         super().__init__()
         from timm.layers import SEModule
 
         self.bn = nn.BatchNorm2d(C)
-        self.act = {"relu": nn.ReLU(inplace=True), "silu": nn.SiLU(inplace=True), "none": nn.Identity()}[act]
+        self.act = {"relu": nn.ReLU(inplace=True), "relu6": nn.ReLU6(inplace=True), "silu": nn.SiLU(inplace=True),
+                    "none": nn.Identity()}[act]
         self.se = SEModule(C, rd_ratio=0.25) if se else nn.Identity()
         self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False)
         with torch.no_grad():
-            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.weight.uniform_(*RECTIFIERS["relu6"][1] if act == "relu6" else (0.5, 1.5))
             self.bn.bias.normal_(0, 0.5)
 
     def forward(self, x):
         return self.conv(self.se(self.act(self.bn(x))))
 
 
-GATES = pytest.mark.parametrize("act", ["relu", "silu", "none"])
+GATES = pytest.mark.parametrize("act", ["relu", "relu6", "silu", "none"])
 
 
 @GATES
 def test_conv_after_squeeze_excite_reads_its_input_from_the_ops_before_it(act):
     """The conv reads ``g * h`` as ``g`` (exact) times what the ops before it saved of ``h``: BatchNorm's packed
     input (and the ReLU's mask), or the SE's own packed copy of a SiLU's output; so does the SE, for its gate's
-    gradient, where BatchNorm's input describes ``h``. Neither packs anything of its own then."""
+    gradient, where BatchNorm's input describes ``h``. Neither packs anything of its own then, but for a ReLU6's
+    clipped output the SE's 1-bit code of where it clipped at the top (the conv reads it too)."""
     _, shared = _twins(GatedChain, 3, {}, act=act)
     _, own = _twins(GatedChain, 3, {"share_bn_relu": False, "share_residual": False}, act=act)
     x = _input()
@@ -631,8 +700,10 @@ def test_conv_after_squeeze_excite_reads_its_input_from_the_ops_before_it(act):
     with act_hf.track_saved(own) as o:
         own(x.clone().requires_grad_())
     readers = ["conv:input"] + (["se:input"] if act != "silu" else [])
-    assert not set(readers) & set(s.by_slot) and all(o.by_slot[slot] > 0 for slot in readers)
-    assert s.bytes == o.bytes - sum(o.by_slot[slot] for slot in readers)
+    upper = {"se:input": x.numel() // 8} if act == "relu6" else {}
+    assert {slot: n for slot, n in s.by_slot.items() if slot in readers} == upper
+    assert all(o.by_slot[slot] > 0 for slot in readers)
+    assert s.bytes == o.bytes - sum(o.by_slot[slot] for slot in readers) + sum(upper.values())
 
 
 @GATES

@@ -72,9 +72,13 @@ class ActModule:
                           data_bits=self.act_data_bits, slot_bits=self.act_slot_bits,
                           share_residual=self.act_share_residual)
 
+    def act_slot_name(self, role: str = "input") -> str:
+        """The name of the slot ``<act_slot>:<role>``."""
+        return f"{self.act_slot or type(self).__name__}:{role}"
+
     def act_settings(self, role: str = "input") -> OpSettings:
         """Settings for the slot ``<act_slot>:<role>``, with the bits the allocator gave it."""
-        slot = f"{self.act_slot or type(self).__name__}:{role}"
+        slot = self.act_slot_name(role)
         return replace(self.act_base_settings(), slot=slot,
                        bits=store.bits_for(slot, self.act_bits, self.act_slot_bits))
 

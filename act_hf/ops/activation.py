@@ -87,6 +87,10 @@ ACTIVATION_NAMES: tuple[str, ...] = tuple(dict.fromkeys((*fewbit.SUPPORTED_ACTIV
 #: torch's hardsigmoid_backward multiplies by 1/6 rounded to float32, in every dtype.
 _HARDSIGMOID_SLOPE = float(torch.tensor(1 / 6, dtype=torch.float32))
 
+#: Activations whose output a conv after ``batch_norm`` may read from BatchNorm's packed input and their 1-bit code
+#: (:mod:`act_hf.derived`; a clipping one's conv adds a 1-bit code of where it clipped at the top).
+_RECTIFIERS = ("relu", "leaky_relu", "relu6", "hardtanh")
+
 #: Activations whose derivative jumps, and the bits of the region code they save beside a quantized input.
 REGION_BITS: dict[str, int] = {"hardswish": 2, "selu": 1}
 
@@ -193,6 +197,13 @@ class ActivationSpec:
         return not self.exact and bits >= QUANTIZED_INPUT_MIN_BITS
 
     @property
+    def clamp(self) -> tuple[float, float] | None:
+        """``(lo, hi)`` of the clipping activations (``relu6``: ``(0, 6)``, ``hardtanh``), else ``None``."""
+        if self.name == "relu6":
+            return 0.0, 6.0
+        return (self.min_val, self.max_val) if self.name == "hardtanh" else None
+
+    @property
     def region_bits(self) -> int:
         """Bits of the region code saved beside a quantized input (0: the derivative has no jump)."""
         return REGION_BITS.get(self.name, 0)
@@ -267,8 +278,8 @@ class ActivationSpec:
             return ~(x <= 0)
         if n == "leaky_relu":
             return x > 0
-        if n in ("relu6", "hardtanh"):
-            lo, hi = (0.0, 6.0) if n == "relu6" else (self.min_val, self.max_val)
+        if self.clamp is not None:
+            lo, hi = self.clamp
             return ~((x <= lo) | (x >= hi))
         if n == "hardsigmoid":
             return (x > -3.0) & (x < 3.0)
@@ -335,7 +346,7 @@ class ActActivationFunction(torch.autograd.Function):
                 region = spec.region_packed(x)
         elif need:
             payload = spec.encode_packed(x, bits)
-        rectifier = need and spec.name in ("relu", "leaky_relu")
+        rectifier = need and spec.name in _RECTIFIERS
         affine = affine_of(x) if rectifier else None  # x = batch_norm(.): see act_hf.derived
         version = x._version
         out = fn(x)
@@ -354,7 +365,8 @@ class ActActivationFunction(torch.autograd.Function):
             store.register((payload,), slot=settings.slot, original_nbytes=x.numel() * x.element_size())
             save_context(ctx, payload)
             if affine is not None:  # noted by act_activation once autograd has wrapped (and versioned) out
-                ctx.act_rectified = (affine, payload, spec.negative_slope if spec.name == "leaky_relu" else 0.0)
+                ctx.act_rectified = (affine, payload, spec.negative_slope if spec.name == "leaky_relu" else 0.0,
+                                     spec.clamp)
         ctx.spec, ctx.bits, ctx.shape = spec, bits, x.shape
         return out
 
