@@ -5,7 +5,8 @@ backward during one training-mode forward, parameters excluded, packed payloads 
 GPU. Models are built from their standard configs with random weights (attention-probability dropout off,
 see ``MODELS``) (bert-base, bert-large, roberta-base, gpt2, a LLaMA-style decoder, Phi-3-, Mixtral-, Granite-,
 Cohere- and Gemma-2-style decoders on the generic fallback, and timm's vit-base, swin-tiny, convnext-tiny,
-convnextv2-tiny, resnet50, and the mobile nets efficientnet-b0, tf-efficientnet-b0, mobilenetv3-large, regnety-016);
+convnextv2-tiny, resnet50, and the mobile nets efficientnet-b0, tf-efficientnet-b0, mobilenetv3-large, regnety-016,
+mobilenetv2-100);
 text at sequence length 128, images at 224x224. act_hf
 runs under bf16 autocast, so its ratio is against the bf16 baseline. A
 fractional ``--bits`` value is an adaptive average budget (default columns: 1, 2, 3, 4, 8 bits and adaptive 2.5).
@@ -92,6 +93,7 @@ MODELS = {
     "tf-efficientnet-b0": _timm("tf_efficientnet_b0"),
     "mobilenetv3-large": _timm("mobilenetv3_large_100"),
     "regnety-016": _timm("regnety_016"),
+    "mobilenetv2-100": _timm("mobilenetv2_100"),  # ReLU6 after BatchNorm before the depthwise and project convs
 }
 
 
