@@ -1,4 +1,5 @@
-"""HF vision models: ViT, Swin, Swin V2 (and Swin2SR, built from its layers), ConvNeXt (V1 and V2).
+"""HF vision models: ViT, Swin, Swin V2 (and Swin2SR, built from its layers), ConvNeXt (V1 and V2), and the
+TF-padded conv layers of MobileNet V1 / V2 (on the generic fallback, through :func:`tf_padded_conv_layer_rule`).
 
 ViT and Swin: Linear, LayerNorm, GELU, dropout and attention (Swin's relative position bias and shift mask
 reach act_hf's attention as an additive mask). Swin V2: the same, its scaled cosine attention through
@@ -8,10 +9,11 @@ Linears save quantized inputs; V2's Global Response Norm keeps its input packed 
 classifier stays exact.
 """
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
 from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
+from act_hf.ops.linear import act_conv
 from act_hf.patcher import Rule, code_fingerprint, register_patch
 
 from ._hf import patch_hf
@@ -55,6 +57,71 @@ SWINV2_SELF_ATTENTION_FORWARD = "65e8b4260fc5b067"
 def _is_swinv2_self_attention(m) -> bool:
     return type(m).__name__ in ("Swinv2SelfAttention", "Swin2SRSelfAttention") \
         and code_fingerprint(type(m).forward) == SWINV2_SELF_ATTENTION_FORWARD
+
+
+def _tf_padding(features: Tensor, conv: nn.Conv2d, dilated: bool) -> tuple[int, int, int, int]:
+    """The padding transformers' ``apply_tf_padding`` gives ``features`` before ``conv``, in ``F.pad``'s form (the
+    odd pixel after); MobileNetV2's multiplies it by the dilation (``dilated``), MobileNetV1's does not."""
+    (ih, iw), (sh, sw), (kh, kw) = features.shape[-2:], conv.stride, conv.kernel_size
+    dh, dw = conv.dilation if dilated else (1, 1)
+    pad_h = max(kh - (sh if ih % sh == 0 else ih % sh), 0)
+    pad_w = max(kw - (sw if iw % sw == 0 else iw % sw), 0)
+    return pad_w // 2 * dw, (pad_w - pad_w // 2) * dw, pad_h // 2 * dh, (pad_h - pad_h // 2) * dh
+
+
+class ActTFPaddedConvLayerMixin(ActModule):
+    """transformers' ``MobileNetV1ConvLayer`` / ``MobileNetV2ConvLayer`` (conv, BatchNorm, activation) with
+    ``config.tf_padding``: the original pads the input with ``F.pad`` and the conv keeps the padded copy, which
+    the ops before cannot describe; here the converted conv pads it inside (:func:`act_conv`'s ``pad``) and keeps
+    the input before the padding, where a BatchNorm and ReLU6 before it already describe it (:mod:`act_hf.derived`):
+    the same output, bit for bit. The rule converts a layer only when its ``forward`` and the ``apply_tf_padding``
+    it calls are the code this reproduces (:data:`TF_PADDED_CONV_LAYER_FORWARD`, :data:`TF_PADDINGS`); with its
+    conv left unconverted (excluded), the layer runs its own forward."""
+
+    act_tf_pad_dilated: bool = False
+
+    def forward(self, features: Tensor) -> Tensor:
+        conv = self.convolution
+        if not (self.config.tf_padding and isinstance(conv, ActModule) and conv.act_enabled(features)) \
+                or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            return super().forward(features)
+        pad = _tf_padding(features, conv, self.act_tf_pad_dilated)
+        features = act_conv(features, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups,
+                            conv.act_settings("input"), pad=pad if any(pad) else None)
+        if self.normalization is not None:
+            features = self.normalization(features)
+        if self.activation is not None:
+            features = self.activation(features)
+        return features
+
+
+#: :func:`code_fingerprint` of the ``forward`` of transformers' ``MobileNetV1ConvLayer`` and
+#: ``MobileNetV2ConvLayer`` (the same code, transformers 5.x) that :class:`ActTFPaddedConvLayerMixin` reproduces
+TF_PADDED_CONV_LAYER_FORWARD = "9d7e48ef81291039"
+#: :func:`code_fingerprint` of the ``apply_tf_padding`` that forward calls -> whether it multiplies the padding by
+#: the dilation (MobileNetV2's does, MobileNetV1's does not)
+TF_PADDINGS = {"2466309a32df1703": False, "97fd8e87e4d6c80f": True}
+
+
+def _tf_padding_dilated(m: nn.Module) -> bool | None:
+    """For a layer :class:`ActTFPaddedConvLayerMixin` reproduces, whether its padding is times the dilation;
+    else ``None``."""
+    if type(m).__name__ not in ("MobileNetV1ConvLayer", "MobileNetV2ConvLayer") \
+            or not isinstance(getattr(m, "convolution", None), nn.Conv2d):
+        return None
+    forward = type(m).forward
+    try:
+        if code_fingerprint(forward) != TF_PADDED_CONV_LAYER_FORWARD:
+            return None
+        return TF_PADDINGS.get(code_fingerprint(forward.__globals__.get("apply_tf_padding")))
+    except (OSError, TypeError):  # the callee missing or without source
+        return None
+
+
+def tf_padded_conv_layer_rule() -> Rule:
+    """The rule converting MobileNet V1 / V2's TF-padded conv layers (:class:`ActTFPaddedConvLayerMixin`)."""
+    return Rule("conv", lambda m: _tf_padding_dilated(m) is not None, lambda m: ActTFPaddedConvLayerMixin,
+                attrs=lambda m, c: {"act_tf_pad_dilated": _tf_padding_dilated(m)})
 
 
 def _convnext_rules() -> list[Rule]:
