@@ -97,6 +97,9 @@ def _hf_cases() -> dict[str, tuple[Callable, Callable]]:
         "dinov2": (lambda: tf.Dinov2ForImageClassification(tf.Dinov2Config(
             image_size=32, patch_size=8, num_hidden_layers=2, num_labels=3, **_TEXT)),
             lambda: {"pixel_values": _pixels(), "labels": torch.tensor([0, 2])}),
+        "mobilenet_v2": (lambda: tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config(
+            depth_multiplier=0.35, image_size=32, num_labels=3)),
+            lambda: {"pixel_values": _pixels(), "labels": torch.tensor([0, 2])}),
         "yolos": (lambda: tf.YolosModel(tf.YolosConfig(image_size=[32, 32], patch_size=8, num_hidden_layers=2,
                                                        num_detection_tokens=4, **_TEXT)),
                   lambda: {"pixel_values": _pixels()}),
@@ -111,7 +114,7 @@ TIMM_MODELS = {
     "cspresnet50": 64, "darknet53": 64, "cspresnext50": 64, "edgenext_xx_small": 64, "fastvit_t8": 224,
     "mobileone_s0": 64, "hgnetv2_b0": 64, "tiny_vit_5m_224": 224, "rdnet_tiny": 64, "efficientformerv2_s0": 224,
     "inception_next_atto": 64, "mambaout_femto": 64, "starnet_s050": 64, "efficientvit_b0": 128,
-    "mobilenetv3_small_050": 128, "hiera_tiny_224": 224,
+    "mobilenetv3_small_050": 128, "hiera_tiny_224": 224, "mobilenetv2_050": 64,
 }
 
 
