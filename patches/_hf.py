@@ -83,14 +83,14 @@ def _warn_unreproduced(cls: type, meta: bool) -> None:
 
 
 def hf_rules() -> list[Rule]:
-    """Rules every HF family uses in front of the generic torch ones (MobileNet V1 / V2's TF-padded conv layers
+    """Rules every HF family uses in front of the generic torch ones (MobileNet V1 / V2's and BiT's conv layers
     among them: those models run on the generic fallback)."""
     from act_hf.nn import linear
 
-    from .vision_hf import tf_padded_conv_layer_rule
+    from .vision_hf import vision_conv_rules
 
     transposed_linear = Rule("linear", lambda m: type(m) is Conv1D, lambda m: linear.ActTransposedLinearMixin)
-    return _activation_rules() + [transposed_linear, tf_padded_conv_layer_rule()]
+    return _activation_rules() + [transposed_linear] + vision_conv_rules()
 
 
 def _enable_attention(model: nn.Module, config: ActConfig, head_paths: list[str]) -> list[str]:

@@ -1,5 +1,6 @@
-"""HF vision models: ViT, Swin, Swin V2 (and Swin2SR, built from its layers), ConvNeXt (V1 and V2), and the
-TF-padded conv layers of MobileNet V1 / V2 (on the generic fallback, through :func:`tf_padded_conv_layer_rule`).
+"""HF vision models: ViT, Swin, Swin V2 (and Swin2SR, built from its layers), ConvNeXt (V1 and V2), and, for
+models on the generic fallback (:func:`vision_conv_rules`), the TF-padded conv layers of MobileNet V1 / V2 and
+BiT's weight-standardized convs and max pool.
 
 ViT and Swin: Linear, LayerNorm, GELU, dropout and attention (Swin's relative position bias and shift mask
 reach act_hf's attention as an additive mask). Swin V2: the same, its scaled cosine attention through
@@ -12,8 +13,10 @@ classifier stays exact.
 from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
+from act_hf.nn.linear import same_pad
 from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
-from act_hf.ops.linear import act_conv
+from act_hf.ops.linear import act_conv, act_standardized_conv
+from act_hf.ops.pooling import act_max_pool
 from act_hf.patcher import Rule, code_fingerprint, register_patch
 
 from ._hf import patch_hf
@@ -118,10 +121,83 @@ def _tf_padding_dilated(m: nn.Module) -> bool | None:
         return None
 
 
-def tf_padded_conv_layer_rule() -> Rule:
-    """The rule converting MobileNet V1 / V2's TF-padded conv layers (:class:`ActTFPaddedConvLayerMixin`)."""
-    return Rule("conv", lambda m: _tf_padding_dilated(m) is not None, lambda m: ActTFPaddedConvLayerMixin,
-                attrs=lambda m, c: {"act_tf_pad_dilated": _tf_padding_dilated(m)})
+class ActWeightStandardizedConvMixin(ActModule):
+    """transformers' ``WeightStandardizedConv2d`` (BiT, and the BiT backbones of ViT-hybrid and DPT-hybrid): timm's
+    ``StdConv2d`` / ``StdConv2dSame`` in one class, TF's SAME padding in a ``DynamicPad2d`` module. Through
+    :func:`act_standardized_conv`, as timm's: the input packed before the padding (slot ``<path>:input``) and the
+    standardized weight made again in backward; unconverted, the fallback kept that weight exact, a weight-sized
+    tensor per conv (BiT-50, bf16: 48.6 MiB a step). The rule converts a conv only when its ``forward`` and its pad
+    module's code are the code this reproduces (:data:`WEIGHT_STANDARDIZED_CONV_CODE`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x) or self.padding_mode != "zeros" or isinstance(self.padding, str) \
+                or (self.pad is not None and self.pad.value != 0):
+            return super().forward(x)
+        pad = None if self.pad is None else same_pad(x, self.pad.kernel_size, self.pad.stride, self.pad.dilation)
+        return act_standardized_conv(x, self.weight, None, self.bias, 1.0, self.eps, self.stride, self.padding,
+                                     self.dilation, self.groups, self.act_settings("input"),
+                                     pad=pad if pad is not None and any(pad) else None)
+
+
+#: :func:`code_fingerprint` of the ``forward`` of transformers' ``WeightStandardizedConv2d`` and of the
+#: ``forward`` and ``__init__`` (its padding arithmetic) of its ``DynamicPad2d`` (transformers 5.x)
+WEIGHT_STANDARDIZED_CONV_CODE = ("3873f837b9532198", "055128a899ec4f4b", "0ce3fb0f67bfa15b")
+
+
+def _is_weight_standardized_conv(m: nn.Module) -> bool:
+    if type(m).__name__ != "WeightStandardizedConv2d" or not isinstance(m, nn.Conv2d):
+        return False
+    pad_class = _callee_class(type(m).forward, "DynamicPad2d")
+    if pad_class is None or (m.pad is not None and type(m.pad) is not pad_class):
+        return False
+    try:
+        code = (code_fingerprint(type(m).forward), code_fingerprint(pad_class.forward),
+                code_fingerprint(pad_class.__init__))
+    except (OSError, TypeError):  # without source
+        return False
+    return code == WEIGHT_STANDARDIZED_CONV_CODE
+
+
+def _callee_class(fn, name: str) -> type | None:
+    """The class ``name`` in the globals of ``fn``'s module, if any."""
+    found = getattr(fn, "__globals__", {}).get(name)
+    return found if isinstance(found, type) else None
+
+
+class ActBitMaxPoolMixin(ActModule):
+    """transformers' ``BitMaxPool2d`` (its ``pad`` module, then ``F.max_pool2d``) through :func:`act_max_pool`:
+    the argmax position in each window at a few bits (slot ``<path>:indices``) instead of the int64 indices the
+    original saves (BiT-50 at 224 x 224: 1.5 MiB a sample). Converted only when its ``forward`` is the code this
+    reproduces (:data:`BIT_MAX_POOL_FORWARD`)."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        if self.return_indices or not self.act_enabled(hidden_states):
+            return super().forward(hidden_states)
+        return act_max_pool(self.pad(hidden_states), 2, self.kernel_size, self.stride, self.padding, self.dilation,
+                            self.ceil_mode, settings=self.act_settings("indices"))
+
+
+#: :func:`code_fingerprint` of ``BitMaxPool2d.forward`` (transformers 5.x)
+BIT_MAX_POOL_FORWARD = "3ee417f144ff4845"
+
+
+def _is_bit_max_pool(m: nn.Module) -> bool:
+    if type(m).__name__ != "BitMaxPool2d" or not isinstance(m, nn.MaxPool2d):
+        return False
+    try:
+        return code_fingerprint(type(m).forward) == BIT_MAX_POOL_FORWARD
+    except (OSError, TypeError):  # without source
+        return False
+
+
+def vision_conv_rules() -> list[Rule]:
+    """Rules for HF vision conv nets on the generic fallback: MobileNet V1 / V2's TF-padded conv layers
+    (:class:`ActTFPaddedConvLayerMixin`), BiT's weight-standardized convs (:class:`ActWeightStandardizedConvMixin`)
+    and its max pool (:class:`ActBitMaxPoolMixin`)."""
+    return [Rule("conv", lambda m: _tf_padding_dilated(m) is not None, lambda m: ActTFPaddedConvLayerMixin,
+                 attrs=lambda m, c: {"act_tf_pad_dilated": _tf_padding_dilated(m)}),
+            Rule("conv", _is_weight_standardized_conv, lambda m: ActWeightStandardizedConvMixin),
+            Rule("pool", _is_bit_max_pool, lambda m: ActBitMaxPoolMixin)]
 
 
 def _convnext_rules() -> list[Rule]:

@@ -12,7 +12,8 @@ from ._base import ActModule, register_act_class
 
 __all__ = ["CONV2D_SAME_CODE", "STANDARDIZED_CONV_FORWARDS", "ActConv1d", "ActConv2d", "ActConv2dSameMixin",
            "ActConv3d", "ActConvMixin", "ActLayerScaleMixin", "ActLinear", "ActLinearMixin",
-           "ActStandardizedConvMixin", "ActTransposedLinearMixin", "is_same_padding_conv", "is_standardized_conv"]
+           "ActStandardizedConvMixin", "ActTransposedLinearMixin", "is_same_padding_conv", "is_standardized_conv",
+           "same_pad"]
 
 
 class ActLinearMixin(ActModule):
@@ -101,7 +102,7 @@ def _same_padding(size: int, kernel: int, stride: int, dilation: int) -> int:
     return max((math.ceil(size / stride) - 1) * stride + (kernel - 1) * dilation + 1 - size, 0)
 
 
-def _same_pad(x: Tensor, kernel_size, stride, dilation) -> tuple[int, int, int, int]:
+def same_pad(x: Tensor, kernel_size, stride, dilation) -> tuple[int, int, int, int]:
     """TF's SAME padding of ``x``'s last two dims as timm's ``pad_same`` computes it, in ``F.pad``'s form (the odd
     pixel after)."""
     (ih, iw), (kh, kw), (sh, sw), (dh, dw) = x.shape[-2:], kernel_size, stride, dilation
@@ -145,7 +146,7 @@ class ActStandardizedConvMixin(ActModule):
         if not self.act_enabled(x) or self.padding_mode != "zeros" or isinstance(self.padding, str):
             return super().forward(x)  # timm pads with zeros; a string padding stays on the original op
         scaled, same = _standardized_form(self.act_original_class)
-        pad = _same_pad(x, self.kernel_size, self.stride, self.dilation) if same and self.same_pad else None
+        pad = same_pad(x, self.kernel_size, self.stride, self.dilation) if same and self.same_pad else None
         return act_standardized_conv(x, self.weight, self.gain if scaled else None, self.bias,
                                      self.scale if scaled else 1.0, self.eps, self.stride, self.padding,
                                      self.dilation, self.groups, self.act_settings("input"), pad=pad)
@@ -160,7 +161,7 @@ class ActConv2dSameMixin(ActModule):
     def forward(self, x: Tensor) -> Tensor:
         if not self.act_enabled(x):
             return super().forward(x)
-        pad = _same_pad(x, self.weight.shape[-2:], self.stride, self.dilation)
+        pad = same_pad(x, self.weight.shape[-2:], self.stride, self.dilation)
         return act_conv(x, self.weight, self.bias, self.stride, (0, 0), self.dilation, self.groups,
                         self.act_settings("input"), pad=pad)
 

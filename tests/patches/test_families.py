@@ -1142,6 +1142,38 @@ def test_hf_mobilenet_tf_padded_convs_read_their_input_from_batchnorm_and_relu6(
     assert any(own.values())  # some ReLU6 clipped at 6
 
 
+@pytest.mark.parametrize("padding", [None, "SAME"])
+def test_hf_bit_standardized_convs_and_max_pool_keep_nothing_at_full_width(padding):
+    """HF's BiT (and the BiT backbones of ViT-hybrid and DPT-hybrid) standardizes its conv weights in every forward
+    and max-pools through a pad module of its own; unconverted, the fallback kept every standardized weight exact
+    and the pool's int64 indices (BiT-50, 2 x 224 x 224, 3 bits, bf16: 32.36 MiB a sample, 24.30 of them full
+    width). Converted (``"SAME"``: TF's padding in a ``DynamicPad2d``), only GroupNorm's statistics stay full
+    width; the forward is unchanged and gradients match at 8 bits."""
+    from transformers import BitConfig, BitForImageClassification
+
+    torch.manual_seed(0)
+    config = BitConfig(embedding_size=32, hidden_sizes=[64, 128], depths=[1, 1], num_groups=8, num_labels=3,
+                       global_padding=padding, layer_type="bottleneck" if padding else "preactivation")
+    ref = BitForImageClassification(config).train()
+    with pytest.warns(act_hf.ActHFWarning, match="no family"):
+        model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    converted = {type(m).__name__ for p, m in model.named_modules() if p in model.act_hf_patched_modules}
+    assert {"ActWeightStandardizedConv2d", "ActBitMaxPool2d"} <= converted
+    assert not any(type(m).__name__ in ("WeightStandardizedConv2d", "BitMaxPool2d") for m in model.modules())
+    x = torch.randn(2, 3, 65, 65)  # odd: the SAME padding is uneven; no tensor under the fallback's MIN_NUMEL
+    with act_hf.track_saved(model) as saved:
+        out = model(pixel_values=x).logits
+    expected = ref(pixel_values=x).logits
+    assert torch.equal(out, expected)
+    g = torch.randn_like(out)
+    out.backward(g)
+    expected.backward(g)
+    assert_grads_match(ref, model, name=f"hf-bit-{padding}")
+    full_width = {slot: n for slot, n in saved.by_slot.items() if slot.startswith("<uncompressed")}
+    assert list(full_width) == ["<uncompressed:torch.float32>"]  # GroupNorm's mean and rstd
+    assert full_width["<uncompressed:torch.float32>"] < 0.05 * saved.bytes
+
+
 def test_timm_squeeze_excite_other_code_is_left_as_it_is():
     """An SE module with a max pool in its squeeze (its backward reads x exactly) or a subclass with a forward of
     its own keeps autograd's product; the channels-last one is converted."""
