@@ -30,7 +30,9 @@ runs ``amax`` / ``amin`` and the whole-tensor ``max()`` / ``min()`` as :func:`ac
 (slot ``<root class>:extremum``): autograd finds their maxima again as ``input == result``, which quantized
 copies no longer satisfy (NaN gradients). For the same reason elementwise ``maximum`` / ``minimum`` (``max(a, b)``)
 and ``clamp`` with numeric bounds run as :func:`act_hf.ops.extremum.act_elementwise_extremum` and ``act_clamp``
-(same slot): quantized operands compared the wrong way near each other or a bound. And it runs ``F.dropout`` /
+(same slot): quantized operands compared the wrong way near each other or a bound; ``max(x, dim)`` / ``min(x, dim)``
+run as :func:`act_hf.ops.extremum.act_indexed_extremum` (same slot), their indices at a few bits instead of int64.
+And it runs ``F.dropout`` /
 ``torch.dropout`` in training as :func:`act_hf.ops.dropout.act_dropout` (slot ``<root class>:dropout``): the same
 mask from the same draws, kept at 1 bit an element where the hooks saw PyTorch's ``bool`` mask (CUDA) or its noise
 in the input's dtype (CPU), which needs no gradient and stayed exact. OPT, XGLM, Seed-OSS call dropout as a
@@ -60,7 +62,7 @@ from .ops._saving import OpSettings
 from .ops.activation import ActivationSpec, act_activation
 from .ops.attention import act_sdpa
 from .ops.dropout import act_dropout
-from .ops.extremum import _is_number, act_clamp, act_elementwise_extremum, act_extremum
+from .ops.extremum import _is_number, act_clamp, act_elementwise_extremum, act_extremum, act_indexed_extremum
 from .ops.loss import HEAD_LOSS_FUNCS, ReplayedLogits, run_for_head_loss
 from .regions import TOP_HOOKS_QUERY as _TOP_HOOKS_QUERY  # a module global: tests set it to None
 from .regions import enter_own_hooks, leave_own_hooks
@@ -134,6 +136,7 @@ _SDPA_SIGNATURE = inspect.signature(lambda query, key, value, attn_mask=None, dr
 
 
 _EXTREMUM_SIGNATURE = inspect.signature(lambda input, dim=(), keepdim=False: None)
+_INDEXED_EXTREMUM_SIGNATURE = inspect.signature(lambda input, dim, keepdim=False: None)
 _RELU_SIGNATURE = inspect.signature(lambda input: None)
 _LEAKY_SIGNATURE = inspect.signature(lambda input, negative_slope=0.01: None)
 #: rectifiers -> (their signature, in place): torch's ``threshold_backward`` reads their saved result ``> 0``
@@ -347,9 +350,16 @@ class _FallbackOps(TorchFunctionMode):
                 return self._elementwise(func, *args, largest)
             if not self._routable(x):
                 return func(*args, **kwargs)
-            if whole:  # max(x, dim) saves indices: it runs as it is
-                return act_extremum(x, largest=largest, slot=self.slot) if len(args) == 1 and not kwargs \
-                    else func(*args, **kwargs)
+            if whole and len(args) == 1 and not kwargs:  # x.max()
+                return act_extremum(x, largest=largest, slot=self.slot)
+            if whole:  # max(x, dim, keepdim): values and indices
+                try:
+                    a = _INDEXED_EXTREMUM_SIGNATURE.bind(*args, **kwargs).arguments
+                except TypeError:  # out=, names
+                    return func(*args, **kwargs)
+                if isinstance(a["dim"], bool) or not isinstance(a["dim"], int):
+                    return func(*args, **kwargs)
+                return act_indexed_extremum(x, a["dim"], a.get("keepdim", False), largest=largest, slot=self.slot)
             try:
                 a = _EXTREMUM_SIGNATURE.bind(*args, **kwargs).arguments
             except TypeError:

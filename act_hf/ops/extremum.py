@@ -13,7 +13,11 @@ formula on it, so the gradient is bit-identical:
 * whole-tensor ``max()`` / ``min()``: ``zeros.masked_fill(mask, grad / mask.sum())`` with the NaN elements as the
   mask when the result is NaN (autograd's ``evenly_distribute_backward``).
 
-Reductions over an index (``max(x, dim)``) save ``int64`` indices, not the input, and are not this op's concern.
+Reductions over an index (``max(x, dim)`` / ``min(x, dim)``, values and indices) save no input but ``int64``
+indices, 8 bytes an output element (HF's Hiera pools its queries and tokens with ``.max(dim=...)``: a fifth of its
+context at 3 bits). :func:`act_indexed_extremum` keeps each index at ``max(1, ceil(log2(size)))`` bits, ``size``
+the reduced dimension's (up to 256 positions; longer ones run the original), and scatters the gradient to it as
+autograd does: bit-identical.
 
 The elementwise forms compare in backward too: ``maximum`` / ``minimum`` of two tensors (also ``max(a, b)``,
 ``min(a, b)``) and ``clamp`` / ``clip`` / ``clamp_min`` / ``clamp_max`` with numeric bounds. Autograd saves the
@@ -42,8 +46,12 @@ from ..compress import pack_bits, unpack_bits
 from ..context import store
 from ..errors import ActHFValueError
 
-__all__ = ["ActClampFunction", "ActElementwiseExtremumFunction", "ActExtremumFunction", "act_clamp",
-           "act_elementwise_extremum", "act_extremum", "passes_at_bound"]
+__all__ = ["MAX_INDEXED_SIZE", "ActClampFunction", "ActElementwiseExtremumFunction", "ActExtremumFunction",
+           "ActIndexedExtremumFunction", "act_clamp", "act_elementwise_extremum", "act_extremum",
+           "act_indexed_extremum", "passes_at_bound"]
+
+#: Longest dimension :func:`act_indexed_extremum` reduces itself (its indices fit a byte); longer run the original.
+MAX_INDEXED_SIZE = 256
 
 
 def _reduce(x: Tensor, largest: bool, dims: tuple[int, ...] | None, keepdim: bool) -> Tensor:
@@ -87,6 +95,58 @@ class ActExtremumFunction(torch.autograd.Function):
             return grad.new_zeros(shape).masked_fill_(mask, grad / mask.sum()), None, None, None, None
         grad = _restore_dims(grad, dims, keepdim)
         return (grad / mask.sum(dims, keepdim=True)) * mask, None, None, None, None
+
+
+def _index_bits(size: int) -> int:
+    """Bits of an index into ``size`` positions: ``max(1, ceil(log2(size)))``."""
+    return max(1, math.ceil(math.log2(size)))
+
+
+class ActIndexedExtremumFunction(torch.autograd.Function):
+    """``torch.max(x, dim, keepdim)`` (``largest``) or ``torch.min``: the values and ``int64`` indices torch returns,
+    saving the indices packed at :func:`_index_bits` of the reduced size (slot ``<slot>``); the indices are not
+    differentiable."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, largest: bool, dim: int, keepdim: bool, slot: str) -> tuple[Tensor, Tensor]:
+        values, indices = torch.max(x, dim, keepdim) if largest else torch.min(x, dim, keepdim)
+        ctx.mark_non_differentiable(indices)
+        ctx.bits = _index_bits(x.shape[dim])
+        payload = pack_bits(indices.to(torch.uint8), ctx.bits)
+        store.register((payload,), slot=slot, original_nbytes=indices.numel() * indices.element_size())
+        ctx.save_for_backward(payload)
+        ctx.meta = (x.shape, dim, keepdim, indices.shape)
+        return values, indices
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor, _grad_indices):
+        (payload,) = ctx.saved_tensors
+        shape, dim, keepdim, index_shape = ctx.meta
+        indices = unpack_bits(payload, ctx.bits, math.prod(index_shape)).view(index_shape).long()
+        if not keepdim:
+            indices, grad = indices.unsqueeze(dim), grad.unsqueeze(dim)
+        return grad.new_zeros(shape).scatter_(dim, indices, grad), None, None, None, None
+
+
+def act_indexed_extremum(x: Tensor, dim: int, keepdim: bool = False, *, largest: bool,
+                         slot: str = "extremum"):
+    """``torch.max(x, dim, keepdim)`` (``largest=True``) or ``torch.min(x, dim, keepdim)``, as torch returns it
+    (``torch.return_types.max`` / ``min``: values and indices), saving the indices at a few bits (slot ``slot``)
+    instead of ``int64``; values, indices and the gradient are the original ones, bit for bit. Without grad, for a
+    0-d input or a reduced dimension longer than :data:`MAX_INDEXED_SIZE`, the original reduction runs.
+
+    Raises:
+        ActHFValueError: ``dim`` is not an int in ``[-x.dim(), x.dim())``."""
+    reduce = torch.max if largest else torch.min
+    rank = max(x.dim(), 1)
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
+        raise ActHFValueError(f"dim must be an int in [-{rank}, {rank}), got {dim!r}")
+    if not torch.is_grad_enabled() or not x.requires_grad or x.dim() == 0 or x.shape[dim] > MAX_INDEXED_SIZE:
+        return reduce(x, dim, keepdim)
+    values, indices = ActIndexedExtremumFunction.apply(x, bool(largest), dim % x.dim(), bool(keepdim), slot)
+    result = torch.return_types.max if largest else torch.return_types.min
+    return result((values, indices))
 
 
 def _dims(dim: int | Sequence[int], ndim: int) -> tuple[int, ...]:

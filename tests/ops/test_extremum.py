@@ -1,6 +1,7 @@
-"""Max / min reductions that keep a 1-bit mask of the extremal elements, elementwise maximum / minimum that keep a
-2-bit comparison code, clamps that keep a 1-bit mask: results and gradients bit-identical to autograd's (ties, NaN,
-broadcasting and mixed dtypes included), their bits per element saved, bad arguments named."""
+"""Max / min reductions that keep a 1-bit mask of the extremal elements, reductions over an index that keep the index
+at a few bits, elementwise maximum / minimum that keep a 2-bit comparison code, clamps that keep a 1-bit mask:
+results and gradients bit-identical to autograd's (ties, NaN, broadcasting and mixed dtypes included), their bits
+per element saved, bad arguments named."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import torch
 
 from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
-from act_hf.ops.extremum import act_clamp, act_elementwise_extremum, act_extremum, passes_at_bound
+from act_hf.ops.extremum import (
+    MAX_INDEXED_SIZE,
+    act_clamp,
+    act_elementwise_extremum,
+    act_extremum,
+    act_indexed_extremum,
+    passes_at_bound,
+)
 
 
 def _input(dtype=torch.float32):
@@ -79,6 +87,46 @@ def test_without_grad_it_is_the_original_and_bad_dims_are_named():
         act_extremum(x, largest=True, dim=4)
     with pytest.raises(ActHFValueError, match="must not repeat"):
         act_extremum(x, largest=True, dim=(1, -3))
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dim,keepdim", [(-1, False), (1, True), (0, False), (2, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_max_min_over_a_dim_bit_identical_with_ties_and_nan(largest, dim, keepdim, dtype):
+    """Values, indices and the gradient (all of it to the returned index, ties and NaN included) are torch's."""
+    reduce = torch.max if largest else torch.min
+    x = _input(dtype) * (1 if largest else -1)
+    x[1, 2, 3, 4] = float("nan")
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref, out = reduce(a, dim, keepdim), act_indexed_extremum(b, dim, keepdim, largest=largest)
+    assert type(out) is type(ref) and torch.equal(out.indices, ref.indices)
+    assert torch.equal(out.values.isnan(), ref.values.isnan())
+    assert torch.equal(out.values.nan_to_num(), ref.values.nan_to_num())
+    g = torch.randn(ref.values.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    ref.values.backward(g)
+    out.values.backward(g)
+    assert torch.equal(b.grad, a.grad)
+
+
+def test_max_over_a_dim_saves_its_indices_at_a_few_bits():
+    x = _input().requires_grad_()  # the reduced dim has 6 positions: 3 bits an index
+    with track_saved() as saved:
+        act_indexed_extremum(x, 1, largest=True, slot="m:pool")
+    indices = x.numel() // 6
+    assert saved.by_slot == {"m:pool": -(-indices * 3 // 8)}
+    assert saved.uncompressed_bytes == indices * 8  # autograd's int64 indices
+
+
+def test_max_over_a_long_dim_or_without_grad_is_the_original_and_bad_dims_are_named():
+    x = torch.randn(2, MAX_INDEXED_SIZE + 1, requires_grad=True)
+    out = act_indexed_extremum(x, 1, largest=True)
+    assert type(out.values.grad_fn).__name__ == "MaxBackward0"  # indices past a byte: torch's own
+    y = _input()
+    assert torch.equal(act_indexed_extremum(y, 2, largest=False).values, torch.min(y, 2).values)
+    with pytest.raises(ActHFValueError, match="dim must be an int"):
+        act_indexed_extremum(y.requires_grad_(), (1, 2), largest=True)
+    with pytest.raises(ActHFValueError, match="dim must be an int"):
+        act_indexed_extremum(y, 4, largest=True)
 
 
 def _operands(dtype):

@@ -495,6 +495,30 @@ def test_the_fallback_keeps_elementwise_extrema_and_clamps_as_their_comparisons(
     assert "_Comparisons:saved" not in saved.by_slot
 
 
+class _IndexedPooling(torch.nn.Module):
+    """Max / min over a dim in the forms models write them (HF's Hiera: ``x.view(...).max(dim=1).values``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 64)
+
+    def forward(self, x):
+        h = self.fc(x).round().view(2, 4, -1, 64)  # ties
+        return h.max(dim=1).values + torch.min(h, 1, True).values.squeeze(1) + h.max(1)[0] \
+            + torch.max(h, dim=-1, keepdim=True).values.sum(1)  # 64 positions: 6 bits an index
+
+
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+def test_the_fallback_keeps_indices_of_max_over_a_dim_at_a_few_bits():
+    """``max(x, dim)`` saves int64 indices, 8 bytes an output element (a fifth of HF Hiera's context at 3 bits);
+    the fallback keeps each at a few bits, the forward and gradient the original's bit for bit."""
+    x = torch.randn(2, 128, 16, generator=torch.Generator().manual_seed(1)) * 3
+    saved = _routed_exactly(_IndexedPooling(), x)
+    pooled = 2 * 32 * 64  # three reductions over 4 positions (2 bits), one over 64 (6 bits)
+    assert saved.by_slot["_IndexedPooling:extremum"] == 3 * pooled * 2 // 8 + 2 * 4 * 32 * 6 // 8
+    assert not any(slot.startswith("<uncompressed:torch.int64") for slot in saved.by_slot)
+
+
 class _Rectifiers(torch.nn.Module):
     """Every functional form of ReLU and leaky ReLU the fallback routes, in place ones on fresh tensors."""
 
