@@ -82,6 +82,14 @@ def _is_small(t: torch.Tensor) -> bool:
     return t.numel() < MIN_NUMEL or t.untyped_storage().nbytes() < MIN_NUMEL * t.element_size()
 
 
+def _pins_more(t: torch.Tensor) -> bool:
+    """A view of fewer than :data:`MIN_NUMEL` elements whose storage holds at least that many more: kept as it
+    is, it would keep the whole storage alive (FocalNet's gates, one channel each sliced from its input
+    projection's output: 3.2 of 14.4 MiB a sample at 3 bits)."""
+    itemsize = t.element_size()
+    return t.numel() < MIN_NUMEL and t.untyped_storage().nbytes() >= (t.numel() + MIN_NUMEL) * itemsize
+
+
 def _report(t: torch.Tensor) -> None:
     for tracker in store._trackers:
         tracker._pack(t)
@@ -95,6 +103,8 @@ class _Compressing:
 
     def pack(self, t: torch.Tensor):
         if not t.is_floating_point() or not t.requires_grad or _is_small(t) or _is_parameter_like(t):
+            if _pins_more(t) and not _is_parameter_like(t):  # an exact copy of the few elements it views
+                t = _without_history(t).clone(memory_format=torch.contiguous_format)
             _report(t)
             return _without_history(t)
         packed = store.compress(t, slot=self.slot, bits=store.bits_for(self.slot, self.bits, self.slot_bits),

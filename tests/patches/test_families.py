@@ -495,6 +495,29 @@ def test_the_fallback_keeps_elementwise_extrema_and_clamps_as_their_comparisons(
     assert "_Comparisons:saved" not in saved.by_slot
 
 
+class _SlicedGates(torch.nn.Module):
+    """Two one-channel gates sliced from a projection's output and multiplied (FocalNet's modulation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 65)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h[..., :1] * h[..., 1:2]
+
+
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+def test_the_fallback_keeps_a_small_slice_without_the_storage_it_views():
+    """A product saves its two one-channel slices: small, they stay exact, but as views they kept the whole
+    projection output alive (FocalNet: 3.2 of 14.4 MiB a sample at 3 bits). The fallback keeps a copy of the
+    elements instead: the same gradients, bit for bit."""
+    x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(1))
+    saved = _routed_exactly(_SlicedGates(), x)
+    slices = 2 * (2 * 64 * 4)  # two (2, 64, 1) fp32 copies
+    assert saved.bytes == x.numel() * 4 + slices  # the Linear's exact input, and the copies; not 2 x 64 x 65
+
+
 class _IndexedPooling(torch.nn.Module):
     """Max / min over a dim in the forms models write them (HF's Hiera: ``x.view(...).max(dim=1).values``)."""
 
