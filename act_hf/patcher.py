@@ -30,6 +30,7 @@ from .nn._base import ActModule, convert, revert
 __all__ = [
     "PATCH_FUNCTIONS",
     "Rule",
+    "callee",
     "code_fingerprint",
     "family_of",
     "generic_rules",
@@ -121,6 +122,12 @@ def code_fingerprint(fn) -> str:
             and isinstance(body[0].value.value, str):
         body = body[1:]
     return hashlib.sha256("\n".join(ast.unparse(node) for node in body).encode()).hexdigest()[:16]
+
+
+def callee(fn, name: str):
+    """What ``name`` is in the globals of ``fn``'s module (a function or class it calls), or ``None``: the code
+    a fingerprinted forward relies on, to fingerprint too."""
+    return getattr(fn, "__globals__", {}).get(name)
 
 
 def generic_rules() -> list[Rule]:

@@ -17,7 +17,7 @@ from act_hf.nn.linear import same_pad
 from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
 from act_hf.ops.linear import act_conv, act_standardized_conv
 from act_hf.ops.pooling import act_max_pool
-from act_hf.patcher import Rule, code_fingerprint, register_patch
+from act_hf.patcher import Rule, callee, code_fingerprint, register_patch
 
 from ._hf import patch_hf
 
@@ -116,7 +116,7 @@ def _tf_padding_dilated(m: nn.Module) -> bool | None:
     try:
         if code_fingerprint(forward) != TF_PADDED_CONV_LAYER_FORWARD:
             return None
-        return TF_PADDINGS.get(code_fingerprint(forward.__globals__.get("apply_tf_padding")))
+        return TF_PADDINGS.get(code_fingerprint(callee(forward, "apply_tf_padding")))
     except (OSError, TypeError):  # the callee missing or without source
         return None
 
@@ -147,8 +147,8 @@ WEIGHT_STANDARDIZED_CONV_CODE = ("3873f837b9532198", "055128a899ec4f4b", "0ce3fb
 def _is_weight_standardized_conv(m: nn.Module) -> bool:
     if type(m).__name__ != "WeightStandardizedConv2d" or not isinstance(m, nn.Conv2d):
         return False
-    pad_class = _callee_class(type(m).forward, "DynamicPad2d")
-    if pad_class is None or (m.pad is not None and type(m.pad) is not pad_class):
+    pad_class = callee(type(m).forward, "DynamicPad2d")
+    if not isinstance(pad_class, type) or (m.pad is not None and type(m.pad) is not pad_class):
         return False
     try:
         code = (code_fingerprint(type(m).forward), code_fingerprint(pad_class.forward),
@@ -156,12 +156,6 @@ def _is_weight_standardized_conv(m: nn.Module) -> bool:
     except (OSError, TypeError):  # without source
         return False
     return code == WEIGHT_STANDARDIZED_CONV_CODE
-
-
-def _callee_class(fn, name: str) -> type | None:
-    """The class ``name`` in the globals of ``fn``'s module, if any."""
-    found = getattr(fn, "__globals__", {}).get(name)
-    return found if isinstance(found, type) else None
 
 
 class ActBitMaxPoolMixin(ActModule):

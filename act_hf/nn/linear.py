@@ -115,21 +115,17 @@ def same_pad(x: Tensor, kernel_size, stride, dilation) -> tuple[int, int, int, i
 CONV2D_SAME_CODE = ("b315082c088fc4c2", "8cfe33c5ce2e7093", "77a1f0249229f57f", "2185fef1df64e425")
 
 
-def _callee(fn, name: str):
-    return getattr(fn, "__globals__", {}).get(name)
-
-
 def is_same_padding_conv(module: nn.Module) -> bool:
     """A ``Conv2d`` computing timm's ``Conv2dSame`` forward (TF's SAME padding from the input's size, then the
     conv), statement for statement down to the padding arithmetic (:data:`CONV2D_SAME_CODE`)."""
-    from ..patcher import code_fingerprint
+    from ..patcher import callee, code_fingerprint
 
     if not isinstance(module, nn.Conv2d) or module.padding_mode != "zeros":
         return False
     forward = type(module).forward
-    conv2d_same = _callee(forward, "conv2d_same")
-    pad_same = _callee(conv2d_same, "pad_same")
-    get_same_padding = _callee(pad_same, "get_same_padding")
+    conv2d_same = callee(forward, "conv2d_same")
+    pad_same = callee(conv2d_same, "pad_same")
+    get_same_padding = callee(pad_same, "get_same_padding")
     try:
         return tuple(code_fingerprint(f) for f in (forward, conv2d_same, pad_same, get_same_padding)) \
             == CONV2D_SAME_CODE
