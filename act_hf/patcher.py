@@ -153,6 +153,7 @@ def generic_rules() -> list[Rule]:
              lambda m: activation.TORCH_ACTIVATIONS[type(m)][0], bits=lambda c: c.derivative_bits),
         Rule("dropout", same_forward(nn.Dropout), lambda m: dropout.ActDropoutMixin),
         Rule("pool", same_forward(nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d), lambda m: pooling.ActMaxPoolMixin),
+        Rule("pool", same_forward(nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d), lambda m: pooling.ActAvgPoolMixin),
     ]
 
 

@@ -15,9 +15,10 @@ from act_hf.patcher import Rule, add_cleanup, patch_modules, remove_handles
 
 __all__ = ["patch_generic"]
 
-# Leaf modules that keep no activation context of their own (or only integer indices).
+# Leaf modules that keep no activation context of their own (or only integer indices; adaptive-average pooling
+# nothing at output size 1, its input at others, which the hooks then pack).
 _CONTEXT_FREE = (nn.Identity, nn.Embedding, nn.Flatten, nn.Unflatten, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-                 nn.AdaptiveAvgPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.ReLU)
+                 nn.AdaptiveAvgPool3d, nn.ReLU)
 
 
 def _known_rules() -> list[Rule]:

@@ -16,6 +16,12 @@ windows included (the same kernel accumulates in the same order). Its memory for
 Any padding, stride, dilation and ``ceil_mode`` are supported. The original op runs unchanged for
 ``return_indices=True`` (the caller holds the ``int64`` indices anyway) and for windows of more than 256
 positions (codes wider than 8 bits).
+
+Average pooling's gradient needs the input's shape alone, but autograd keeps the whole input for
+``aten.avg_pool{2,3}d_backward`` (1-d pooling: the 2-d op's on ``x.unsqueeze(-2)``): a ResNet-D's average-pool
+shortcuts, PoolFormer's token mixer, DenseNet's transitions. :func:`act_avg_pool` keeps nothing and calls the same
+backward with a stride-0 placeholder, so the gradient is bit-identical (its memory format contiguous, as the max
+pool's).
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ from ..errors import ActHFValueError
 from ._saving import OpSettings, owned_output
 from .activation import _pack_codes
 
-__all__ = ["MAX_WINDOW", "ActMaxPoolFunction", "act_max_pool", "act_max_pool1d", "act_max_pool2d", "act_max_pool3d",
-           "window_bits"]
+__all__ = ["MAX_WINDOW", "ActAvgPoolFunction", "ActMaxPoolFunction", "act_avg_pool", "act_max_pool", "act_max_pool1d",
+           "act_max_pool2d", "act_max_pool3d", "window_bits"]
 
 logger = logging.getLogger(__name__)
 
@@ -221,3 +227,68 @@ def act_max_pool3d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, c
                    return_indices: bool = False, *, settings: OpSettings | None = None):
     """:func:`act_max_pool` for 3 spatial dims (``F.max_pool3d``)."""
     return act_max_pool(x, 3, kernel_size, stride, padding, dilation, ceil_mode, return_indices, settings=settings)
+
+
+_AVG_ORIGINAL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+class ActAvgPoolFunction(torch.autograd.Function):
+    """N-d average pooling (N = 1, 2, 3) that saves nothing: backward needs the input's shape alone."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
+                ceil_mode: bool, count_include_pad: bool, divisor_override: int | None) -> Tensor:
+        nd = len(kernel)
+        ctx.args = (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        ctx.input_shape = x.shape
+        if nd == 1:
+            return F.avg_pool1d(x, kernel, stride, padding, ceil_mode, count_include_pad)
+        return _AVG_ORIGINAL[nd](x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        kernel, stride, padding, ceil_mode, count_include_pad, divisor_override = ctx.args
+        placeholder = grad_out.new_zeros(()).expand(ctx.input_shape)
+        nd = len(kernel)
+        if nd == 1:
+            grad = torch.ops.aten.avg_pool2d_backward(
+                grad_out.unsqueeze(-2), placeholder.unsqueeze(-2), [1, kernel[0]], [1, stride[0]], [0, padding[0]],
+                ceil_mode, count_include_pad, None).squeeze(-2)
+        elif nd == 2:
+            grad = torch.ops.aten.avg_pool2d_backward(grad_out, placeholder, list(kernel), list(stride),
+                                                      list(padding), ceil_mode, count_include_pad, divisor_override)
+        else:
+            grad = torch.ops.aten.avg_pool3d_backward(grad_out, placeholder, list(kernel), list(stride),
+                                                      list(padding), ceil_mode, count_include_pad, divisor_override)
+        return grad, None, None, None, None, None, None
+
+
+def act_avg_pool(x: Tensor, nd: int, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override: int | None = None) -> Tensor:
+    """``F.avg_pool{nd}d`` with the same arguments and output, saving nothing for backward (autograd keeps the
+    input); the gradient is bit-identical.
+
+    Args:
+        x: input of ``nd + 1`` (unbatched) or ``nd + 2`` dims.
+        nd: number of spatial dims, 1, 2 or 3.
+        kernel_size, stride, padding: an int or ``nd`` ints each (``stride`` ``None`` or empty: ``kernel_size``).
+        ceil_mode, count_include_pad, divisor_override: as ``F.avg_pool{nd}d`` takes them (no
+            ``divisor_override`` for 1-d).
+
+    Raises:
+        ActHFValueError: ``nd`` not 1..3, malformed pooling arguments, or a ``divisor_override`` for 1-d pooling;
+        PyTorch's own errors for invalid combinations.
+    """
+    if nd not in _AVG_ORIGINAL:
+        raise ActHFValueError(f"nd must be 1, 2 or 3, got {nd!r}")
+    if nd == 1 and divisor_override is not None:
+        raise ActHFValueError("divisor_override is not an argument of 1-d average pooling; pass None")
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        extra = () if nd == 1 else (divisor_override,)
+        return _AVG_ORIGINAL[nd](x, kernel_size, stride, padding, ceil_mode, count_include_pad, *extra)
+    kernel = _tuple(kernel_size, nd, "kernel_size")
+    stride_t = kernel if stride is None or (not isinstance(stride, int) and len(stride) == 0) else _tuple(
+        stride, nd, "stride")
+    return ActAvgPoolFunction.apply(x, kernel, stride_t, _tuple(padding, nd, "padding"), bool(ceil_mode),
+                                    bool(count_include_pad), divisor_override)

@@ -13,8 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
 from act_hf.nn._base import convert, revert
-from act_hf.nn.pooling import ActMaxPool2d, ActMaxPoolMixin
-from act_hf.ops.pooling import act_max_pool, window_bits
+from act_hf.nn.pooling import ActAvgPool2d, ActAvgPoolMixin, ActMaxPool2d, ActMaxPoolMixin
+from act_hf.ops.pooling import act_avg_pool, act_max_pool, window_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -141,3 +141,59 @@ def test_bad_arguments():
         act_max_pool(x, 2, (2, 2, 2))
     with pytest.raises(RuntimeError, match="pad should be"):  # PyTorch's own check
         act_max_pool(x, 2, 2, 2, 3)
+
+
+# (nd, input shape, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+AVG_CONFIGS = [
+    (2, (2, 3, 11, 12), 3, 1, 1, False, False, None),  # PoolFormer's token mixer: overlapping, pad excluded
+    (2, (2, 3, 11, 12), 2, 2, 0, True, False, None),  # ResNet-D's shortcut: ceil mode, a partial last window
+    (2, (2, 3, 9, 10), (2, 3), (1, 2), (1, 1), True, True, 5),
+    (2, (3, 9, 7), 3, 2, 1, False, True, None),  # unbatched
+    (1, (2, 3, 19), 3, 2, 1, True, False, None),
+    (1, (4, 21), 2, None, 0, False, True, None),  # unbatched
+    (3, (1, 2, 6, 7, 8), 2, 2, 0, False, True, None),
+    (3, (1, 2, 7, 9, 8), (1, 2, 3), (1, 2, 2), (0, 1, 1), True, False, 4),
+]
+AVG_MODULES = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}
+
+
+AVG_CASES = [(c, d) for c in AVG_CONFIGS for d in (torch.float32, torch.bfloat16, torch.float64)
+             if c[0] < 3 or d != torch.bfloat16]  # avg_pool3d has no bfloat16 CPU kernel
+
+
+@pytest.mark.parametrize("cfg,dtype", AVG_CASES,
+                         ids=lambda v: f"{v[0]}d-{AVG_CONFIGS.index(v)}" if isinstance(v, tuple) else str(v)[6:])
+def test_avg_pool_saves_nothing_and_is_exact(cfg, dtype):
+    """Autograd keeps average pooling's whole input though backward reads its shape alone; act_hf's keeps
+    nothing, with the same output and gradient, bit for bit."""
+    nd, shape, k, s, p, ceil, include, divisor = cfg
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    extra = {} if nd == 1 else {"divisor_override": divisor}
+    module = AVG_MODULES[nd](k, s, p, ceil_mode=ceil, count_include_pad=include, **extra)
+    with track_saved() as plain:
+        ref = module(x)
+    assert plain.bytes >= x.numel() * x.element_size()  # autograd keeps the input
+    g = torch.randn_like(ref)
+    (g_ref,) = torch.autograd.grad(ref, x, g)
+    convert(module, ActAvgPoolMixin)
+    with track_saved() as saved:
+        y = module(x)
+    assert saved.bytes == 0 and type(y.grad_fn).__name__ == "ActAvgPoolFunctionBackward"
+    (gx,) = torch.autograd.grad(y, x, g)
+    assert torch.equal(y, ref) and torch.equal(gx, g_ref)
+    assert torch.equal(act_avg_pool(x.detach(), nd, k, s, p, ceil, include, *extra.values()), ref.detach())
+
+
+def test_avg_pool_module_convert_revert_and_bad_arguments():
+    module = nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)
+    convert(module, ActAvgPoolMixin)
+    assert type(module) is ActAvgPool2d and module.ceil_mode and not module.count_include_pad
+    assert revert(module).__class__ is nn.AvgPool2d
+    x = torch.randn(1, 2, 8, requires_grad=True)
+    with pytest.raises(ActHFValueError, match="nd must be 1, 2 or 3"):
+        act_avg_pool(x, 4, 2)
+    with pytest.raises(ActHFValueError, match="divisor_override is not an argument of 1-d"):
+        act_avg_pool(x, 1, 2, divisor_override=2)
+    with pytest.raises(ActHFValueError, match="kernel_size must be an int or a sequence of 1 ints"):
+        act_avg_pool(x, 1, (2, 2))

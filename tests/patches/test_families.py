@@ -1091,6 +1091,32 @@ def test_timm_same_padding_convs_keep_their_input_packed():
     assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)
 
 
+def test_timm_resnet_d_average_pool_shortcuts_keep_nothing():
+    """A ResNet-D's shortcut average-pools before its conv; autograd kept the pool's whole input (its backward
+    reads the shape alone): resnet50d at 224 x 224, 3 bits, bf16, 2.68 of 8.91 MiB a sample. Converted, the pool
+    keeps nothing; the forward is unchanged and gradients match at 8 bits."""
+    import timm
+
+    torch.manual_seed(0)
+    ref = timm.create_model("resnet26d", num_classes=3).train()
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    pools = [p for p, m in ref.named_modules() if type(m) is torch.nn.AvgPool2d]
+    assert pools and all(type(model.get_submodule(p)).__name__ == "ActAvgPool2d" for p in pools)
+    x = torch.randn(2, 3, 64, 64)
+    out = model(x)
+    pooled = []
+    hooks = [ref.get_submodule(p).register_forward_pre_hook(lambda m, args: pooled.append(args[0].nbytes))
+             for p in pools]
+    assert torch.equal(out, ref(x))
+    for hook in hooks:
+        hook.remove()
+    out.pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    assert_grads_match(ref, model, name="resnet26d")
+    saved_bytes = _saved_at_3_bits(ref, x, without=pools)
+    assert saved_bytes["without"].bytes - saved_bytes["all"].bytes == sum(pooled)  # the pools' fp32 inputs
+
+
 def test_sync_batch_norm_left_as_it_is_is_said():
     """A family leaves ``nn.SyncBatchNorm`` unconverted (full-width inputs): the patch says so."""
     import timm
