@@ -314,6 +314,7 @@ class _FallbackOps(TorchFunctionMode):
       gradient is NaN), from :data:`MIN_NUMEL` input elements on; elementwise ``maximum`` / ``minimum`` /
       ``max(a, b)`` / ``min(a, b)`` as :func:`act_elementwise_extremum` and ``clamp`` / ``clip`` / ``clamp_min``
       / ``clamp_max`` with numeric bounds as :func:`act_clamp` (the comparison's outcome, 1-2 bits an element);
+      ``max(x, dim)`` / ``min(x, dim)`` as :func:`act_indexed_extremum` (the indices at a few bits, not int64);
     * ``F.dropout`` / ``torch.dropout`` in training as :func:`act_dropout` (the same mask, kept at 1 bit an
       element; when ``dropout`` settings are given), from :data:`MIN_NUMEL` input elements on;
     * functional ReLUs and leaky ReLUs (:data:`_RECTIFIERS`) as :func:`act_activation` (the exact 1-bit code of
