@@ -5,6 +5,7 @@ One shared set of checks, driven by the table of model factories in ``tests/patc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
@@ -1127,6 +1128,21 @@ def test_sync_batch_norm_left_as_it_is_is_said():
     assert all(type(m) is torch.nn.SyncBatchNorm for m in model.modules() if isinstance(m, torch.nn.SyncBatchNorm))
 
 
+def _assert_same_seeded_step(ref: torch.nn.Module, model: torch.nn.Module, inputs: dict, context=None):
+    """One training step of ``model`` and ``ref`` from the same seed (the same dropout and stochastic depth draws):
+    the losses are equal, and both are backpropagated. ``model``'s forward runs inside ``context`` if given (e.g.
+    ``act_hf.track_saved(model)``); returns what it gives."""
+    torch.manual_seed(1)
+    with context if context is not None else contextlib.nullcontext() as entered:
+        loss = model(**inputs).loss
+    torch.manual_seed(1)
+    expected = ref(**inputs).loss
+    assert torch.equal(loss, expected)
+    loss.backward()
+    expected.backward()
+    return entered
+
+
 def test_hf_efficientnet_string_padding_convs_keep_their_input_packed():
     """HF's EfficientNet builds its stride-1 convs with ``padding="same"``, which act_hf's conv ran on the original
     op, inside its own shield from the fallback's hooks: those inputs stayed at full width (2 x 224 x 224, 3 bits,
@@ -1146,14 +1162,7 @@ def test_hf_efficientnet_string_padding_convs_keep_their_input_packed():
     same = [p for p, m in ref.named_modules() if isinstance(m, torch.nn.Conv2d) and m.padding == "same"]
     assert same and all(p in model.act_hf_patched_modules for p in same)
     inputs = {"pixel_values": torch.randn(4, 3, 64, 64), "labels": torch.tensor([1, 2, 0, 1])}
-    torch.manual_seed(1)  # the same dropout and stochastic depth draws in both
-    with act_hf.track_saved(model) as saved:
-        loss = model(**inputs).loss
-    torch.manual_seed(1)
-    expected = ref(**inputs).loss
-    assert torch.equal(loss, expected)
-    loss.backward()
-    expected.backward()
+    saved = _assert_same_seeded_step(ref, model, inputs, act_hf.track_saved(model))
     assert_grads_match(ref, model, name="hf-efficientnet")
     full_width = sum(b for slot, b in saved.by_slot.items() if slot.startswith("<uncompressed"))
     assert full_width < 0.25 * saved.bytes, saved.by_slot
@@ -1180,13 +1189,7 @@ def test_hf_mobilenet_tf_padded_convs_read_their_input_from_batchnorm_and_relu6(
     layers = {p: m for p, m in model.named_modules() if type(m).__name__.startswith("ActMobileNetV")}
     assert len(layers) == sum(type(m).__name__.endswith("ConvLayer") for m in ref.modules())
     inputs = {"pixel_values": torch.randn(4, 3, 64, 64), "labels": torch.tensor([1, 2, 0, 1])}
-    torch.manual_seed(1)  # the same classifier dropout draws in both
-    loss = model(**inputs).loss
-    torch.manual_seed(1)
-    expected = ref(**inputs).loss
-    assert torch.equal(loss, expected)
-    loss.backward()
-    expected.backward()
+    _assert_same_seeded_step(ref, model, inputs)
     # the stem BatchNorm's weight gradient (a sum over 4096 values a channel with strong cancellation) is 0.2% of
     # the total gradient norm off at 8 bits, with or without this conversion (cosine 0.34 / 0.49 without it)
     assert_grads_match(ref, model, tol=3e-3, name=f"hf-mobilenet-v{version}")
