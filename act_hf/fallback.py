@@ -31,7 +31,9 @@ runs ``amax`` / ``amin`` and the whole-tensor ``max()`` / ``min()`` as :func:`ac
 copies no longer satisfy (NaN gradients). For the same reason elementwise ``maximum`` / ``minimum`` (``max(a, b)``)
 and ``clamp`` with numeric bounds run as :func:`act_hf.ops.extremum.act_elementwise_extremum` and ``act_clamp``
 (same slot): quantized operands compared the wrong way near each other or a bound; ``max(x, dim)`` / ``min(x, dim)``
-run as :func:`act_hf.ops.extremum.act_indexed_extremum` (same slot), their indices at a few bits instead of int64.
+run as :func:`act_hf.ops.extremum.act_indexed_extremum` (same slot), their indices at a few bits instead of int64;
+``F.max_pool{1,2,3}d`` as :func:`act_hf.ops.pooling.act_max_pool` (slot ``<root class>:max_pool``) and
+``F.avg_pool{1,2,3}d`` as :func:`act_hf.ops.pooling.act_avg_pool` (nothing saved), as the modules are converted.
 And it runs ``F.dropout`` /
 ``torch.dropout`` in training as :func:`act_hf.ops.dropout.act_dropout` (slot ``<root class>:dropout``): the same
 mask from the same draws, kept at 1 bit an element where the hooks saw PyTorch's ``bool`` mask (CUDA) or its noise
@@ -64,6 +66,7 @@ from .ops.attention import act_sdpa
 from .ops.dropout import act_dropout
 from .ops.extremum import _is_number, act_clamp, act_elementwise_extremum, act_extremum, act_indexed_extremum
 from .ops.loss import HEAD_LOSS_FUNCS, ReplayedLogits, run_for_head_loss
+from .ops.pooling import act_avg_pool, act_max_pool
 from .regions import TOP_HOOKS_QUERY as _TOP_HOOKS_QUERY  # a module global: tests set it to None
 from .regions import enter_own_hooks, leave_own_hooks
 
@@ -157,6 +160,14 @@ _RECTIFIERS = {F.relu: (inspect.signature(lambda input, inplace=False: None), No
                F.leaky_relu: (inspect.signature(lambda input, negative_slope=0.01, inplace=False: None), None),
                F.leaky_relu_: (_LEAKY_SIGNATURE, True)}
 #: functional dropouts -> their signature (``torch.dropout`` is ATen's: no defaults, ``train`` for ``training``)
+#: pooling functions -> (spatial dims, max pooling)
+_POOLS = {F.max_pool1d: (1, True), F.max_pool2d: (2, True), F.max_pool3d: (3, True), F.avg_pool1d: (1, False),
+          F.avg_pool2d: (2, False), F.avg_pool3d: (3, False)}
+_MAX_POOL_SIGNATURE = inspect.signature(
+    lambda input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False: None)
+_AVG_POOL_SIGNATURE = inspect.signature(
+    lambda input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+    divisor_override=None: None)
 _DROPOUTS = {F.dropout: inspect.signature(lambda input, p=0.5, training=True, inplace=False: None),
              torch.dropout: inspect.signature(lambda input, p, train: None)}
 #: reductions autograd differentiates by comparing its saved input and result -> (takes the maximum, whole tensor)
@@ -318,7 +329,10 @@ class _FallbackOps(TorchFunctionMode):
     * ``F.dropout`` / ``torch.dropout`` in training as :func:`act_dropout` (the same mask, kept at 1 bit an
       element; when ``dropout`` settings are given), from :data:`MIN_NUMEL` input elements on;
     * functional ReLUs and leaky ReLUs (:data:`_RECTIFIERS`) as :func:`act_activation` (the exact 1-bit code of
-      ``x > 0``), from :data:`MIN_NUMEL` input elements on.
+      ``x > 0``), from :data:`MIN_NUMEL` input elements on;
+    * ``F.max_pool{1,2,3}d`` as :func:`act_max_pool` (the argmax in its window at a few bits, not the input and
+      int64 indices) and ``F.avg_pool{1,2,3}d`` as :func:`act_avg_pool` (nothing, not the input), from
+      :data:`MIN_NUMEL` input elements on.
 
     Throughout the root's forward it also marks the results of calls on static tensors alone as static
     (:class:`_Statics`), and unmarks a static tensor written in place with anything else.
@@ -329,6 +343,7 @@ class _FallbackOps(TorchFunctionMode):
         super().__init__()
         self.scopes, self.sdpa, self.slot, self.dropout, self.loss = scopes, sdpa, slot, dropout, loss
         self.rectifier = OpSettings(slot=scopes.routed_slot("relu"), bits=1)
+        self.pool = OpSettings(slot=scopes.routed_slot("max_pool"), bits=1)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -412,6 +427,24 @@ class _FallbackOps(TorchFunctionMode):
             spec = ActivationSpec("relu") if slope is None else ActivationSpec("leaky_relu", negative_slope=slope)
             return act_activation(x, spec, self.rectifier, fn=lambda t: func(t, *a.args[1:], **a.kwargs),
                                   inplace=inplace)
+        elif func in _POOLS:
+            x = args[0] if args else kwargs.get("input")
+            if not self._routable(x):
+                return func(*args, **kwargs)
+            nd, largest = _POOLS[func]
+            try:
+                a = (_MAX_POOL_SIGNATURE if largest else _AVG_POOL_SIGNATURE).bind(*args, **kwargs)
+            except TypeError:
+                return func(*args, **kwargs)
+            a.apply_defaults()
+            a = a.arguments
+            if largest and not a["return_indices"]:
+                return act_max_pool(x, nd, a["kernel_size"], a["stride"], a["padding"], a["dilation"],
+                                    a["ceil_mode"], settings=self.pool)
+            if not largest and (nd > 1 or a["divisor_override"] is None):
+                return act_avg_pool(x, nd, a["kernel_size"], a["stride"], a["padding"], a["ceil_mode"],
+                                    a["count_include_pad"], a["divisor_override"])
+            return func(*args, **kwargs)
         elif func in _DROPOUTS and self.dropout is not None:
             x = args[0] if args else kwargs.get("input")
             if not self._routable(x):

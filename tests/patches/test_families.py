@@ -14,6 +14,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import act_hf
 from act_hf import fallback
@@ -517,6 +518,28 @@ def test_the_fallback_keeps_a_small_slice_without_the_storage_it_views():
     saved = _routed_exactly(_SlicedGates(), x)
     slices = 2 * (2 * 64 * 4)  # two (2, 64, 1) fp32 copies
     assert saved.bytes == x.numel() * 4 + slices  # the Linear's exact input, and the copies; not 2 x 64 x 65
+
+
+class _Pools(torch.nn.Module):
+    """Functional max and average pooling (timm's Inception blocks call ``F.max_pool2d`` / ``F.avg_pool2d``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        h = self.fc(x).round()  # ties in the max pool's windows
+        return F.max_pool2d(h, 2) + F.avg_pool2d(h, 3, 2, 1, count_include_pad=False)
+
+
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+def test_the_fallback_runs_functional_pooling_as_act_hf_pools():
+    """``F.max_pool2d`` kept its input and int64 indices, ``F.avg_pool2d`` its input, which the hooks packed;
+    the fallback runs them as act_hf's pools: the window position at 2 bits, nothing; bit for bit the same."""
+    x = torch.randn(2, 8, 32, 16, generator=torch.Generator().manual_seed(1)) * 3
+    saved = _routed_exactly(_Pools(), x)
+    assert saved.by_slot["_Pools:max_pool"] == 2 * 8 * 16 * 16 * 2 // 8
+    assert "_Pools:saved" not in saved.by_slot and saved.bytes == x.numel() * 4 + saved.by_slot["_Pools:max_pool"]
 
 
 class _IndexedPooling(torch.nn.Module):
