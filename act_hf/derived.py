@@ -236,16 +236,16 @@ class RectifiedAffine:
         shortcuts is summed into the innermost one's tensor, so besides it only one decoded term and the 1-byte
         mask are alive at a time, however long the chain."""
         values = _sum_of(self.terms, self.dtype)
-        keep = unpack_bits(self.mask, 1, values.numel()).view(values.shape)  # uint8 0 / 1
+        keep = unpack_bits(self.mask, 1, values.numel()).view(torch.bool).view(values.shape)  # 0 / 1 bytes as bool
         if self.negative_slope:
-            values = torch.where(keep.bool(), values, values * self.negative_slope)
+            values = torch.where(keep, values, values * self.negative_slope)
         else:
             values.mul_(keep)
         if self.clamp is not None:  # the clipped elements: hi where u, else lo
             lo, hi = self.clamp
-            upper = unpack_bits(self.upper, 1, values.numel()).view(values.shape).bool()
+            upper = unpack_bits(self.upper, 1, values.numel()).view(torch.bool).view(values.shape)
             if lo:
-                values.masked_fill_(~(keep.bool() | upper), lo)
+                values.masked_fill_(~(keep | upper), lo)
             values.masked_fill_(upper, hi)
         if self.sample_scale is not None:
             values.mul_(_sample_view(self.sample_scale, values.dim()))
@@ -315,20 +315,23 @@ def _rebuild(tensors: list[Tensor], i: int, meta: tuple, resolve
         return AffineTerm(packed, *optional), i
     if meta[0] == "sum":
         _, dtype, term_metas = meta
-        terms = []
-        for term_meta in term_metas:
-            term, i = _rebuild(tensors, i, term_meta, resolve)
-            terms.append(term)
-        return AffineSum(tuple(terms), dtype), i
+        terms, i = _rebuild_terms(tensors, i, term_metas, resolve)
+        return AffineSum(terms, dtype), i
     _, dtype, negative_slope, term_metas, scaled, clamp = meta
     mask, i = tensors[i], i + 1
     upper, i = (tensors[i], i + 1) if clamp is not None else (None, i)
     sample_scale, i = (tensors[i], i + 1) if scaled else (None, i)
+    terms, i = _rebuild_terms(tensors, i, term_metas, resolve)
+    return RectifiedAffine(terms, mask, dtype, negative_slope, sample_scale, clamp, upper), i
+
+
+def _rebuild_terms(tensors: list[Tensor], i: int, term_metas: tuple, resolve) -> tuple[tuple, int]:
+    """The terms ``term_metas`` describe, in order from ``tensors[i:]``, and the index after the last one's."""
     terms = []
     for term_meta in term_metas:
         term, i = _rebuild(tensors, i, term_meta, resolve)
         terms.append(term)
-    return RectifiedAffine(tuple(terms), mask, dtype, negative_slope, sample_scale, clamp, upper), i
+    return tuple(terms), i
 
 
 _local = threading.local()
