@@ -64,12 +64,11 @@ def _is_swinv2_self_attention(m) -> bool:
 
 def _tf_padding(features: Tensor, conv: nn.Conv2d, dilated: bool) -> tuple[int, int, int, int]:
     """The padding transformers' ``apply_tf_padding`` gives ``features`` before ``conv``, in ``F.pad``'s form (the
-    odd pixel after); MobileNetV2's multiplies it by the dilation (``dilated``), MobileNetV1's does not."""
-    (ih, iw), (sh, sw), (kh, kw) = features.shape[-2:], conv.stride, conv.kernel_size
+    odd pixel after): TF's SAME padding without dilation, which MobileNetV2's then multiplies by the dilation
+    (``dilated``) and MobileNetV1's does not."""
+    left, right, top, bottom = same_pad(features, conv.kernel_size, conv.stride, (1, 1))
     dh, dw = conv.dilation if dilated else (1, 1)
-    pad_h = max(kh - (sh if ih % sh == 0 else ih % sh), 0)
-    pad_w = max(kw - (sw if iw % sw == 0 else iw % sw), 0)
-    return pad_w // 2 * dw, (pad_w - pad_w // 2) * dw, pad_h // 2 * dh, (pad_h - pad_h // 2) * dh
+    return left * dw, right * dw, top * dh, bottom * dh
 
 
 class ActTFPaddedConvLayerMixin(ActModule):

@@ -232,18 +232,23 @@ def act_max_pool3d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, c
 _AVG_ORIGINAL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
+def _original_avg_pool(x: Tensor, nd: int, kernel_size, stride, padding, ceil_mode: bool, count_include_pad: bool,
+                       divisor_override: int | None) -> Tensor:
+    """``F.avg_pool{nd}d`` (1-d pooling takes no ``divisor_override``)."""
+    extra = () if nd == 1 else (divisor_override,)
+    return _AVG_ORIGINAL[nd](x, kernel_size, stride, padding, ceil_mode, count_include_pad, *extra)
+
+
 class ActAvgPoolFunction(torch.autograd.Function):
     """N-d average pooling (N = 1, 2, 3) that saves nothing: backward needs the input's shape alone."""
 
     @staticmethod
     def forward(ctx, x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
                 ceil_mode: bool, count_include_pad: bool, divisor_override: int | None) -> Tensor:
-        nd = len(kernel)
         ctx.args = (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
         ctx.input_shape = x.shape
-        if nd == 1:
-            return F.avg_pool1d(x, kernel, stride, padding, ceil_mode, count_include_pad)
-        return _AVG_ORIGINAL[nd](x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        return _original_avg_pool(x, len(kernel), kernel, stride, padding, ceil_mode, count_include_pad,
+                                  divisor_override)
 
     @staticmethod
     @once_differentiable
@@ -285,8 +290,8 @@ def act_avg_pool(x: Tensor, nd: int, kernel_size, stride=None, padding=0, ceil_m
     if nd == 1 and divisor_override is not None:
         raise ActHFValueError("divisor_override is not an argument of 1-d average pooling; pass None")
     if not (torch.is_grad_enabled() and x.requires_grad):
-        extra = () if nd == 1 else (divisor_override,)
-        return _AVG_ORIGINAL[nd](x, kernel_size, stride, padding, ceil_mode, count_include_pad, *extra)
+        return _original_avg_pool(x, nd, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                  divisor_override)
     kernel = _tuple(kernel_size, nd, "kernel_size")
     stride_t = kernel if stride is None or (not isinstance(stride, int) and len(stride) == 0) else _tuple(
         stride, nd, "stride")
