@@ -10,12 +10,14 @@ classes (few-bit), the attention modules of ViT and Swin (Swin V2's scaled cosin
 (``LiteMLA``, through :func:`act_hf.ops.linear_attention.act_linear_attention`). Layer scale (``LayerScale``,
 ``LayerScale2d``, and the ``gamma`` of ``ConvNeXtBlock``) and squeeze-and-excitation (``x * gate``: EfficientNet's
 ``SqueezeExcite``, ``SEModule``, ``EffectiveSEModule``, ``SqueezeExciteCl``) keep their input quantized for the
-scale's gradient. Stochastic depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`).
+scale's gradient, as do the softmax-weighted branch sums of ResNeSt (``SplitAttn``) and SK-ResNet
+(``SelectiveKernel``), which read their inputs from what BatchNorm and the ReLU before them saved. Stochastic depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`).
 The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from act_hf.context import store
@@ -42,6 +44,11 @@ _TIMM_ACTIVATIONS = {  # timm.layers.activations class name -> few-bit table
 
 def _is_timm(m: nn.Module, name: str) -> bool:
     return type(m).__name__ == name and type(m).__module__.startswith("timm.")
+
+
+def _is_timm_code(m: nn.Module, name: str, code: str) -> bool:
+    """timm's class ``name`` with the ``forward`` whose :func:`code_fingerprint` is ``code``."""
+    return _is_timm(m, name) and code_fingerprint(type(m).forward) == code
 
 
 class ActConvNeXtBlockMixin(ActModule):
@@ -184,6 +191,63 @@ class ActSqueezeExciteMixin(ActModule):
         return out
 
 
+class ActSplitAttnMixin(ActModule):
+    """timm's ``SplitAttn`` (ResNeSt's split attention): ``radix`` conv outputs ``x``, weighted by a softmax over
+    the radix (a sigmoid when ``radix`` is 1), one weight per sample and channel, and summed. Autograd's ``mul``
+    kept ``x`` at full width for the weights' gradient; here the product goes through
+    :func:`act_hf.ops.linear.act_scale` on the 4-d ``x`` (slot ``<path>:input``), which reads ``x`` from what the
+    BatchNorm and the ReLU before it saved, or packs it. The output is the original's bit for bit: the same
+    products, summed over the radix in the same layout. The rule converts it only when timm's code is the code
+    this copies (:data:`SPLIT_ATTN_CODE`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.act0(self.drop(self.bn0(self.conv(x))))
+        B, RC, H, W = x.shape
+        x_gap = x.reshape((B, self.radix, RC // self.radix, H, W)).sum(dim=1) if self.radix > 1 else x
+        x_gap = self.act1(self.bn1(self.fc1(x_gap.mean((2, 3), keepdim=True))))
+        x_attn = self.rsoftmax(self.fc2(x_gap)).view(B, -1, 1, 1)
+        if self.act_enabled(x) and x_attn.requires_grad:
+            out = act_scale(x, x_attn, self.act_settings("input"))
+        else:
+            out = x * x_attn
+        if self.radix > 1:
+            out = out.reshape((B, self.radix, RC // self.radix, H, W)).sum(dim=1)
+        return out.contiguous()
+
+
+#: :func:`code_fingerprint` of the ``SplitAttn.forward`` that :class:`ActSplitAttnMixin` computes (timm 1.0.x).
+SPLIT_ATTN_CODE = "68c2465a63fc2e55"
+
+
+class ActSelectiveKernelMixin(ActModule):
+    """timm's ``SelectiveKernel`` (SK-ResNet): ``num_paths`` conv outputs, stacked, weighted by a softmax over the
+    paths (one weight per sample and channel) and summed. Autograd's ``mul`` kept the stack at full width for the
+    weights' gradient; here each path's product goes through :func:`act_hf.ops.linear.act_scale` (slots
+    ``<path>:path0``, ``<path>:path1``...), which reads the path's output from what its BatchNorm and ReLU saved,
+    or packs it. The products are stacked and summed as the original sums them, so the output is the original's
+    bit for bit. The rule converts it only when timm's code is the code this copies
+    (:data:`SELECTIVE_KERNEL_CODE`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.split_input:
+            x_split = torch.split(x, self.in_channels // self.num_paths, 1)
+            x_paths = [op(x_split[i]) for i, op in enumerate(self.paths)]
+        else:
+            x_paths = [op(x) for op in self.paths]
+        x_attn = self.attn(torch.stack(x_paths, dim=1))
+        if self.act_enabled(*x_paths) and x_attn.requires_grad:
+            x = torch.stack([act_scale(path, x_attn[:, i], self.act_settings(f"path{i}"))
+                             for i, path in enumerate(x_paths)], dim=1)
+        else:
+            x = torch.stack(x_paths, dim=1) * x_attn
+        return torch.sum(x, dim=1)
+
+
+#: :func:`code_fingerprint` of the ``SelectiveKernel.forward`` that :class:`ActSelectiveKernelMixin` computes
+#: (timm 1.0.x).
+SELECTIVE_KERNEL_CODE = "bac43caf962331f5"
+
+
 def timm_rules() -> list[Rule]:
     """Rules for timm's layers, in front of the generic torch ones."""
     from timm import layers
@@ -204,6 +268,9 @@ def timm_rules() -> list[Rule]:
         Rule("linear", _is_convnext_block, lambda m: ActConvNeXtBlockMixin),
         Rule("linear", lambda m: _squeeze_excite_gate(m) is not None, lambda m: ActSqueezeExciteMixin,
              attrs=lambda m, c: {"act_se_gate": _squeeze_excite_gate(m), "act_share_residual": c.share_residual}),
+        Rule("linear", lambda m: _is_timm_code(m, "SplitAttn", SPLIT_ATTN_CODE), lambda m: ActSplitAttnMixin),
+        Rule("linear", lambda m: _is_timm_code(m, "SelectiveKernel", SELECTIVE_KERNEL_CODE),
+             lambda m: ActSelectiveKernelMixin),
         Rule("dropout", _is_drop_path, lambda m: ActDropPathMixin,
              attrs=lambda m, c: {"act_share_residual": c.share_residual}),
         Rule("linear", same_forward(layers.LayerScale), lambda m: linear.ActLayerScaleMixin),

@@ -1090,6 +1090,54 @@ def test_timm_squeeze_excite_keeps_its_input_packed(name, size, own):
         assert plain > 0 and plain + packed >= 4 * packed, (plain, packed)
 
 
+@pytest.mark.parametrize("name, kwargs, layer", [
+    ("resnest14d", {}, "SplitAttn"),  # radix 2
+    ("resnest14d", {"block_args": {"radix": 1}}, "SplitAttn"),  # a sigmoid gate, no radix sum
+    ("skresnet18", {}, "SelectiveKernel"),  # both paths read x
+    ("skresnet18", {"block_args": {"sk_kwargs": {"split_input": True}}}, "SelectiveKernel"),
+])
+def test_timm_radix_attention_keeps_its_inputs_shared(monkeypatch, name, kwargs, layer):
+    """ResNeSt's split attention and SK-ResNet's selective kernel weight their conv outputs by a softmax per sample
+    and channel: autograd's ``mul`` kept those outputs at full width for the weights' gradient (3 bits, bf16,
+    224 x 224: resnest14d 3.45 of 7.51 MiB a sample, skresnet18 2.88 of 5.42). Converted, each product reads its
+    input from what the BatchNorm and ReLU before it saved: a step saves exactly those outputs' bytes less than
+    the same patched model running the original forward, and packs nothing of its own. The forward is unchanged
+    and gradients match at 8 bits."""
+    import timm
+
+    from act_hf.patches import timm_models
+
+    mixin = getattr(timm_models, f"Act{layer}Mixin")
+    torch.manual_seed(0)
+    ref = timm.create_model(name, pretrained=False, num_classes=3, **kwargs).train()
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    converted = [m for m in model.modules() if isinstance(m, mixin)]
+    assert converted and len(converted) == len([m for m in ref.modules() if type(m).__name__ == layer])
+    x = torch.randn(2, 3, 128, 128)  # the last stage's BatchNorms see enough values a channel to pack
+    out = model(x)
+    assert torch.equal(out, ref(x))
+    out.pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    assert_grads_match(ref, model, name=name)
+
+    three = act_hf.patch(copy.deepcopy(ref), bits=3)
+    radix = [m for m in three.modules() if isinstance(m, mixin)]
+    weighted = []  # the fp32 tensors the radix weights multiply
+    for inner in [inner for m in radix for inner in ([m.act0] if layer == "SplitAttn" else m.paths)]:
+        inner.register_forward_hook(lambda mod, args, y: weighted.append(y.nbytes))
+    saved = {}
+    for label in ("converted", "original"):
+        if label == "original":
+            monkeypatch.setattr(mixin, "forward", lambda self, x: type(self).act_original_class.forward(self, x))
+        weighted.clear()
+        with act_hf.track_saved(three) as tracker:
+            y = three(x)
+        y.sum().backward()
+        saved[label] = tracker.bytes
+        assert not {slot.split(":")[0] for slot in tracker.by_slot} & {m.act_slot for m in radix}
+    assert weighted and saved["original"] - saved["converted"] == sum(weighted), (saved, sum(weighted))
+
+
 def test_timm_same_padding_convs_keep_their_input_packed():
     """TF-ported models pad their strided convs unevenly (timm's ``Conv2dSame``), which kept the padded input at
     full width (in a family, no hooks catch it: tf_efficientnetv2_s kept 2.06 of 14.83 MiB a sample so at 3
