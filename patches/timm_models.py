@@ -9,7 +9,8 @@ classes (few-bit), the attention modules of ViT and Swin (Swin V2's scaled cosin
 :func:`act_hf.ops.cosine_attention.act_cosine_attention`), and EfficientViT's ReLU linear attention
 (``LiteMLA``, through :func:`act_hf.ops.linear_attention.act_linear_attention`). Layer scale (``LayerScale``,
 ``LayerScale2d``, and the ``gamma`` of ``ConvNeXtBlock``) and squeeze-and-excitation (``x * gate``: EfficientNet's
-``SqueezeExcite``, ``SEModule``, ``EffectiveSEModule``, ``SqueezeExciteCl``) keep their input quantized for the
+``SqueezeExcite``, ``SEModule``, ``EffectiveSEModule``, ``SqueezeExciteCl``, and ECA's ``EcaModule`` and
+``CecaModule``) keep their input quantized for the
 scale's gradient, as do the softmax-weighted branch sums of ResNeSt (``SplitAttn``) and SK-ResNet
 (``SelectiveKernel``), which read their inputs from what BatchNorm and the ReLU before them saved. Stochastic depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`).
 The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
@@ -18,6 +19,7 @@ The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from act_hf.context import store
@@ -157,9 +159,25 @@ def _se_channels_last_gate(m: nn.Module, x: Tensor) -> Tensor:
     return m.gate(m.fc2(m.act(m.fc1(x.mean((1, 2), keepdims=True)))))
 
 
+def _eca_gate(m: nn.Module, x: Tensor) -> Tensor:
+    """``timm.layers.EcaModule`` (efficient channel attention: ECA-ResNet, ECA-NFNet...), its gate before the
+    ``expand_as``."""
+    y = m.conv(x.mean((2, 3)).view(x.shape[0], 1, -1))
+    if m.conv2 is not None:
+        y = m.conv2(m.act(y))
+    return m.gate(y).view(x.shape[0], -1, 1, 1)
+
+
+def _circular_eca_gate(m: nn.Module, x: Tensor) -> Tensor:
+    """``timm.layers.CecaModule`` (ECA with circular padding), its gate before the ``expand_as``."""
+    y = F.pad(x.mean((2, 3)).view(x.shape[0], 1, -1), (m.padding, m.padding), mode="circular")
+    return m.gate(m.conv(y)).view(x.shape[0], -1, 1, 1)
+
+
 #: :func:`code_fingerprint` of timm 1.0's squeeze-and-excitation ``forward`` -> the gate it computes, step for step
 SQUEEZE_EXCITE_GATES = {"64153abbcd9505af": _efficientnet_gate, "6aaa21d048fe112d": _se_module_gate,
-                        "7b4c5f0d0248200e": _effective_se_gate, "55fcc9cc2165def3": _se_channels_last_gate}
+                        "7b4c5f0d0248200e": _effective_se_gate, "55fcc9cc2165def3": _se_channels_last_gate,
+                        "b62b77c018e3e07d": _eca_gate, "771800f5bb1ce7a6": _circular_eca_gate}
 
 
 def _squeeze_excite_gate(m: nn.Module):

@@ -1060,12 +1060,13 @@ def test_timm_layer_scale_keeps_its_input_quantized(name, kwargs, role):
 
 
 @pytest.mark.parametrize("name, size, own", [("efficientnet_b0", 64, True), ("seresnet18", 128, False),
-                                             ("ese_vovnet19b_dw", 128, False)])
+                                             ("ese_vovnet19b_dw", 128, False), ("ecaresnet26t", 128, False)])
 def test_timm_squeeze_excite_keeps_its_input_packed(name, size, own):
     """A squeeze-and-excitation module's ``x * gate`` would keep x at full width for the gate's gradient (in a
-    family: EfficientNet's SqueezeExcite, SE-ResNet's SEModule; on the fallback, VoVNet's eSE); patched, it keeps
-    x packed (``own``: EfficientNet's x is a SiLU's output), or reads it from BatchNorm's packed input (SE-ResNet:
-    ``se(bn3(.))``; 128 x 128, so that the last stage's BatchNorms see enough values a channel to pack theirs),
+    family: EfficientNet's SqueezeExcite, SE-ResNet's SEModule, ECA-ResNet's EcaModule; on the fallback, VoVNet's
+    eSE); patched, it keeps
+    x packed (``own``: EfficientNet's x is a SiLU's output), or reads it from BatchNorm's packed input (SE-ResNet,
+    ECA-ResNet: ``se(bn3(.))``; 128 x 128, so that the last stage's BatchNorms see enough values a channel to pack theirs),
     with the ReLU's mask (VoVNet: ``ese(relu(bn(.)))``); the forward is unchanged, and gradients match at 8
     bits."""
     import timm
@@ -1341,6 +1342,30 @@ def test_timm_squeeze_excite_other_code_is_left_as_it_is():
     with act_hf.track_saved(model) as saved:
         out = model["cl"](x)
     assert torch.equal(out, ref(x)) and saved.by_slot["cl:input"] > 0
+
+
+@pytest.mark.parametrize("layer, kwargs", [("EcaModule", {}), ("EcaModule", {"use_mlp": True}),
+                                           ("CecaModule", {})])
+def test_timm_efficient_channel_attention_keeps_its_input_packed(layer, kwargs):
+    """ECA's gate (a 1-d conv across the channels' means; with ``use_mlp`` two, a ReLU between; the circular one
+    pads the means circularly) scales x per sample and channel as squeeze-and-excitation does: converted, it keeps
+    x packed, the forward is bit-equal and gradients match at 8 bits."""
+    from timm.layers import eca
+
+    torch.manual_seed(0)
+    ref = getattr(eca, layer)(64, **kwargs)
+    model = act_hf.patch(torch.nn.ModuleDict({"eca": copy.deepcopy(ref)}), bits=8, strict=False)
+    assert model["eca"].act_se_gate is not None
+    x = torch.randn(2, 64, 12, 12)
+    x_ref, x_act = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with act_hf.track_saved(model) as saved:
+        out = model["eca"](x_act)
+    assert torch.equal(out, ref(x_ref)) and saved.by_slot["eca:input"] > 0
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref(x_ref).backward(grad)
+    assert_grads_match(ref, model["eca"], name=layer)
+    assert relative_error([x_act.grad], [x_ref.grad]) < 1e-2
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
