@@ -5,9 +5,9 @@ BiT's weight-standardized convs and max pool.
 ViT and Swin: Linear, LayerNorm, GELU, dropout and attention (Swin's relative position bias and shift mask
 reach act_hf's attention as an additive mask). Swin V2: the same, its scaled cosine attention through
 :func:`act_hf.ops.cosine_attention.act_cosine_attention`. ConvNeXt: its ``ConvNextLayerNorm`` is channels-last
-(a plain LayerNorm) or channels-first (permuted, the timm LayerNorm2d form); depthwise convs and pointwise
-Linears save quantized inputs; V2's Global Response Norm keeps its input packed (:mod:`act_hf.ops.grn`). The
-classifier stays exact.
+(a plain LayerNorm) or channels-first (permuted, the timm LayerNorm2d form); depthwise convs, pointwise
+Linears and V1's layer scale save quantized inputs; V2's Global Response Norm keeps its input packed
+(:mod:`act_hf.ops.grn`). The classifier stays exact.
 """
 
 from torch import Tensor, nn
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from act_hf.nn._base import ActModule
 from act_hf.nn.linear import same_pad
 from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
-from act_hf.ops.linear import act_conv, act_standardized_conv
+from act_hf.ops.linear import act_channel_scale, act_conv, act_standardized_conv
 from act_hf.ops.pooling import act_max_pool
 from act_hf.patcher import Rule, callee, code_fingerprint, register_patch
 
@@ -193,6 +193,28 @@ def vision_conv_rules() -> list[Rule]:
             Rule("pool", _is_bit_max_pool, lambda m: ActBitMaxPoolMixin)]
 
 
+class ActConvNextLayerMixin(ActModule):
+    """transformers' ``ConvNextLayer`` with its layer scale ``gamma * x`` through
+    :func:`act_hf.ops.linear.act_channel_scale` (slot ``<path>:layer_scale``): autograd's ``mul`` kept the MLP
+    output at full width for gamma's gradient, as in timm's ConvNeXt. The rest is transformers' forward step for
+    step (the product is the same, type promotion included); the rule converts a layer only when its ``forward``
+    is the code this copies (:data:`CONVNEXT_LAYER_FORWARD`)."""
+
+    def forward(self, features: Tensor) -> Tensor:
+        if self.layer_scale_parameter is None or not self.act_enabled(features):
+            return super().forward(features)
+        residual = features
+        features = self.dwconv(features).permute(0, 2, 3, 1)
+        features = self.pwconv2(self.act(self.pwconv1(self.layernorm(features))))
+        features = act_channel_scale(features, self.layer_scale_parameter, -1, self.act_settings("layer_scale"))
+        return residual + self.drop_path(features.permute(0, 3, 1, 2))
+
+
+#: :func:`code_fingerprint` of the ``ConvNextLayer.forward`` that :class:`ActConvNextLayerMixin` reproduces
+#: (transformers 5.x).
+CONVNEXT_LAYER_FORWARD = "ad7fa3044707bfee"
+
+
 def _convnext_rules() -> list[Rule]:
     from act_hf.nn import norm
 
@@ -200,6 +222,8 @@ def _convnext_rules() -> list[Rule]:
         return type(m).__name__ in ("ConvNextLayerNorm", "ConvNextV2LayerNorm")
 
     return [
+        Rule("linear", lambda m: type(m).__name__ == "ConvNextLayer"
+             and code_fingerprint(type(m).forward) == CONVNEXT_LAYER_FORWARD, lambda m: ActConvNextLayerMixin),
         Rule("norm", lambda m: is_convnext_ln(m) and m.data_format == "channels_first",
              lambda m: norm.ActLayerNorm2dMixin, attrs=lambda m, c: {"act_norm_context": c.norm_context}),
         Rule("norm", lambda m: is_convnext_ln(m) and m.data_format == "channels_last",

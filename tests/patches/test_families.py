@@ -1059,6 +1059,55 @@ def test_timm_layer_scale_keeps_its_input_quantized(name, kwargs, role):
     assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)
 
 
+@pytest.mark.parametrize("drop_path", [0.0, 0.2])
+def test_hf_convnext_layer_scale_keeps_its_input_packed(monkeypatch, drop_path):
+    """transformers' ConvNeXt (V1) layer scale ``gamma * x`` kept the MLP output at full width for gamma's gradient
+    (bf16 autocast, batch 2, 224 x 224, 3 bits: 4.1 of 12.4 MiB a sample); converted, it keeps it packed: a step
+    saves those outputs' fp32 bytes less its packed copies than the same patched model running the original
+    forward. The forward is unchanged (stochastic depth included) and gradients match at 8 bits."""
+    import transformers as tf
+
+    from act_hf.patches import vision_hf
+
+    torch.manual_seed(0)
+    cfg = tf.ConvNextConfig(num_channels=3, hidden_sizes=[16, 32], depths=[2, 2], num_stages=2, patch_size=4,
+                            num_labels=3, drop_path_rate=drop_path, image_size=64)
+    ref = tf.ConvNextForImageClassification(cfg).train()
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    layers = [m for m in model.modules() if isinstance(m, vision_hf.ActConvNextLayerMixin)]
+    assert len(layers) == 4
+    x = torch.randn(2, 3, 64, 64)
+    torch.manual_seed(1)
+    with act_hf.track_saved(model) as saved:
+        out = model(x).logits
+    torch.manual_seed(1)
+    assert torch.equal(out, ref(x).logits)
+    assert all(f"{m.act_slot}:layer_scale" in saved.by_slot for m in layers)
+    out.pow(2).mean().backward()
+    torch.manual_seed(1)
+    ref(x).logits.pow(2).mean().backward()
+    assert_grads_match(ref, model, name="convnext-hf")
+
+    three = act_hf.patch(copy.deepcopy(ref), bits=3)
+    scaled = []  # the fp32 MLP outputs the layer scales multiply
+    for m in three.modules():
+        if isinstance(m, vision_hf.ActConvNextLayerMixin):
+            m.pwconv2.register_forward_hook(lambda mod, args, y: scaled.append(y.nbytes))
+    saved = {}
+    for label in ("converted", "original"):
+        if label == "original":
+            monkeypatch.setattr(vision_hf.ActConvNextLayerMixin, "forward",
+                                lambda self, x: type(self).act_original_class.forward(self, x))
+        scaled.clear()
+        torch.manual_seed(1)
+        with act_hf.track_saved(three) as saved[label]:
+            y = three(x).logits
+        y.sum().backward()
+    packed = sum(n for slot, n in saved["converted"].by_slot.items() if slot.endswith(":layer_scale"))
+    assert 0 < 8 * packed < sum(scaled)
+    assert saved["original"].bytes - saved["converted"].bytes == sum(scaled) - packed
+
+
 @pytest.mark.parametrize("name, size, own", [("efficientnet_b0", 64, True), ("seresnet18", 128, False),
                                              ("ese_vovnet19b_dw", 128, False), ("ecaresnet26t", 128, False)])
 def test_timm_squeeze_excite_keeps_its_input_packed(name, size, own):
