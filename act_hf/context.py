@@ -289,8 +289,14 @@ def _without_history(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.grad_fn is not None else t
 
 
+#: autograd nodes of ops that view their one input (a weight's ``w.T`` before autocast casts it)
+_VIEW_NODES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                         "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ExpandBackward0"})
+
+
 def _is_parameter_like(t: torch.Tensor, param_shapes: dict | None = None) -> bool:
-    """A parameter, autocast's dtype cast of one, or a view (``w.t()``) of either: weights, not activations.
+    """A parameter, autocast's dtype cast of one, or a view (``w.t()``) of either, or a cast of such a view
+    (Falcon's ``x @ self.weight.T`` under autocast): weights, not activations.
 
     A cast of a *frozen* weight has no autograd history; it is recognised only when the model's parameters
     are known (``param_shapes``: shape -> dtypes): a leaf without gradient whose shape, or transposed shape,
@@ -302,8 +308,15 @@ def _is_parameter_like(t: torch.Tensor, param_shapes: dict | None = None) -> boo
         return True
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ == "ToCopyBackward0":
-        nxt = fn.next_functions
-        return len(nxt) == 1 and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
+        while True:
+            nxt = fn.next_functions
+            if len(nxt) != 1 or nxt[0][0] is None:
+                return False
+            fn = nxt[0][0]
+            if type(fn).__name__ == "AccumulateGrad":
+                return True
+            if type(fn).__name__ not in _VIEW_NODES:
+                return False
     if fn is None and not t.requires_grad and param_shapes and t.dim() >= 1 and t.is_floating_point():
         dtypes = param_shapes.get(tuple(t.shape))
         return dtypes is not None and t.dtype not in dtypes

@@ -114,3 +114,17 @@ def test_track_saved_excludes_parameters_and_counts_plain_ops():
     # addmm saves x (10*32 fp32) -> weight excluded; relu saves its output (10*32 fp32)
     assert saved.bytes == 2 * 10 * 32 * 4
     assert saved.by_slot == {"<uncompressed:torch.float32>": saved.bytes}
+
+
+def test_track_saved_excludes_autocast_casts_of_weight_views():
+    """Falcon's linear computes ``x @ self.weight.T``: under autocast the matmul saves the cast of the weight's
+    view, a weight-sized tensor made once a step, not an activation; only the cast of ``x`` counts."""
+    weight = nn.Parameter(torch.randn(48, 32))
+    x = torch.randn(10, 32, requires_grad=True).exp()  # an activation (a leaf's cast would pass for a weight's)
+    for view in (lambda w: w.T, lambda w: w.t(), lambda w: w.transpose(0, 1), lambda w: w.permute(1, 0)):
+        with torch.autocast("cpu", torch.bfloat16), track_saved() as saved:
+            x @ view(weight)
+        assert saved.bytes == 10 * 32 * 2, saved.by_slot
+    with torch.autocast("cpu", torch.bfloat16), track_saved() as saved:
+        x @ (2 * weight).T  # computed from the weight: not a view of it
+    assert saved.bytes == 10 * 32 * 2 + 48 * 32 * 2
