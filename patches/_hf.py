@@ -200,7 +200,7 @@ def patch_hf(model: nn.Module, config: ActConfig, *, rules: list[Rule] = (), att
     heads = hf_head_paths(model) if head_paths is None else head_paths
     patched = patch_modules(model, config, rules=list(rules) + hf_rules() + [rms_norm_rule()], head_paths=heads)
     if attention and "attention" in config.kinds:
-        patched += _enable_attention(model, config, heads)
+        patched += [path for path in _enable_attention(model, config, heads) if path not in patched]
     enable_lm_loss(model, config)
     if config.exclude_head:
         _compact_head_inputs(model, heads)

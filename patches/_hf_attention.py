@@ -327,6 +327,7 @@ def is_enabled(model: nn.Module) -> bool:
 
 @functools.cache
 def _uses_attention_interface(cls: type) -> bool:
+    cls = getattr(cls, "act_original_class", None) or cls  # a family's mixin may call the original forward
     try:
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
     except (OSError, TypeError):

@@ -2,24 +2,57 @@
 models on the generic fallback (:func:`vision_conv_rules`), the TF-padded conv layers of MobileNet V1 / V2 and
 BiT's weight-standardized convs and max pool.
 
-ViT and Swin: Linear, LayerNorm, GELU, dropout and attention (Swin's relative position bias and shift mask
-reach act_hf's attention as an additive mask). Swin V2: the same, its scaled cosine attention through
-:func:`act_hf.ops.cosine_attention.act_cosine_attention`. ConvNeXt: its ``ConvNextLayerNorm`` is channels-last
-(a plain LayerNorm) or channels-first (permuted, the timm LayerNorm2d form); depthwise convs, pointwise
-Linears and V1's layer scale save quantized inputs; V2's Global Response Norm keeps its input packed
-(:mod:`act_hf.ops.grn`). The classifier stays exact.
+ViT and Swin: Linear, LayerNorm, GELU, dropout and attention (Swin's relative position bias and shift mask reach
+act_hf's attention as an additive mask; under SDPA as two parts, not their batch-sized sum). Swin V2: the same, its
+scaled cosine attention through :func:`act_hf.ops.cosine_attention.act_cosine_attention`. ConvNeXt: its
+``ConvNextLayerNorm`` is channels-last (a plain LayerNorm) or channels-first (permuted, the timm LayerNorm2d form);
+depthwise convs, pointwise Linears and V1's layer scale save quantized inputs; V2's Global Response Norm keeps its
+input packed (:mod:`act_hf.ops.grn`). The classifier stays exact.
 """
 
 from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
 from act_hf.nn.linear import same_pad
+from act_hf.ops.attention import act_sdpa
 from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
 from act_hf.ops.linear import act_channel_scale, act_conv, act_standardized_conv
 from act_hf.ops.pooling import act_max_pool
 from act_hf.patcher import Rule, callee, code_fingerprint, register_patch
 
 from ._hf import patch_hf
+
+
+class ActSwinAttentionMixin(ActModule):
+    """transformers' ``SwinAttention`` in a shifted-window block under act_hf's SDPA: transformers adds the
+    relative position bias ``(1, heads, N, N)`` to the shift mask of every image, ``(batch * windows, 1, N, N)``,
+    and SDPA's context kept that sum, as large as a batch of attention matrices in fp32; here :func:`act_sdpa`
+    gets the two parts (``window_mask``), makes the same sum for SDPA and keeps only the parts. Blocks without a
+    shift, other attention functions and ``output_attentions`` run transformers' forward (dispatching to act_hf's
+    attention functions as before). The rule converts a module only when its ``forward`` is the code this copies
+    (:data:`SWIN_ATTENTION_FORWARD`)."""
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs):
+        from ._hf_attention import ACT_SDPA
+
+        if attention_mask is None or self.config._attn_implementation != ACT_SDPA or not self.act_enabled(
+                hidden_states) or kwargs.get("output_attentions", False):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        attn_output = act_sdpa(query_states, key_states, value_states, self.relative_position_bias(),
+                               self.attention_dropout if self.training else 0.0, False, self.scaling,
+                               settings=self.act_base_settings(), window_mask=attention_mask)
+        attn_output = attn_output.transpose(1, 2).contiguous().reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), None
+
+
+#: :func:`code_fingerprint` of the ``SwinAttention.forward`` that :class:`ActSwinAttentionMixin` reproduces
+#: (transformers 5.x).
+SWIN_ATTENTION_FORWARD = "8e12eaf56b5c29f7"
 
 
 class ActSwinv2SelfAttentionMixin(ActModule):
@@ -231,9 +264,16 @@ def _convnext_rules() -> list[Rule]:
     ]
 
 
-@register_patch("vit", "swin")
+@register_patch("vit")
 def patch_vit(model, config) -> list[str]:
     return patch_hf(model, config)
+
+
+@register_patch("swin")
+def patch_swin(model, config) -> list[str]:
+    return patch_hf(model, config, rules=[Rule(
+        "attention", lambda m: type(m).__name__ == "SwinAttention"
+        and code_fingerprint(type(m).forward) == SWIN_ATTENTION_FORWARD, lambda m: ActSwinAttentionMixin)])
 
 
 @register_patch("convnext", "convnextv2")

@@ -89,6 +89,7 @@ __all__ = [
     "act_eager_attention",
     "act_sdpa",
     "add_window_mask",
+    "add_windows_mask",
     "compress_role",
     "grads_of",
     "math_attention",
@@ -188,29 +189,34 @@ def _check_dropout(dropout_p: float) -> None:
 class ActSDPAFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` with a quantized saved context.
 
-    Saves: ``quantize(q)`` and ``quantize(k)`` (when any input needs a gradient), ``quantize(v)`` (only when
-    ``q``, ``k`` or the mask need a gradient: ``dv = P^T dO`` does not read ``v``, with dropout either) and
-    ``attn_mask`` as given. ``k`` and ``v`` are saved before the ``n_rep`` head repetition. With dropout, ``ctx``
-    also keeps the RNG state the forward drew its mask from and the SDPA backend it ran (:class:`_DropoutReplay`).
-    Backward's recomputation casts its inputs as autocast cast them in forward.
+    Saves: ``quantize(q)`` and ``quantize(k)`` (when any input needs a gradient), ``quantize(v)`` (only when ``q``,
+    ``k`` or the mask need a gradient: ``dv = P^T dO`` does not read ``v``, with dropout either) and ``attn_mask``
+    as given (with ``window_mask``, both, and the sum they make is made again in backward). ``k`` and ``v`` are
+    saved before the ``n_rep`` head repetition. With dropout, ``ctx`` also keeps the RNG state the forward drew its
+    mask from and the SDPA backend it ran (:class:`_DropoutReplay`). Backward's recomputation casts its inputs as
+    autocast cast them in forward.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
-                scale: float | None, enable_gqa: bool, n_rep: int, settings: OpSettings) -> Tensor:
+                scale: float | None, enable_gqa: bool, n_rep: int, settings: OpSettings,
+                window_mask: Tensor | None = None) -> Tensor:
         k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         ctx.replay, ctx.cast = None, autocast_dtype(q.device.type)
+        mask = attn_mask
+        if window_mask is not None:  # the sum the unpatched call gets, requiring grad as it does (backend choice)
+            mask = add_windows_mask(attn_mask, window_mask, q.shape[0]).requires_grad_(attn_mask.requires_grad)
         if dropout_p > 0.0:
-            out, ctx.replay = _sdpa_with_replayable_dropout(q, k_full, v_full, attn_mask, dropout_p, is_causal, scale,
+            out, ctx.replay = _sdpa_with_replayable_dropout(q, k_full, v_full, mask, dropout_p, is_causal, scale,
                                                             enable_gqa)
         else:
-            out = _sdpa_as_unpatched(q, k_full, v_full, attn_mask, is_causal, scale, enable_gqa)
+            out = _sdpa_as_unpatched(q, k_full, v_full, mask, is_causal, scale, enable_gqa)
         need_q, need_k, need_v, need_m = ctx.needs_input_grad[:4]
         any_grad = need_q or need_k or need_v or need_m
         pq = compress_role(q, settings, "q") if any_grad else None
         pk = compress_role(k, settings, "k") if any_grad else None
         pv = compress_role(v, settings, "v") if need_q or need_k or need_m else None
-        save_context(ctx, pq, pk, pv, attn_mask if any_grad else None)
+        save_context(ctx, pq, pk, pv, attn_mask if any_grad else None, window_mask if any_grad else None)
         ctx.v_shape = v.shape
         ctx.args = (dropout_p, is_causal, scale, enable_gqa, n_rep)
         return out
@@ -218,7 +224,7 @@ class ActSDPAFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):
-        pq, pk, pv, mask = load_context(ctx)
+        pq, pk, pv, mask, window_mask = load_context(ctx)
         dropout_p, is_causal, scale, enable_gqa, n_rep = ctx.args
         need = ctx.needs_input_grad
         replay: _DropoutReplay | None = ctx.replay
@@ -228,8 +234,9 @@ class ActSDPAFunction(torch.autograd.Function):
             k = k.requires_grad_(need[1])
             v = v.requires_grad_(need[2])
             m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
+            full = m if window_mask is None else add_windows_mask(m, window_mask, q.shape[0])
             # cast as autocast did in forward (an fp32 mask beside bf16 q, k stops fused kernels)
-            inputs = [autocast_cast(t, ctx.cast) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), m)]
+            inputs = [autocast_cast(t, ctx.cast) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), full)]
             with torch.autocast(q.device.type, enabled=False):
                 if replay is None:
                     out = F.scaled_dot_product_attention(*inputs, dropout_p=0.0, is_causal=is_causal, scale=scale,
@@ -239,7 +246,7 @@ class ActSDPAFunction(torch.autograd.Function):
                         out = F.scaled_dot_product_attention(*inputs, dropout_p=dropout_p, is_causal=is_causal,
                                                              scale=scale, enable_gqa=enable_gqa)
             dq, dk, dv, dm = grads_of(out, [q, k, v, m], grad_out)
-        return dq, dk, dv, dm, None, None, None, None, None, None
+        return dq, dk, dv, dm, None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -335,9 +342,18 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, n_rep: int) -> None:
         raise ActHFValueError(f"repeat_kv > 1 needs 4-d k and v (B, Hkv, S, D), got {k.dim()}-d and {v.dim()}-d")
 
 
+def add_windows_mask(attn_mask: Tensor, window_mask: Tensor, batch_windows: int) -> Tensor:
+    """transformers' Swin attention mask: ``attn_mask`` (the relative position bias, ``(1, heads, N, N)``) plus the
+    shifted-window mask ``(num_windows, N, N)`` of every image, ``(batch_windows, 1, N, N)`` (batch index = image *
+    num_windows + window), written as transformers writes the sum."""
+    num_windows, n = window_mask.shape[0], window_mask.shape[-1]
+    per_image = window_mask.unsqueeze(1).unsqueeze(0).expand(batch_windows // num_windows, -1, -1, -1, -1)
+    return attn_mask + per_image.reshape(-1, 1, n, n)
+
+
 def act_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-             settings: OpSettings, repeat_kv: int = 1) -> Tensor:
+             settings: OpSettings, repeat_kv: int = 1, window_mask: Tensor | None = None) -> Tensor:
     """``F.scaled_dot_product_attention`` whose saved context is ``q``, ``k``, ``v`` quantized.
 
     Same arguments and output as ``F.scaled_dot_product_attention`` (bit-identical where the same kernel runs,
@@ -356,22 +372,32 @@ def act_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, d
             and group size.
         repeat_kv: repeat k and v ``n`` times along the head dim with transformers' ``repeat_kv`` before
             attention (exactly that forward); k and v are then saved *un*-repeated, ``n`` times smaller.
+        window_mask: transformers' Swin shifted-window mask ``(num_windows, L, S)``: the mask SDPA gets is then
+            :func:`add_windows_mask` of ``attn_mask`` (the position bias) and it, as Swin adds them, and only the
+            two parts are saved, not their sum, which is as large as a batch of attention matrices.
 
     Returns:
         The attention output, as SDPA returns it.
 
     Raises:
-        ValueError: bad ``dropout_p`` or ``repeat_kv``, non-floating inputs.
+        ValueError: bad ``dropout_p``, ``repeat_kv`` or ``window_mask``, non-floating inputs.
     """
     _check_dropout(dropout_p)
     _check_qkv(q, k, v, repeat_kv)
+    if window_mask is not None and (attn_mask is None or not attn_mask.is_floating_point() or window_mask.dim() != 3
+                                    or q.shape[0] % window_mask.shape[0] != 0):
+        raise ActHFValueError(
+            f"window_mask: expected (num_windows, L, S) beside a float attn_mask, num_windows dividing q's batch "
+            f"{q.shape[0]}, got {None if window_mask is None else tuple(window_mask.shape)} and attn_mask "
+            f"{None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)}")
     tensors = (q, k, v) if attn_mask is None else (q, k, v, attn_mask)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
-        return F.scaled_dot_product_attention(q, _repeat(k, repeat_kv), _repeat(v, repeat_kv), attn_mask=attn_mask,
+        mask = attn_mask if window_mask is None else add_windows_mask(attn_mask, window_mask, q.shape[0])
+        return F.scaled_dot_product_attention(q, _repeat(k, repeat_kv), _repeat(v, repeat_kv), attn_mask=mask,
                                               dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     return ActSDPAFunction.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa),
-                                 repeat_kv, settings)
+                                 repeat_kv, settings, window_mask)
 
 
 _repeat = repeat_kv  # act_sdpa's keyword shadows the module-level name

@@ -155,6 +155,40 @@ def test_sdpa_learned_mask_gets_gradient():
         _check_grads(ref_g, g, SQNR_MIN[8])
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_sdpa_window_mask_saves_its_parts_not_their_sum(autocast, dropout_p):
+    """transformers' Swin: SDPA's mask is a learned ``(1, heads, N, N)`` bias plus the ``(windows, N, N)`` shift
+    mask of every image. Given the two parts (``window_mask``), the forward is the unpatched call on their sum bit
+    for bit (under autocast too), the gradients follow (the bias's included), and the context keeps the parts,
+    not the ``(batch * windows, heads, N, N)`` sum."""
+    images, windows, n = 3, 4, 16
+    q, k, v = _qkv(b=images * windows, s=n, d=8)
+    bias = torch.randn(1, H, n, n, requires_grad=True)
+    shift = torch.zeros(windows, n, n).masked_fill(torch.rand(windows, n, n) < 0.3, -100.0)
+    grad_out = torch.randn(images * windows, H, n, 8)
+
+    def summed():  # transformers' SwinAttention.forward
+        per_image = shift.unsqueeze(1).unsqueeze(0).expand(images, -1, -1, -1, -1).reshape(-1, 1, n, n)
+        return bias * 1.0 + per_image
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ref, ref_g, _ = _run(lambda: F.scaled_dot_product_attention(q, k, v, summed(), dropout_p), (q, k, v, bias),
+                             grad_out)
+        out, g, _ = _run(lambda: act_sdpa(q, k, v, bias * 1.0, dropout_p, settings=_settings(8), window_mask=shift),
+                         (q, k, v, bias), grad_out)
+        with track_saved() as saved:
+            act_sdpa(q, k, v, bias * 1.0, dropout_p, settings=_settings(8), window_mask=shift)
+    assert torch.equal(ref, out)
+    _check_grads(ref_g, g, 20.0 if autocast else SQNR_MIN[8])
+    masks = saved.by_slot["<uncompressed:torch.float32>"]
+    assert masks == bias.nbytes + shift.nbytes, (masks, bias.nbytes, shift.nbytes)
+    with pytest.raises(ActHFValueError, match="window_mask"):
+        act_sdpa(q, k, v, None, settings=_settings(8), window_mask=shift)
+    with pytest.raises(ActHFValueError, match="window_mask"):
+        act_sdpa(q, k, v, bias, settings=_settings(8), window_mask=shift[:1].expand(5, n, n))
+
+
 @pytest.mark.parametrize("qkv_dtype", [torch.bfloat16, torch.float32])
 def test_sdpa_learned_mask_under_autocast_runs_the_unpatched_backend(qkv_dtype):
     """T5's case: under CPU bf16 autocast, an fp32 additive mask that requires grad. The unpatched call casts it in

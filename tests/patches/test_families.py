@@ -1059,6 +1059,60 @@ def test_timm_layer_scale_keeps_its_input_quantized(name, kwargs, role):
     assert packed > 0 and plain + packed >= 4 * packed, (plain, packed)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_hf_swin_shifted_windows_keep_bias_and_shift_mask_not_their_sum(monkeypatch, dropout):
+    """transformers' Swin adds the relative position bias to every image's shift mask before SDPA, and SDPA's
+    context kept that ``(batch * windows, heads, N, N)`` fp32 sum in every shifted block (bf16 autocast, batch 2,
+    224 x 224, 3 bits: 3.9 of 12.9 MiB a sample). Converted, a shifted block keeps the bias and the
+    ``(windows, N, N)`` mask: a step saves exactly the sums' bytes less the parts' than the same patched model
+    running transformers' forward. The forward is unchanged (attention dropout included) and gradients match at 8
+    bits."""
+    import transformers as tf
+
+    from act_hf.patches import vision_hf
+
+    torch.manual_seed(0)
+    cfg = tf.SwinConfig(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
+                        attention_probs_dropout_prob=dropout, drop_path_rate=0.0, num_labels=3)
+    ref = tf.SwinForImageClassification(cfg).train()
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    attentions = [m for m in model.modules() if isinstance(m, vision_hf.ActSwinAttentionMixin)]
+    assert len(attentions) == 4 and all(p in model.act_hf_patched_modules for p in
+                                        [p for p, m in model.named_modules() if m in attentions])
+    x = torch.randn(3, 3, 32, 32)
+    torch.manual_seed(1)
+    out = model(x).logits
+    torch.manual_seed(1)
+    assert torch.equal(out, ref(x).logits)
+    out.pow(2).mean().backward()
+    torch.manual_seed(1)
+    ref(x).logits.pow(2).mean().backward()
+    assert_grads_match(ref, model, name="swin-hf")
+
+    three = act_hf.patch(copy.deepcopy(ref), bits=3)
+    expected = []  # per shifted block: its (batch * windows, heads, N, N) sum less the bias and the mask
+    for m in three.modules():
+        if isinstance(m, vision_hf.ActSwinAttentionMixin):
+            def note(mod, args, kwargs):
+                mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+                windows_batch, n = args[0].shape[:2]
+                if mask is not None:
+                    heads = mod.relative_position_bias.relative_position_bias_table.shape[1]
+                    expected.append(4 * (windows_batch * heads * n * n - heads * n * n) - mask.nbytes)
+            m.register_forward_pre_hook(note, with_kwargs=True)
+    saved = {}
+    for label in ("converted", "original"):
+        if label == "original":
+            monkeypatch.setattr(vision_hf.ActSwinAttentionMixin, "forward",
+                                lambda self, *a, **kw: type(self).act_original_class.forward(self, *a, **kw))
+        expected.clear()
+        torch.manual_seed(1)
+        with act_hf.track_saved(three) as saved[label]:
+            y = three(x).logits
+        y.sum().backward()
+    assert len(expected) == 2 and saved["original"].bytes - saved["converted"].bytes == sum(expected)
+
+
 @pytest.mark.parametrize("drop_path", [0.0, 0.2])
 def test_hf_convnext_layer_scale_keeps_its_input_packed(monkeypatch, drop_path):
     """transformers' ConvNeXt (V1) layer scale ``gamma * x`` kept the MLP output at full width for gamma's gradient
@@ -1111,13 +1165,12 @@ def test_hf_convnext_layer_scale_keeps_its_input_packed(monkeypatch, drop_path):
 @pytest.mark.parametrize("name, size, own", [("efficientnet_b0", 64, True), ("seresnet18", 128, False),
                                              ("ese_vovnet19b_dw", 128, False), ("ecaresnet26t", 128, False)])
 def test_timm_squeeze_excite_keeps_its_input_packed(name, size, own):
-    """A squeeze-and-excitation module's ``x * gate`` would keep x at full width for the gate's gradient (in a
-    family: EfficientNet's SqueezeExcite, SE-ResNet's SEModule, ECA-ResNet's EcaModule; on the fallback, VoVNet's
-    eSE); patched, it keeps
-    x packed (``own``: EfficientNet's x is a SiLU's output), or reads it from BatchNorm's packed input (SE-ResNet,
-    ECA-ResNet: ``se(bn3(.))``; 128 x 128, so that the last stage's BatchNorms see enough values a channel to pack theirs),
-    with the ReLU's mask (VoVNet: ``ese(relu(bn(.)))``); the forward is unchanged, and gradients match at 8
-    bits."""
+    """A squeeze-and-excitation module's ``x * gate`` would keep x at full width for the gate's gradient (in a family:
+    EfficientNet's SqueezeExcite, SE-ResNet's SEModule, ECA-ResNet's EcaModule; on the fallback, VoVNet's eSE);
+    patched, it keeps x packed (``own``: EfficientNet's x is a SiLU's output), or reads it from BatchNorm's
+    packed input (SE-ResNet, ECA-ResNet: ``se(bn3(.))``; 128 x 128, so that the last stage's BatchNorms see
+    enough values a channel to pack theirs), with the ReLU's mask (VoVNet: ``ese(relu(bn(.)))``); the forward
+    is unchanged, and gradients match at 8 bits."""
     import timm
 
     torch.manual_seed(0)
