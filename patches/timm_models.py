@@ -1,19 +1,20 @@
-"""timm models: ResNet, ViT/DeiT, Swin (V1, V2 and V2-CR), ConvNeXt, EfficientNet, EfficientViT (MIT: B and L), and every timm
-model built from the same layers.
+"""timm models: ResNet, ViT/DeiT, Swin (V1, V2 and V2-CR), ConvNeXt, EfficientNet, EfficientViT (MIT: B and L), and
+every timm model built from the same layers.
 
-timm passes ``norm_layer``/``act_layer`` into constructors, so these rules walk the built modules: timm's
-own ``LayerNorm`` (plain F.layer_norm unless fast-norm is on), ``LayerNorm2d`` (channels-first ConvNeXt
-norm), ``BatchNormAct2d`` (EfficientNet: BN + activation fused, In-Place ABN form after an identity or ELU; a
-leaky ReLU keeps the input form, whose inversion would amplify the noise by 1/slope), timm's activation
-classes (few-bit), the attention modules of ViT and Swin (Swin V2's scaled cosine attention through
-:func:`act_hf.ops.cosine_attention.act_cosine_attention`), and EfficientViT's ReLU linear attention
-(``LiteMLA``, through :func:`act_hf.ops.linear_attention.act_linear_attention`). Layer scale (``LayerScale``,
-``LayerScale2d``, and the ``gamma`` of ``ConvNeXtBlock``) and squeeze-and-excitation (``x * gate``: EfficientNet's
-``SqueezeExcite``, ``SEModule``, ``EffectiveSEModule``, ``SqueezeExciteCl``, and ECA's ``EcaModule`` and
-``CecaModule``) keep their input quantized for the
-scale's gradient, as do the softmax-weighted branch sums of ResNeSt (``SplitAttn``) and SK-ResNet
-(``SelectiveKernel``), which read their inputs from what BatchNorm and the ReLU before them saved. Stochastic depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`).
-The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
+timm passes ``norm_layer``/``act_layer`` into constructors, so these rules walk the built modules: timm's own
+``LayerNorm`` (plain F.layer_norm unless fast-norm is on), ``LayerNorm2d`` (channels-first ConvNeXt norm),
+``BatchNormAct2d`` (EfficientNet: BN + activation fused, In-Place ABN form after an identity or ELU; a leaky ReLU
+keeps the input form, whose inversion would amplify the noise by 1/slope), timm's activation classes (few-bit), the
+attention modules of ViT and Swin (Swin V2's scaled cosine attention through
+:func:`act_hf.ops.cosine_attention.act_cosine_attention`), and EfficientViT's ReLU linear attention (``LiteMLA``,
+through :func:`act_hf.ops.linear_attention.act_linear_attention`). Layer scale (``LayerScale``, ``LayerScale2d``,
+and the ``gamma`` of ``ConvNeXtBlock``) and squeeze-and-excitation (``x * gate``: EfficientNet's ``SqueezeExcite``,
+``SEModule``, ``EffectiveSEModule``, ``SqueezeExciteCl``, and ECA's ``EcaModule`` and ``CecaModule``) keep their
+input quantized for the scale's gradient, as do the softmax-weighted branch sums of ResNeSt (``SplitAttn``) and
+SK-ResNet (``SelectiveKernel``), which read their inputs from what BatchNorm and the ReLU before them saved.
+MetaFormer's ``StarReLU`` keeps its ReLU output and its output packed (:mod:`act_hf.ops.star_relu`). Stochastic
+depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`). The classifier named by
+``pretrained_cfg["classifier"]`` stays exact.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from act_hf.derived import note_scaled
 from act_hf.nn._base import ActModule
 from act_hf.ops.linear import act_channel_scale, act_scale
 from act_hf.ops.linear_attention import act_linear_attention
+from act_hf.ops.star_relu import act_star_relu
 from act_hf.patcher import Rule, code_fingerprint, patch_modules, register_patch, same_forward
 
 __all__ = ["patch_timm"]
@@ -266,6 +268,23 @@ class ActSelectiveKernelMixin(ActModule):
 SELECTIVE_KERNEL_CODE = "bac43caf962331f5"
 
 
+class ActStarReLUMixin(ActModule):
+    """timm's ``StarReLU`` (MetaFormer: ``scale * relu(x) ** 2 + bias``) through
+    :func:`act_hf.ops.star_relu.act_star_relu` (slots ``<path>:input`` and ``<path>:output``, the second shared
+    with the linear or conv after it): autograd kept ``relu(x)`` and ``relu(x) ** 2``, and the ReLU its mask. The
+    output is the original's bit for bit; the rule converts it only when timm's code is the code this computes
+    (:data:`STAR_RELU_CODE`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        return act_star_relu(x, self.scale, self.bias, self.act_base_settings())
+
+
+#: :func:`code_fingerprint` of the ``StarReLU.forward`` that :class:`ActStarReLUMixin` computes (timm 1.0.x).
+STAR_RELU_CODE = "adbd85d58fb2be0b"
+
+
 def timm_rules() -> list[Rule]:
     """Rules for timm's layers, in front of the generic torch ones."""
     from timm import layers
@@ -289,6 +308,7 @@ def timm_rules() -> list[Rule]:
         Rule("linear", lambda m: _is_timm_code(m, "SplitAttn", SPLIT_ATTN_CODE), lambda m: ActSplitAttnMixin),
         Rule("linear", lambda m: _is_timm_code(m, "SelectiveKernel", SELECTIVE_KERNEL_CODE),
              lambda m: ActSelectiveKernelMixin),
+        Rule("activation", lambda m: _is_timm_code(m, "StarReLU", STAR_RELU_CODE), lambda m: ActStarReLUMixin),
         Rule("dropout", _is_drop_path, lambda m: ActDropPathMixin,
              attrs=lambda m, c: {"act_share_residual": c.share_residual}),
         Rule("linear", same_forward(layers.LayerScale), lambda m: linear.ActLayerScaleMixin),
