@@ -216,14 +216,30 @@ def _is_bit_max_pool(m: nn.Module) -> bool:
         return False
 
 
+def _regnet_se_gate(m: nn.Module, x: Tensor) -> Tensor:
+    """transformers' ``RegNetSELayer``: its pooler, then its conv - ReLU - conv - sigmoid attention."""
+    return m.attention(m.pooler(x))
+
+
+#: :func:`code_fingerprint` of the ``RegNetSELayer.forward`` whose gate :func:`_regnet_se_gate` computes
+#: (transformers 5.x).
+REGNET_SE_FORWARD = "11d2ba8c1c564c45"
+
+
 def vision_conv_rules() -> list[Rule]:
     """Rules for HF vision conv nets on the generic fallback: MobileNet V1 / V2's TF-padded conv layers
     (:class:`ActTFPaddedConvLayerMixin`), BiT's weight-standardized convs (:class:`ActWeightStandardizedConvMixin`)
-    and its max pool (:class:`ActBitMaxPoolMixin`)."""
+    and its max pool (:class:`ActBitMaxPoolMixin`), and RegNet's squeeze-and-excitation (``x * gate`` through
+    timm's :class:`~act_hf.patches.timm_models.ActSqueezeExciteMixin`, with the layer's own gate)."""
+    from .timm_models import ActSqueezeExciteMixin
+
     return [Rule("conv", lambda m: _tf_padding_dilated(m) is not None, lambda m: ActTFPaddedConvLayerMixin,
                  attrs=lambda m, c: {"act_tf_pad_dilated": _tf_padding_dilated(m)}),
             Rule("conv", _is_weight_standardized_conv, lambda m: ActWeightStandardizedConvMixin),
-            Rule("pool", _is_bit_max_pool, lambda m: ActBitMaxPoolMixin)]
+            Rule("pool", _is_bit_max_pool, lambda m: ActBitMaxPoolMixin),
+            Rule("linear", lambda m: type(m).__name__ == "RegNetSELayer"
+                 and code_fingerprint(type(m).forward) == REGNET_SE_FORWARD, lambda m: ActSqueezeExciteMixin,
+                 attrs=lambda m, c: {"act_se_gate": _regnet_se_gate, "act_share_residual": c.share_residual})]
 
 
 class ActConvNextLayerMixin(ActModule):
