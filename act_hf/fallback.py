@@ -218,6 +218,19 @@ def _plain(t) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter) and not t.is_nested
 
 
+def _bound(signature: inspect.Signature, args: tuple, kwargs: dict, *,
+           defaults: bool = False) -> inspect.BoundArguments | None:
+    """``signature`` bound to a call's arguments (its defaults filled in with ``defaults``), or ``None`` for a call
+    with arguments the signature does not name (``out=``, dimension names): such a call runs as it is."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    if defaults:
+        bound.apply_defaults()
+    return bound
+
+
 _MUTATES: dict = {}  # func -> whether it writes into its first argument (in-place method, operator or setitem)
 
 
@@ -360,9 +373,8 @@ class _FallbackOps(TorchFunctionMode):
         if _mutates(func) and args:  # written with a tensor that is not static
             statics.discard(args[0])
         if func is F.scaled_dot_product_attention and self.sdpa is not None and self.scopes.compressing():
-            try:
-                bound = _SDPA_SIGNATURE.bind(*args, **kwargs)
-            except TypeError:
+            bound = _bound(_SDPA_SIGNATURE, args, kwargs)
+            if bound is None:
                 return func(*args, **kwargs)
             a = bound.arguments
             qkv = (a["query"], a["key"], a["value"])
@@ -379,34 +391,32 @@ class _FallbackOps(TorchFunctionMode):
             if whole and len(args) == 1 and not kwargs:  # x.max()
                 return act_extremum(x, largest=largest, slot=self.slot)
             if whole:  # max(x, dim, keepdim): values and indices
-                try:
-                    a = _INDEXED_EXTREMUM_SIGNATURE.bind(*args, **kwargs).arguments
-                except TypeError:  # out=, names
+                bound = _bound(_INDEXED_EXTREMUM_SIGNATURE, args, kwargs)
+                dim = None if bound is None else bound.arguments["dim"]
+                if isinstance(dim, bool) or not isinstance(dim, int):
                     return func(*args, **kwargs)
-                if isinstance(a["dim"], bool) or not isinstance(a["dim"], int):
-                    return func(*args, **kwargs)
-                return act_indexed_extremum(x, a["dim"], a.get("keepdim", False), largest=largest, slot=self.slot)
-            try:
-                a = _EXTREMUM_SIGNATURE.bind(*args, **kwargs).arguments
-            except TypeError:
+                return act_indexed_extremum(x, dim, bound.arguments.get("keepdim", False), largest=largest,
+                                            slot=self.slot)
+            bound = _bound(_EXTREMUM_SIGNATURE, args, kwargs)
+            if bound is None:
                 return func(*args, **kwargs)
+            a = bound.arguments
             return act_extremum(x, largest=largest, dim=a.get("dim", ()), keepdim=a.get("keepdim", False),
                                 slot=self.slot)
         elif func in _ELEMENTWISE_EXTREMA:
-            try:
-                a = _ELEMENTWISE_SIGNATURE.bind(*args, **kwargs).arguments
-            except TypeError:  # out=
+            bound = _bound(_ELEMENTWISE_SIGNATURE, args, kwargs)
+            if bound is None:
                 return func(*args, **kwargs)
-            return self._elementwise(func, a["input"], a["other"], _ELEMENTWISE_EXTREMA[func])
+            return self._elementwise(func, bound.arguments["input"], bound.arguments["other"],
+                                     _ELEMENTWISE_EXTREMA[func])
         elif func in _CLAMPS:
             x = args[0] if args else kwargs.get("input")
             if not self._routable(x):
                 return func(*args, **kwargs)
-            try:
-                a = _CLAMPS[func].bind(*args, **kwargs).arguments
-            except TypeError:
+            bound = _bound(_CLAMPS[func], args, kwargs)
+            if bound is None:
                 return func(*args, **kwargs)
-            lo, hi = a.get("min"), a.get("max")
+            lo, hi = bound.arguments.get("min"), bound.arguments.get("max")
             if not all(v is None or _is_number(v) for v in (lo, hi)) or (lo is None and hi is None):
                 return func(*args, **kwargs)  # tensor bounds: autograd splits their ties its own way
             return act_clamp(x, lo, hi, slot=self.slot)
@@ -415,11 +425,9 @@ class _FallbackOps(TorchFunctionMode):
             if not self._routable(x):
                 return func(*args, **kwargs)
             signature, inplace = _RECTIFIERS[func]
-            try:
-                a = signature.bind(*args, **kwargs)
-            except TypeError:
+            a = _bound(signature, args, kwargs, defaults=True)
+            if a is None:
                 return func(*args, **kwargs)
-            a.apply_defaults()
             inplace = a.arguments.get("inplace", False) if inplace is None else inplace
             slope = a.arguments.get("negative_slope")
             if slope is not None and not _is_number(slope):
@@ -432,12 +440,10 @@ class _FallbackOps(TorchFunctionMode):
             if not self._routable(x):
                 return func(*args, **kwargs)
             nd, largest = _POOLS[func]
-            try:
-                a = (_MAX_POOL_SIGNATURE if largest else _AVG_POOL_SIGNATURE).bind(*args, **kwargs)
-            except TypeError:
+            bound = _bound(_MAX_POOL_SIGNATURE if largest else _AVG_POOL_SIGNATURE, args, kwargs, defaults=True)
+            if bound is None:
                 return func(*args, **kwargs)
-            a.apply_defaults()
-            a = a.arguments
+            a = bound.arguments
             if largest and not a["return_indices"]:
                 return act_max_pool(x, nd, a["kernel_size"], a["stride"], a["padding"], a["dilation"],
                                     a["ceil_mode"], settings=self.pool)
@@ -449,11 +455,9 @@ class _FallbackOps(TorchFunctionMode):
             x = args[0] if args else kwargs.get("input")
             if not self._routable(x):
                 return func(*args, **kwargs)
-            try:
-                a = _DROPOUTS[func].bind(*args, **kwargs)
-            except TypeError:
+            a = _bound(_DROPOUTS[func], args, kwargs, defaults=True)
+            if a is None:
                 return func(*args, **kwargs)
-            a.apply_defaults()
             p, training = a.arguments["p"], a.arguments.get("training", a.arguments.get("train"))
             if not (training and isinstance(p, float) and 0.0 < p < 1.0):
                 return func(*args, **kwargs)

@@ -254,12 +254,13 @@ class ActSelectiveKernelMixin(ActModule):
             x_paths = [op(x_split[i]) for i, op in enumerate(self.paths)]
         else:
             x_paths = [op(x) for op in self.paths]
-        x_attn = self.attn(torch.stack(x_paths, dim=1))
-        if self.act_enabled(*x_paths) and x_attn.requires_grad:
-            x = torch.stack([act_scale(path, x_attn[:, i], self.act_settings(f"path{i}"))
-                             for i, path in enumerate(x_paths)], dim=1)
-        else:
-            x = torch.stack(x_paths, dim=1) * x_attn
+        stacked = torch.stack(x_paths, dim=1)
+        x_attn = self.attn(stacked)
+        if not (self.act_enabled(*x_paths) and x_attn.requires_grad):
+            return torch.sum(stacked * x_attn, dim=1)
+        del stacked  # read by the attention alone: the products are stacked anew
+        x = torch.stack([act_scale(path, x_attn[:, i], self.act_settings(f"path{i}"))
+                         for i, path in enumerate(x_paths)], dim=1)
         return torch.sum(x, dim=1)
 
 

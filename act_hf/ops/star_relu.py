@@ -51,10 +51,10 @@ class ActStarReLUFunction(torch.autograd.Function):
         x_dtype, s_dtype, b_dtype = ctx.dtypes
         s_shape, b_shape = ctx.shapes
         grad_x = grad_s = grad_b = None
+        r = dequantize(packed_r) if packed_r is not None else None
         if ctx.needs_input_grad[0]:
-            grad_x = (grad_out * (2 * scale) * dequantize(packed_r)).to(x_dtype)
+            grad_x = (grad_out * (2 * scale) * r).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            r = dequantize(packed_r)
             squared = torch.where(scale != 0, (dequantize(packed_y) - bias) / torch.where(scale != 0, scale, 1),
                                   r * r)
             grad_s = (grad_out * squared).sum_to_size(s_shape).to(s_dtype)
