@@ -5,7 +5,8 @@ For each model and setting it measures, with real optimizer steps (AdamW, bf16 a
 1. peak memory and samples/s at one equal batch (``--batch``); speed is reported against ``unpatched``;
 2. the largest batch that trains under a memory cap (``--cap``, applied with
    ``torch.cuda.set_per_process_memory_fraction``), found by growing from a projection of step 1 and then
-   bisecting to ``--resolution``;
+   bisecting to ``--resolution``; ``--parallel N`` runs N of these trials at once on one GPU (each capped, so a
+   GPU of at least N x the cap answers as N GPUs would), the speed trials of steps 1 and 3 always alone;
 3. samples/s against batch size up to that largest batch (ActNN's Fig. 1, GACT's Fig. 4).
 
 Every measurement is a *trial* run in its own subprocess, so that an out-of-memory never poisons the caching
@@ -39,8 +40,10 @@ import math
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -124,12 +127,14 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
         raise SystemExit(f"--settings ckpt: {type(model).__name__} has no gradient checkpointing switch")
 
 
-def run_trial(trial: Trial) -> dict:
-    """Train ``trial.warmup + trial.steps`` steps in this process; samples/s over the timed steps, and on a GPU
-    the peak allocated and reserved memory over them. An out-of-memory returns ``{"oom": True}``."""
+def prepare_step(trial: Trial) -> tuple[Callable[[], None], dict]:
+    """Build, set up and (for ``bitsN``) patch the trial's model on its device, with AdamW and the trial's batch.
+
+    Returns one training step (zero_grad, forward under autocast, backward, optimizer step; no sync) and what
+    preparing it measured: the adaptive allocator's ``avg_bits`` and ``probe_s``, run once here, before timing.
+    """
     device = torch.device(trial.device)
-    cuda = device.type == "cuda"
-    if cuda and trial.cap_bytes:
+    if device.type == "cuda" and trial.cap_bytes:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, trial.cap_bytes / total), device)
     setting = parse_setting(trial.setting)
@@ -154,7 +159,6 @@ def run_trial(trial: Trial) -> dict:
             return model(**b).loss
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=trial.dtype == "bf16")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -163,15 +167,25 @@ def run_trial(trial: Trial) -> dict:
         loss.backward()
         optimizer.step()
 
-    out: dict = {"oom": False}
+    info: dict = {}
+    allocator = getattr(model, "act_hf_allocator", None)
+    if allocator is not None:  # adaptive: allocate once, before timing (amortized over adapt_interval steps)
+        allocator.automatic = False
+        with autocast:
+            allocator.update_batch(batch, loss_of)
+        info = {"avg_bits": allocator.average_bits(), "probe_s": allocator.probe_seconds}
+    return step, info
+
+
+def run_trial(trial: Trial) -> dict:
+    """Train ``trial.warmup + trial.steps`` steps in this process; samples/s over the timed steps, and on a GPU
+    the peak allocated and reserved memory over them. An out-of-memory returns ``{"oom": True}``."""
+    device = torch.device(trial.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
-        allocator = getattr(model, "act_hf_allocator", None)
-        if allocator is not None:  # adaptive: allocate once, before timing (amortized over adapt_interval steps)
-            allocator.automatic = False
-            with autocast:
-                allocator.update_batch(batch, loss_of)
-            out["avg_bits"] = allocator.average_bits()
-            out["probe_s"] = allocator.probe_seconds
+        step, info = prepare_step(trial)
+        out = {"oom": False} | info
         for _ in range(trial.warmup):
             step()
         sync()
@@ -185,9 +199,10 @@ def run_trial(trial: Trial) -> dict:
     except torch.OutOfMemoryError:
         return {"oom": True}
     out |= {"samples_per_s": trial.batch * trial.steps / elapsed, "step_ms": 1000 * elapsed / trial.steps}
-    if cuda:
+    if cuda:  # resident: what stays between steps (weights, gradients, optimizer states)
         out |= {"peak_bytes": torch.cuda.max_memory_allocated(device),
-                "reserved_bytes": torch.cuda.max_memory_reserved(device)}
+                "reserved_bytes": torch.cuda.max_memory_reserved(device),
+                "resident_bytes": torch.cuda.memory_allocated(device)}
     return out
 
 
@@ -206,12 +221,12 @@ def run_in_subprocess(trial: Trial, timeout: float = 1800) -> dict:
     return {"error": " | ".join(proc.stderr.strip().splitlines()[-3:])}
 
 
-def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 16,
+def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 16, growth: float = 1.5,
                   resolution: float = 0.02) -> tuple[int, int | None]:
     """The largest batch for which ``fits`` holds, assuming it holds below some threshold and fails above it.
 
-    Grows by 1.5x from ``start`` while it fits (or halves while it does not), then bisects until the gap between
-    the largest fitting and the smallest failing batch is at most ``max(1, resolution * fitting)``.
+    Grows by ``growth`` from ``start`` while it fits (or shrinks by it while it does not), then bisects until the
+    gap between the largest fitting and the smallest failing batch is at most ``max(1, resolution * fitting)``.
 
     Returns:
         ``(fitting, failing)``: the largest batch seen to fit (0 if even batch 1 fails) and the smallest seen to
@@ -219,6 +234,8 @@ def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 
     """
     if start < 1:
         raise ValueError(f"start must be >= 1, got {start}")
+    if growth <= 1:
+        raise ValueError(f"growth must be > 1, got {growth}")
     seen: dict[int, bool] = {}
 
     def check(b: int) -> bool:
@@ -231,7 +248,7 @@ def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 
     if check(b):
         lo = b
         while hi is None and lo < limit:
-            b = min(limit, max(lo + 1, int(lo * 1.5)))
+            b = min(limit, max(lo + 1, int(lo * growth)))
             if check(b):
                 lo = b
             else:
@@ -239,7 +256,7 @@ def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 
     else:
         hi = b
         while lo == 0 and hi > 1:
-            b = hi // 2
+            b = min(hi - 1, int(hi / growth))
             if check(b):
                 lo = b
             else:
@@ -266,46 +283,97 @@ def _progress(model: str, setting: str, what: str, result: dict) -> None:
     print(f"{model} {setting} {what}: {shown}", flush=True)
 
 
-def measure(model: str, settings: list[str], args: argparse.Namespace) -> list[dict]:
-    """Rows for one model: equal-batch speed and peak, and (with a cap) the largest batch and the curve."""
+def _search_start(equal: dict, batch: int, cap: int) -> tuple[int, float]:
+    """Where the largest-batch search starts and how fast it grows, from the equal-batch trial.
+
+    With the memory resident between steps (weights, gradients, optimizer states) the per-sample cost is
+    ``(peak - resident) / batch`` and the projection is close: start 3% below it and grow by 1.1x. Without it
+    (or when the equal batch failed) the projection ignores the fixed memory and underestimates: grow by 1.5x.
+    """
+    peak, resident = equal.get("peak_bytes"), equal.get("resident_bytes")
+    if peak and resident is not None and peak > resident and cap > resident:
+        return max(1, int(0.97 * batch * (cap - resident) / (peak - resident))), 1.1
+    if peak:
+        return max(1, int(batch * cap / peak)), 1.5
+    return batch, 1.5
+
+
+def measure(models: list[str], settings: list[str], args: argparse.Namespace,
+            report: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Rows for every model and setting: equal-batch speed and peak, and (with a cap) the largest batch and the
+    curve. ``report`` gets the rows after every phase, so an interrupted run keeps what it measured.
+
+    The equal-batch trials and the curves run one at a time (their samples/s see the GPU alone); the
+    largest-batch searches only ask whether a batch fits, so ``args.parallel`` of their trials share the GPU,
+    each capped at ``args.cap``.
+    """
     base = {"seq": args.seq, "image_size": args.image_size, "dtype": args.dtype, "device": args.device,
             "steps": args.steps, "warmup": args.warmup, "attention_dropout": args.attention_dropout}
-    rows = []
-    for name in settings:
-        row: dict = {"model": model, "setting": name}
-        equal = run_in_subprocess(Trial(model, name, args.batch, cap_bytes=args.cap, **base))
-        _progress(model, name, f"batch {args.batch}", equal)
-        row["equal_batch"] = equal
-        if args.cap and args.search:
-            start = args.batch
-            if equal.get("peak_bytes"):  # project from the measured peak (fixed memory included: an underestimate)
-                start = max(1, int(args.batch * args.cap / equal["peak_bytes"]))
-            quick = base | {"steps": 1, "warmup": 1}  # step 2 holds the optimizer states: the peak is reached
+    rows = [{"model": model, "setting": name} for model in models for name in _settings_of(model, settings)]
+    for row in rows:
+        row["equal_batch"] = run_in_subprocess(Trial(row["model"], row["setting"], args.batch, cap_bytes=args.cap,
+                                                     **base))
+        _progress(row["model"], row["setting"], f"batch {args.batch}", row["equal_batch"])
+        _add_ratios(rows)
+        report(rows)
+    if args.cap and args.search:
+        slots, reporting = threading.Semaphore(max(1, args.parallel)), threading.Lock()
+        quick = base | {"steps": 1, "warmup": 1}  # step 2 holds the optimizer states: the peak is reached
 
-            def fits(b: int, name: str = name, quick: dict = quick) -> bool:
-                result = run_in_subprocess(Trial(model, name, b, cap_bytes=args.cap, **quick))
+        def search(row: dict) -> None:
+            model, name = row["model"], row["setting"]
+
+            def fits(b: int) -> bool:
+                with slots:
+                    result = run_in_subprocess(Trial(model, name, b, cap_bytes=args.cap, **quick))
                 _progress(model, name, f"fits batch {b}", result)
                 if "error" in result:
                     raise RuntimeError(f"{model} {name} batch {b}: {result['error']}")
                 return not result["oom"]
 
-            row["max_batch"], row["first_failing_batch"] = largest_batch(fits, start, resolution=args.resolution)
-            if args.curve and row["max_batch"]:
+            start, growth = _search_start(row["equal_batch"], args.batch, args.cap)
+            try:
+                row["max_batch"], row["first_failing_batch"] = largest_batch(fits, start, growth=growth,
+                                                                             resolution=args.resolution)
+            except RuntimeError as e:  # a crashing trial is a result of its row; the other searches go on
+                row["search_error"] = str(e)
+            with reporting:
+                _add_ratios(rows)
+                report(rows)
+
+        print(f"searching the largest batches under {format_bytes(args.cap)}, {args.parallel} trial(s) at a time",
+              flush=True)
+        with ThreadPoolExecutor(max_workers=len(rows)) as pool:
+            list(pool.map(search, rows))
+        if args.curve:
+            for row in (r for r in rows if r.get("max_batch")):
                 row["curve"] = {}
                 for b in _curve_batches(row["max_batch"], args.batch):
-                    point = run_in_subprocess(Trial(model, name, b, cap_bytes=args.cap, **base))
-                    _progress(model, name, f"curve batch {b}", point)
+                    point = run_in_subprocess(Trial(row["model"], row["setting"], b, cap_bytes=args.cap, **base))
+                    _progress(row["model"], row["setting"], f"curve batch {b}", point)
                     row["curve"][b] = point.get("samples_per_s")
-        rows.append(row)
-    reference = next((r for r in rows if r["setting"] == "unpatched"), None)
-    for r in rows:
-        if reference is not None:
-            ref_speed = reference["equal_batch"].get("samples_per_s")
-            if ref_speed and r["equal_batch"].get("samples_per_s"):
-                r["speed_vs_unpatched"] = r["equal_batch"]["samples_per_s"] / ref_speed
-            if reference.get("max_batch") and r.get("max_batch") is not None:
-                r["max_batch_vs_unpatched"] = r["max_batch"] / reference["max_batch"]
+                report(rows)
     return rows
+
+
+def _settings_of(model: str, settings: list[str]) -> list[str]:
+    """The ``--settings`` words that apply to ``model``: plain ones, and ``MODEL:setting`` ones naming it."""
+    return [word.partition(":")[2] if ":" in word else word for word in settings
+            if ":" not in word or word.partition(":")[0] == model]
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Speed and largest batch of each row against its model's ``unpatched`` row, where both were measured."""
+    for r in rows:
+        reference = next((u for u in rows if u["model"] == r["model"] and u["setting"] == "unpatched"), None)
+        if reference is None:
+            continue
+        ref_speed = reference.get("equal_batch", {}).get("samples_per_s")
+        speed = r.get("equal_batch", {}).get("samples_per_s")
+        if ref_speed and speed:
+            r["speed_vs_unpatched"] = speed / ref_speed
+        if reference.get("max_batch") and r.get("max_batch") is not None:
+            r["max_batch_vs_unpatched"] = r["max_batch"] / reference["max_batch"]
 
 
 def _cell(value, fmt: str) -> str:
@@ -327,10 +395,10 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
         "| model | setting | peak @ equal batch | samples/s | speed vs unpatched | largest batch | vs unpatched |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in (r for r in rows if "equal_batch" in r):
         eq = r["equal_batch"]
         peak = "OOM" if eq.get("oom") else (eq.get("error", "") and "error") or format_bytes(eq.get("peak_bytes"))
-        largest = _cell(r.get("max_batch"), "d")
+        largest = "error" if r.get("search_error") else _cell(r.get("max_batch"), "d")
         if r.get("first_failing_batch"):
             largest += f" (fails at {r['first_failing_batch']})"
         lines.append(f"| {r['model']} | {r['setting']} | {peak} | {_cell(eq.get('samples_per_s'), '.1f')} | "
@@ -367,13 +435,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["bert-large", "swin-tiny", "resnet50"], choices=list(MODELS))
     parser.add_argument("--settings", nargs="+", default=["unpatched", "bits3", "bits2"],
-                        help="what to compare (see above); put unpatched first to get the ratios")
+                        help="what to compare (see above; MODEL:setting applies to that model alone, e.g. "
+                             "bert-large:ckpt+bits3); include unpatched to get the ratios")
     parser.add_argument("--batch", type=int, default=32, help="the equal batch for speed and peak (default 32)")
     parser.add_argument("--cap", type=lambda s: parse_size(s, "--cap"), default=None,
                         help="memory cap for the largest-batch search, e.g. 16GiB (GPU only)")
     parser.add_argument("--resolution", type=float, default=0.02, help="relative precision of the search")
     parser.add_argument("--no-search", dest="search", action="store_false", help="skip the largest-batch search")
     parser.add_argument("--no-curve", dest="curve", action="store_false", help="skip the throughput curve")
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="largest-batch trials sharing the GPU at once (each under --cap; default 1). Speed "
+                             "trials always run alone")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
@@ -389,18 +461,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.trial:
         print(json.dumps(run_trial(Trial(**json.loads(args.trial)))))
         return 0
-    for name in args.settings:
+    for word in args.settings:
+        model, _, name = word.rpartition(":")
+        if model and model not in MODELS:
+            parser.error(f"--settings {word!r}: unknown model {model!r}; allowed: {', '.join(MODELS)}")
         parse_setting(name)
-    if args.batch < 1 or args.steps < 1 or args.warmup < 0:
-        parser.error("--batch and --steps must be >= 1, --warmup >= 0")
+    if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.parallel < 1:
+        parser.error("--batch, --steps and --parallel must be >= 1, --warmup >= 0")
     if args.cap and not args.device.startswith("cuda"):
         parser.error(f"--cap needs a CUDA device (--device is {args.device!r})")
-    rows = [row for model in args.models for row in measure(model, args.settings, args)]
     meta = _meta(torch.device(args.device)) | {
         key: getattr(args, key) for key in ("batch", "steps", "warmup", "seq", "image_size", "dtype", "resolution",
-                                            "attention_dropout")
+                                            "attention_dropout", "parallel")
     } | {"cap_bytes": args.cap}
-    write_results(rows, meta, args.out)
+    measure(args.models, args.settings, args, report=lambda rows: write_results(rows, meta, args.out))
     print((args.out / "gpu_training.md").read_text())
     return 0
 

@@ -123,7 +123,7 @@ def _hf_loss(model, inputs):
     if getattr(out, "loss", None) is not None:
         return out.loss
     h = out[0].float()  # no loss head: a fixed nonlinear read-out of the last hidden state
-    return (h @ torch.linspace(-1, 1, h.shape[-1])).sin().mean()
+    return (h @ torch.linspace(-1, 1, h.shape[-1], device=h.device)).sin().mean()
 
 
 def _timm_loss(model, inputs):
@@ -131,8 +131,17 @@ def _timm_loss(model, inputs):
     return torch.nn.functional.cross_entropy(model(x), labels)
 
 
-def measure(name: str, bits: float) -> dict:
-    """One model: loss equality, whole-gradient relative error, worst cosine, the tests' verdict."""
+def _to(inputs, device: torch.device):
+    if isinstance(inputs, dict):
+        return {k: _to(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, tuple):
+        return tuple(_to(v, device) for v in inputs)
+    return inputs.to(device) if isinstance(inputs, torch.Tensor) else inputs
+
+
+def measure(name: str, bits: float, device: torch.device | str = "cpu") -> dict:
+    """One model: loss equality, whole-gradient relative error, worst cosine, the tests' verdict. On a GPU the
+    unpatched and patched steps may differ by the kernels' own nondeterminism too (atomics in backward)."""
     hf = _hf_cases()
     if name in hf:
         build, make_inputs = hf[name]
@@ -145,14 +154,14 @@ def measure(name: str, bits: float) -> dict:
         make_inputs = lambda: (torch.randn(2, 3, size, size), torch.tensor([0, 3]))
         loss_of = _timm_loss
     torch.manual_seed(0)
-    ref = build().train()
+    ref = build().to(device).train()
     model = copy.deepcopy(ref)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         act_hf.patch(model, bits=bits)
     family = not any("has no family" in str(w.message) for w in caught)
     torch.manual_seed(1)
-    inputs = make_inputs()
+    inputs = _to(make_inputs(), device)
     losses = []
     act_hf.manual_seed(0)  # act_hf's rounding draws: the same figures on every run
     for m in (ref, model):
@@ -178,13 +187,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--models", nargs="+", default=names, choices=names, metavar="MODEL",
                    help=f"models to check (default: all): {', '.join(names)}")
     p.add_argument("--bits", type=float, default=8)
+    p.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="cpu (default) or cuda")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default="model_sweep", help="file name of the results, without extension")
     args = p.parse_args(argv)
     rows = []
     for name in args.models:
         try:
-            rows.append(measure(name, args.bits))
+            rows.append(measure(name, args.bits, args.device))
         except Exception as e:  # noqa: BLE001 -- a model that cannot be built or run is a result too
             traceback.print_exc(limit=2)
             rows.append({"model": name, "verdict": f"error: {type(e).__name__}: {str(e)[:200]}"})
@@ -194,7 +204,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import timm
     import transformers
 
-    meta = {"device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)", "torch": torch.__version__,
+    device = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
+              else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
+    meta = {"device": device, "torch": torch.__version__,
             "transformers": transformers.__version__, "timm": timm.__version__, "act_hf": act_hf.__version__,
             "bits": args.bits}
     args.out.mkdir(parents=True, exist_ok=True)

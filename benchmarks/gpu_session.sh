@@ -2,6 +2,9 @@
 # Everything issue #6 still needs a GPU for, in phases that each fit one 10-minute device call.
 # Run from the repository root on the GPU machine (no pip there: the tree runs from PYTHONPATH=.):
 #
+#   bash benchmarks/gpu_session.sh all          # one ~9.5-minute call for a short lease: build, speed at equal batch,
+#                                               # largest batches (parallel trials) beside the cuda tests and a
+#                                               # GPU model sweep, a profile of bert-large, kernel throughput
 #   bash benchmarks/gpu_session.sh build-test   # compile the extension, the cuda-marked tests, kernel throughput
 #   bash benchmarks/gpu_session.sh memory       # saved-memory table on the GPU (all models, adaptive 2.5 included)
 #   bash benchmarks/gpu_session.sh targets      # bert-large, swin-tiny, resnet50: speed, peak, largest batch < 16 GiB
@@ -16,37 +19,40 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.
 OUT="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$OUT"
-phase="${1:?usage: gpu_session.sh build-test|memory|targets|ckpt-swap|curves|dropout}"
+phase="${1:?usage: gpu_session.sh all|build-test|memory|targets|ckpt-swap|curves|dropout}"
 log="$OUT/$phase.log"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python -c "import torch, transformers, timm; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+  python3 -c "import torch, transformers, timm; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'timm', timm.__version__)"
 } >"$log" 2>&1
 case "$phase" in
+  all)
+    bash benchmarks/gpu_one_call.sh "$OUT" >>"$log" 2>&1
+    ;;
   build-test)
-    TORCH_CUDA_ARCH_LIST="9.0" timeout 300 python -m act_hf.cli build-ext >>"$log" 2>&1
-    timeout 240 python -m pytest -q -m cuda -x tests -p no:cacheprovider >>"$log" 2>&1
-    timeout 60 python benchmarks/benchmark_quantize.py --out "$OUT" >>"$log" 2>&1
+    TORCH_CUDA_ARCH_LIST="9.0" timeout 300 python3 -m act_hf.cli build-ext >>"$log" 2>&1
+    timeout 240 python3 -m pytest -q -m cuda -x tests -p no:cacheprovider >>"$log" 2>&1
+    timeout 60 python3 benchmarks/benchmark_quantize.py --out "$OUT" >>"$log" 2>&1
     ;;
   memory)
-    timeout 560 python benchmarks/benchmark_saved_memory.py --device cuda --batch 8 --out "$OUT" >>"$log" 2>&1
+    timeout 560 python3 benchmarks/benchmark_saved_memory.py --device cuda --batch 8 --out "$OUT" >>"$log" 2>&1
     ;;
   targets)
-    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 \
+    timeout 570 python3 benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 \
       --settings unpatched bits3 bits2 --cap 16GiB --resolution 0.03 --no-curve --out "$OUT/targets" >>"$log" 2>&1
     ;;
   ckpt-swap)
-    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large \
+    timeout 570 python3 benchmarks/benchmark_gpu_training.py --models bert-large \
       --settings unpatched ckpt ckpt+bits3 ckpt8+bits3 ckpt4+bits3 swap+bits3 adaptive2.5 --cap 16GiB --resolution 0.03 \
       --no-curve --out "$OUT/ckpt_swap" >>"$log" 2>&1
     ;;
   curves)
-    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny \
+    timeout 570 python3 benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny \
       --settings unpatched bits3 --cap 16GiB --resolution 0.05 --out "$OUT/curves" >>"$log" 2>&1
     ;;
   dropout)
-    timeout 570 python benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched bits3 ckpt8+bits3 \
+    timeout 570 python3 benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched bits3 ckpt8+bits3 \
       --attention-dropout 0.1 --cap 16GiB --resolution 0.05 --no-curve --out "$OUT/dropout" >>"$log" 2>&1
     ;;
   *)

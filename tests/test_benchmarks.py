@@ -75,6 +75,97 @@ def test_largest_batch_within_resolution_and_edge_cases():
         gpu_training.largest_batch(lambda b: True, 0)
 
 
+@pytest.mark.parametrize("threshold", [1, 91, 374, 5000])
+def test_largest_batch_with_a_close_projection_grows_slowly(threshold):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= threshold
+
+    start = max(1, int(0.97 * threshold))
+    found, failing = gpu_training.largest_batch(fits, start, growth=1.1, resolution=0.03)
+    assert found <= threshold < failing and failing - found <= max(1, 0.03 * found)
+    assert len(calls) <= 5
+    with pytest.raises(ValueError, match="growth"):
+        gpu_training.largest_batch(fits, 8, growth=1.0)
+
+
+def test_search_start_projects_from_the_resident_memory():
+    gib = 2**30
+    equal = {"peak_bytes": 9 * gib, "resident_bytes": 5 * gib}  # 4 GiB for 32 samples above 5 GiB resident
+    assert gpu_training._search_start(equal, 32, 16 * gib) == (int(0.97 * 32 * 11 / 4), 1.1)
+    assert gpu_training._search_start({"peak_bytes": 8 * gib}, 32, 16 * gib) == (64, 1.5)
+    assert gpu_training._search_start({"oom": True}, 32, 16 * gib) == (32, 1.5)
+
+
+def test_searches_share_the_gpu_up_to_parallel_and_a_crash_stays_in_its_row(monkeypatch, tmp_path):
+    """The orchestration alone, with the GPU's answers played by a memory model: a trial fits when resident
+    memory plus per-sample memory stays under the cap (the real trials are the GPU tests' and the benchmarks')."""
+    import threading
+    import time
+
+    per_sample = {"unpatched": 100, "bits3": 20}
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def trial_answer(trial):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+        if trial.model == "swin-tiny" and trial.setting == "bits3" and trial.batch != 32:
+            return {"error": "RuntimeError: a kernel failed"}
+        peak = 1000 + per_sample[trial.setting] * trial.batch
+        if peak > trial.cap_bytes:
+            return {"oom": True}
+        return {"oom": False, "samples_per_s": 10.0 if trial.setting == "unpatched" else 9.5,
+                "peak_bytes": peak, "resident_bytes": 1000}
+
+    monkeypatch.setattr(gpu_training, "run_in_subprocess", trial_answer)
+    args = gpu_training.argparse.Namespace(seq=128, image_size=224, dtype="bf16", device="cuda", steps=1, warmup=1,
+                                           attention_dropout=None, batch=32, cap=10_000, search=True, curve=False,
+                                           resolution=0.02, parallel=3)
+    reports = []
+    rows = gpu_training.measure(["bert-large", "swin-tiny"], ["unpatched", "bits3"], args,
+                                report=lambda r: reports.append(len(r)))
+    by = {(r["model"], r["setting"]): r for r in rows}
+    assert by["bert-large", "unpatched"]["max_batch"] == 90 and by["bert-large", "bits3"]["max_batch"] >= 441
+    bits3 = by["bert-large", "bits3"]
+    assert bits3["max_batch_vs_unpatched"] == pytest.approx(bits3["max_batch"] / 90)
+    assert by["bert-large", "bits3"]["speed_vs_unpatched"] == pytest.approx(0.95)
+    assert "a kernel failed" in by["swin-tiny", "bits3"]["search_error"]
+    assert by["swin-tiny", "unpatched"]["max_batch"] == 90
+    assert 1 < most[0] <= 3
+    assert len(reports) == 8  # after each equal-batch trial and each search
+    gpu_training.write_results(rows, {**gpu_training._meta(torch.device("cpu")), "dtype": "bf16", "seq": 128,
+                                      "image_size": 224, "batch": 32, "steps": 1, "warmup": 1, "cap_bytes": 10_000,
+                                      "resolution": 0.02}, tmp_path)
+    assert "| swin-tiny | bits3 | 1.60 KiB | 9.5 | 0.950 | error | - |" in (tmp_path / "gpu_training.md").read_text()
+
+
+def test_settings_can_name_their_model(capsys):
+    words = ["unpatched", "bits3", "bert-large:ckpt+bits3"]
+    assert gpu_training._settings_of("bert-large", words) == ["unpatched", "bits3", "ckpt+bits3"]
+    assert gpu_training._settings_of("resnet50", words) == ["unpatched", "bits3"]
+    with pytest.raises(SystemExit):
+        gpu_training.main(["--settings", "bert-largo:bits3", "--device", "cpu"])
+    assert "unknown model 'bert-largo'; allowed: " in capsys.readouterr().err
+
+
+def test_profile_step_writes_the_hot_ops_on_cpu(tmp_path):
+    profile_step = _load("profile_step")
+    assert profile_step.main(["--model", "resnet50", "--settings", "unpatched", "bits3", "--batch", "2",
+                              "--image-size", "32", "--steps", "1", "--warmup", "0", "--dtype", "fp32", "--rows", "4",
+                              "--device", "cpu", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "profile_resnet50.json").read_text())["results"]
+    assert [r["setting"] for r in results] == ["unpatched", "bits3"]
+    assert all(len(r["top"]) == 4 and r["top"][0]["self_us_per_step"] > 0 for r in results)
+    assert "## bits3:" in (tmp_path / "profile_resnet50.md").read_text()
+
+
 def test_curve_batches():
     assert gpu_training._curve_batches(91, 32) == [8, 16, 32, 64, 91]
     assert gpu_training._curve_batches(20, 32) == [8, 16, 20]
