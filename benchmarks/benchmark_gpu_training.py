@@ -136,7 +136,8 @@ def prepare_step(trial: Trial) -> tuple[Callable[[], None], dict]:
     device = torch.device(trial.device)
     if device.type == "cuda" and trial.cap_bytes:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, trial.cap_bytes / total), device)
+        index = torch.cuda.current_device() if device.index is None else device.index  # torch 2.11 needs one
+        torch.cuda.set_per_process_memory_fraction(min(1.0, trial.cap_bytes / total), index)
     setting = parse_setting(trial.setting)
     torch.manual_seed(0)
     if trial.attention_dropout is None:
