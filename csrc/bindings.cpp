@@ -1,4 +1,7 @@
 // act_hf._C: host-side argument checks and the pybind11 module. Kernels live in *_kernel.cu.
+// The checks run with the GIL held (a failed TORCH_CHECK becomes a RuntimeError there); only the launch releases
+// it: an argument error raised under call_guard<gil_scoped_release> segfaulted on the GPU machine (torch 2.11,
+// Python 3.12).
 #include <torch/extension.h>
 
 #include <vector>
@@ -38,6 +41,7 @@ std::vector<at::Tensor> quantize_pack(const at::Tensor& x, int64_t bits, int64_t
   TORCH_CHECK(is_float_type(x.scalar_type()), "x must be float32, float16, bfloat16 or float64, got ", x.scalar_type());
   check_bits(bits);
   check_group_size(group_size);
+  py::gil_scoped_release no_gil;
   return act_hf::quantize_pack_cuda(x, bits, group_size, seed);
 }
 
@@ -59,6 +63,7 @@ at::Tensor unpack_dequantize(const at::Tensor& payload, const at::Tensor& lo, co
   CHECK_SHAPE(payload, ceil_div(numel * bits, 8));
   CHECK_SHAPE(lo, ceil_div(numel, group_size));
   CHECK_SHAPE(scale, ceil_div(numel, group_size));
+  py::gil_scoped_release no_gil;
   return act_hf::unpack_dequantize_cuda(payload, lo, scale, bits, group_size, numel, dtype);
 }
 
@@ -67,7 +72,9 @@ at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
   CHECK_CONTIGUOUS(codes);
   CHECK_DTYPE(codes, at::kByte);
   check_bits(bits);
-  return act_hf::pack_bits_cuda(codes.reshape({-1}), bits);
+  const at::Tensor flat = codes.reshape({-1});
+  py::gil_scoped_release no_gil;
+  return act_hf::pack_bits_cuda(flat, bits);
 }
 
 at::Tensor unpack_bits(const at::Tensor& payload, int64_t bits, int64_t numel) {
@@ -78,6 +85,7 @@ at::Tensor unpack_bits(const at::Tensor& payload, int64_t bits, int64_t numel) {
   TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
   TORCH_CHECK(payload.numel() >= ceil_div(numel * bits, 8), "payload holds ", payload.numel(),
               " bytes, fewer than ceil(numel * bits / 8) = ", ceil_div(numel * bits, 8));
+  py::gil_scoped_release no_gil;
   return act_hf::unpack_bits_cuda(payload, bits, numel);
 }
 
@@ -86,12 +94,10 @@ at::Tensor unpack_bits(const at::Tensor& payload, int64_t bits, int64_t numel) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "act_hf CUDA kernels: per-group stochastic quantization and bit packing";
   m.def("quantize_pack", &quantize_pack, "Quantize a flat tensor and pack its codes: (payload, lo, scale)",
-        py::arg("x"), py::arg("bits"), py::arg("group_size"), py::arg("seed"), py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("bits"), py::arg("group_size"), py::arg("seed"));
   m.def("unpack_dequantize", &unpack_dequantize, "Unpack and dequantize into a flat tensor of dtype", py::arg("payload"),
-        py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"), py::arg("numel"), py::arg("dtype"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"), py::arg("numel"), py::arg("dtype"));
+  m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"));
   m.def("unpack_bits", &unpack_bits, "Unpack a dense bit stream into uint8 codes", py::arg("payload"), py::arg("bits"),
-        py::arg("numel"), py::call_guard<py::gil_scoped_release>());
+        py::arg("numel"));
 }

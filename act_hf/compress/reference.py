@@ -148,7 +148,9 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int, *, sta
         lo_bits = _bf16_bits_round_down(group_min)
         nan_lo = BF16_NAN_BITS
     lo = metadata_to_float(lo_bits, lo_dtype)
-    scale_bits = _bf16_bits_round_up((group_max - lo) / float(levels))
+    # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal (not the kernel's
+    # correctly rounded division); the CPU divides either way
+    scale_bits = _bf16_bits_round_up((group_max - lo) / torch.full_like(group_max, float(levels)))
     lo_bits = torch.where(finite, lo_bits, torch.tensor(nan_lo, dtype=torch.int16, device=x.device))
     scale_bits = torch.where(finite, scale_bits, torch.tensor(BF16_NAN_BITS, dtype=torch.int16, device=x.device))
     lo = metadata_to_float(lo_bits, lo_dtype)

@@ -254,6 +254,22 @@ def test_metadata_rounded_outward():
     assert bool((lo + 7 * scale >= groups.amax(1)).all())
 
 
+@pytest.mark.parametrize("bits", [3, 4, 6, 8])
+def test_scale_is_the_correctly_rounded_quotient_rounded_up_to_bf16(bits):
+    """scale = bf16 round-up of the correctly rounded fp32 (max - lo) / (2**b - 1), as the kernel's __fdiv_rn.
+    bf16 groups of 8 have spans that are exact multiples of 2**b - 1, where a multiply by the reciprocal (CUDA's
+    way with a Python-scalar divisor) lands one fp32 ulp off and rounds up to the next bf16 scale."""
+    torch.manual_seed(3)
+    x = (torch.randn(20000, 8) * 4 - 1).to(torch.bfloat16)
+    _, lo_bits, scale_bits = R.quantize_pack(x.view(-1), bits, 8, 5)
+    span = x.float().amax(1) - R.metadata_to_float(lo_bits, torch.bfloat16)  # fp32, correctly rounded
+    levels = (1 << bits) - 1
+    quotient = (span.double() / levels).float()  # double then float: still correctly rounded
+    assert torch.equal(scale_bits, R._bf16_bits_round_up(quotient))
+    by_reciprocal = R._bf16_bits_round_up(span * torch.tensor(1 / levels, dtype=torch.float32))
+    assert not torch.equal(scale_bits, by_reciprocal)  # the data tells the two apart
+
+
 def test_rounding_uniforms_are_splitmix64():
     """The hash the CUDA kernel reproduces: splitmix64(seed + i * golden) >> 40, scaled by 2^-24."""
 
