@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
-mkdir -p "$W"
+rm -rf "$W" && mkdir -p "$W"  # a warm machine keeps /tmp: an old training.log would start the tests too early
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="9.0"
 PY=$(command -v python3 || command -v python)
 start=$SECONDS
