@@ -177,7 +177,8 @@ def measure(name: str, bits: float, device: torch.device | str = "cpu") -> dict:
         verdict = "pass"
     except AssertionError as e:
         worst, verdict = float("nan"), f"outside: {e}"
-    return {"model": name, "family": family, "loss_equal": bool(torch.equal(*losses)), "relative_error": error,
+    return {"model": name, "family": family, "adaptive": getattr(model, "act_hf_allocator", None) is not None,
+            "loss_equal": bool(torch.equal(*losses)), "relative_error": error,
             "worst_cosine": worst, "verdict": verdict}
 
 
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     names = [*_hf_cases(), *TIMM_MODELS]
     p.add_argument("--models", nargs="+", default=names, choices=names, metavar="MODEL",
                    help=f"models to check (default: all): {', '.join(names)}")
-    p.add_argument("--bits", type=float, default=8)
+    p.add_argument("--bits", type=lambda b: int(b) if float(b).is_integer() else float(b), default=8,
+                   help="a whole number is a fixed width; a fraction is an adaptive budget (default 8)")
     p.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="cpu (default) or cuda")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default="model_sweep", help="file name of the results, without extension")

@@ -287,6 +287,7 @@ def test_model_sweep_checks_a_text_and_an_image_model(tmp_path):
     assert [r["model"] for r in rows] == ["electra", "regnety_002"]
     assert all(r["loss_equal"] and r["verdict"] == "pass" and r["relative_error"] < 0.05 for r in rows), rows
     assert [r["family"] for r in rows] == [True, False]  # ELECTRA: the BERT family; RegNet: the fallback
+    assert not any(r["adaptive"] for r in rows)  # --bits 8 is a fixed width, not an adaptive budget of 8
     saved = json.loads((tmp_path / "sweep.json").read_text())
     assert saved["meta"]["bits"] == 8 and len(saved["rows"]) == 2
     assert "| regnety_002 | no (fallback) | True |" in (tmp_path / "sweep.md").read_text()
