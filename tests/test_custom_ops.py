@@ -55,6 +55,41 @@ def test_compile_fullgraph_sees_the_ops():
     assert "act_hf.quantize_pack" in code and "act_hf.unpack_dequantize" in code
 
 
+def test_eager_calls_skip_the_dispatcher_and_modes_still_see_the_ops(monkeypatch):
+    """Plain eager: the implementation runs directly (no torch.ops round trip), with the same bits; under a
+    dispatch mode (a tracer, a memory tracker) the op itself is called, so the mode sees it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from act_hf.ops import _library
+
+    x = torch.randn(3, 100)
+    direct = quantize(x, 3, 64, seed=5)
+    through_op = torch.ops.act_hf.quantize_pack(x.reshape(-1), 3, 64, 5)
+    assert all(torch.equal(a, b) for a, b in zip((direct.payload, direct.lo, direct.scale), through_op))
+
+    seen = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        dequantize(quantize(x, 3, 64, seed=5))
+    assert "act_hf.quantize_pack.default" in seen and "act_hf.unpack_dequantize.default" in seen
+
+    calls = []
+    implementation = _library._IMPLEMENTATIONS[_library.quantize_pack]["cpu"]
+    monkeypatch.setitem(_library._IMPLEMENTATIONS[_library.quantize_pack], "cpu",
+                        lambda *a: calls.append(a) or implementation(*a))
+    quantize(x, 3, 64, seed=5)
+    assert len(calls) == 1  # eager: the table's implementation, directly
+    with Seen():
+        quantize(x, 3, 64, seed=5)
+    assert len(calls) == 1  # under a mode: through torch.ops (whose kernel is registered apart from the table)
+    assert _library._plain_eager(x) and not _library._plain_eager(torch.empty(2, device="meta"))
+
+
 def test_import_is_lean():
     """import act_hf neither initialises CUDA nor builds/imports the extension."""
     code = (

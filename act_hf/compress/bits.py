@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ActHFValueError
-from ..ops import _library  # noqa: F401  (registers torch.ops.act_hf.*)
+from ..ops import _library
 from .quantizer import check_bits
 
 __all__ = ["pack_bits", "unpack_bits"]
@@ -23,7 +23,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     flat = codes.reshape(-1).contiguous()
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    return torch.ops.act_hf.pack_bits(flat, bits)
+    return _library.run(_library.pack_bits, flat, bits)
 
 
 def unpack_bits(payload: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -31,4 +31,4 @@ def unpack_bits(payload: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     check_bits(bits)
     if payload.dtype != torch.uint8:
         raise ActHFValueError(f"payload must be a uint8 tensor, got dtype {payload.dtype}")
-    return torch.ops.act_hf.unpack_bits(payload, bits, numel)
+    return _library.run(_library.unpack_bits, payload, bits, numel)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ActHFTypeError, ActHFValueError
-from ..ops import _library  # noqa: F401  (registers torch.ops.act_hf.*)
+from ..ops import _library
 from .packed import PackedSpec, PackedTensor
 from .rng import resolve_seed
 
@@ -96,7 +96,7 @@ def quantize(
     flat = (x if shifts is None else x * _powers_of_two(shifts, x.dtype)).reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    payload, lo, scale = torch.ops.act_hf.quantize_pack(flat, bits, group_size, resolve_seed(seed))
+    payload, lo, scale = _library.run(_library.quantize_pack, flat, bits, group_size, resolve_seed(seed))
     return PackedTensor(payload, lo, scale, spec, shifts)
 
 
@@ -133,9 +133,8 @@ def dequantize(packed: PackedTensor) -> torch.Tensor:
     if not isinstance(packed, PackedTensor):
         raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     spec = packed.spec
-    flat = torch.ops.act_hf.unpack_dequantize(
-        packed.payload, packed.lo, packed.scale, spec.bits, spec.group_size, spec.numel, spec.dtype
-    )
+    flat = _library.run(_library.unpack_dequantize, packed.payload, packed.lo, packed.scale, spec.bits,
+                        spec.group_size, spec.numel, spec.dtype)
     out = flat.view(spec.shape)
     if spec.channel_scaled:
         out.mul_(_powers_of_two(packed.channel, spec.dtype, negate=True))

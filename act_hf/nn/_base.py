@@ -7,8 +7,6 @@ restores the original class exactly.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import nn
 
@@ -64,9 +62,11 @@ class ActModule:
             self.act_data_bits = data_bits
         return self
 
-    def act_base_settings(self) -> OpSettings:
-        """Settings named after the module itself (slot ``<act_slot>``); ops derive per-role slots from them."""
-        return OpSettings(slot=self.act_slot or type(self).__name__, bits=self.act_bits,
+    def act_base_settings(self, slot: str | None = None, bits: int | None = None) -> OpSettings:
+        """Settings named after the module itself (slot ``<act_slot>``; ``slot`` and ``bits`` replace the name and
+        the module's bits); ops derive per-role slots from them."""
+        return OpSettings(slot=slot or self.act_slot or type(self).__name__,
+                          bits=self.act_bits if bits is None else bits,
                           group_size=self.act_group_size, swap=self.act_swap,
                           channel_scale=self.act_channel_scale and self.act_channel_scalable,
                           data_bits=self.act_data_bits, slot_bits=self.act_slot_bits,
@@ -79,8 +79,7 @@ class ActModule:
     def act_settings(self, role: str = "input") -> OpSettings:
         """Settings for the slot ``<act_slot>:<role>``, with the bits the allocator gave it."""
         slot = self.act_slot_name(role)
-        return replace(self.act_base_settings(), slot=slot,
-                       bits=store.bits_for(slot, self.act_bits, self.act_slot_bits))
+        return self.act_base_settings(slot, store.bits_for(slot, self.act_bits, self.act_slot_bits))
 
     def __reduce_ex__(self, protocol):
         """Pickling (``torch.save(model)``, ``copy.deepcopy``) names a class made at run time by the pair it was
