@@ -112,6 +112,7 @@ class Trial:
     device: str = "cuda"
     cap_bytes: int | None = None
     attention_dropout: float | None = None
+    checkpoint_debug: bool = False
 
 
 #: the attention-probability dropout keyword of each HF family among ``MODELS`` (an unknown one is ignored)
@@ -184,6 +185,8 @@ def run_trial(trial: Trial) -> dict:
     device = torch.device(trial.device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if trial.checkpoint_debug:  # a CheckpointError then names the saved tensor that differs, with both stacks
+        torch.utils.checkpoint.set_checkpoint_debug_enabled(True)
     try:
         step, info = prepare_step(trial)
         out = {"oom": False} | info
@@ -219,7 +222,16 @@ def run_in_subprocess(trial: Trial, timeout: float = 1800) -> dict:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     if "out of memory" in proc.stderr.lower():
         return {"oom": True}
-    return {"error": " | ".join(proc.stderr.strip().splitlines()[-3:])}
+    return {"error": _exception_text(proc.stderr)}
+
+
+def _exception_text(stderr: str, limit: int = 4000) -> str:
+    """The last exception in a traceback on ``stderr``: its line and the message lines after it (a
+    CheckpointError's message runs over many lines), joined by `` | ``, at most ``limit`` characters."""
+    lines = stderr.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", line)]
+    text = " | ".join(lines[starts[-1]:] if starts else lines[-3:])
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 16, growth: float = 1.5,
@@ -309,7 +321,8 @@ def measure(models: list[str], settings: list[str], args: argparse.Namespace,
     each capped at ``args.cap``.
     """
     base = {"seq": args.seq, "image_size": args.image_size, "dtype": args.dtype, "device": args.device,
-            "steps": args.steps, "warmup": args.warmup, "attention_dropout": args.attention_dropout}
+            "steps": args.steps, "warmup": args.warmup, "attention_dropout": args.attention_dropout,
+            "checkpoint_debug": args.checkpoint_debug}
     rows = [{"model": model, "setting": name} for model in models for name in _settings_of(model, settings)]
     for row in rows:
         row["equal_batch"] = run_in_subprocess(Trial(row["model"], row["setting"], args.batch, cap_bytes=args.cap,
@@ -452,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--checkpoint-debug", action="store_true",
+                        help="torch.utils.checkpoint.set_checkpoint_debug_enabled(True) in every trial: a "
+                             "CheckpointError then names the tensor that differs")
     parser.add_argument("--attention-dropout", type=float, default=None, metavar="P",
                         help="HF models: attention-probability dropout P (default: as in benchmark_saved_memory, "
                              "0 for BERT/RoBERTa/GPT-2; BERT's own default is 0.1)")

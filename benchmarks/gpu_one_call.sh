@@ -30,12 +30,18 @@ timeout $(lim 75) "$PY" benchmarks/benchmark_gpu_training.py --models bert-large
 bench=$!
 until grep -q "^searching" "$W/training.log" 2>/dev/null || ! kill -0 $bench 2>/dev/null; do sleep 2; done
 part "cuda tests and the model sweep on the GPU, beside the searches"
-timeout $(lim 90) "$PY" -m pytest -q -m cuda tests -p no:cacheprovider -rfEs >"$W/tests.log" 2>&1 &
+# the kernel tests apart from the rest, so that a crash in one part does not hide the other
+( timeout $(lim 90) "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py -p no:cacheprovider -rfEs
+  timeout $(lim 90) "$PY" -m pytest -q -m cuda tests --ignore=tests/compress/test_kernels_cuda.py \
+    -p no:cacheprovider -rfEs ) >"$W/tests.log" 2>&1 &
 tests=$!
+timeout $(lim 90) "$PY" benchmarks/benchmark_gpu_training.py --models bert-large --settings ckpt+bits3 --batch 8 \
+  --steps 1 --warmup 0 --no-search --checkpoint-debug --out "$W/ckpt_debug" >"$W/ckpt_debug.log" 2>&1 &
+debug=$!
 timeout $(lim 90) "$PY" benchmarks/benchmark_model_sweep.py --device cuda --bits 8 --out "$W" \
   --name model_sweep_cuda >"$W/sweep.log" 2>&1
 echo "sweep exit $?"
-wait $tests; echo "tests exit $?"; tail -n 5 "$W/tests.log"; bundle
+wait $tests; echo "tests exit $?"; tail -n 5 "$W/tests.log"; wait $debug; bundle
 wait $bench; echo "training benchmark exit $?"; tail -n 25 "$W/training.log"; bundle
 
 part profile

@@ -126,7 +126,8 @@ def test_searches_share_the_gpu_up_to_parallel_and_a_crash_stays_in_its_row(monk
 
     monkeypatch.setattr(gpu_training, "run_in_subprocess", trial_answer)
     args = gpu_training.argparse.Namespace(seq=128, image_size=224, dtype="bf16", device="cuda", steps=1, warmup=1,
-                                           attention_dropout=None, batch=32, cap=10_000, search=True, curve=False,
+                                           attention_dropout=None, checkpoint_debug=False, batch=32, cap=10_000,
+                                           search=True, curve=False,
                                            resolution=0.02, parallel=3)
     reports = []
     rows = gpu_training.measure(["bert-large", "swin-tiny"], ["unpatched", "bits3"], args,
@@ -193,7 +194,23 @@ def test_attention_dropout_reaches_the_hf_configs():
 
 def test_a_failing_trial_is_reported_not_raised():
     result = gpu_training.run_in_subprocess(gpu_training.Trial("resnet50", "bits3", batch=1, device="nodevice"))
-    assert "error" in result
+    assert "error" in result and "RuntimeError" in result["error"]
+
+
+def test_a_multi_line_exception_is_kept_whole():
+    stderr = """Traceback (most recent call last):
+  File "x.py", line 3, in <module>
+    loss.backward()
+torch.utils.checkpoint.CheckpointError: torch.utils.checkpoint: Recomputed values for the following tensors
+have different metadata than during the forward pass.
+tensor at position 12:
+saved metadata: {'shape': torch.Size([8, 128]), 'dtype': torch.bfloat16}
+recomputed metadata: {'shape': torch.Size([8, 128]), 'dtype': torch.float32}
+"""
+    text = gpu_training._exception_text(stderr)
+    assert text.startswith("torch.utils.checkpoint.CheckpointError: ")
+    assert "tensor at position 12: | saved metadata" in text and "torch.float32}" in text
+    assert gpu_training._exception_text("just | one line") == "just | one line"
 
 
 def test_main_writes_json_and_table_on_cpu(tmp_path, capsys):
