@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -404,7 +405,8 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
         f"{cap}, searched in subprocesses to {meta['resolution']:.0%}. {meta['device']}, torch {meta['torch']}, "
         f"transformers {meta['transformers']}, timm {meta['timm']}, act_hf {meta['act_hf']} @ {meta['commit']}."
         + ("" if meta.get("attention_dropout") is None else
-           f" HF attention-probability dropout {meta['attention_dropout']:g}.")),
+           f" HF attention-probability dropout {meta['attention_dropout']:g}.")
+        + (f" PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']}." if meta.get("alloc_conf") else "")),
         "",
         "| model | setting | peak @ equal batch | samples/s | speed vs unpatched | largest batch | vs unpatched |",
         "|---|---|---|---|---|---|---|",
@@ -465,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--alloc-conf", metavar="CONF",
+                        help="PYTORCH_CUDA_ALLOC_CONF for every trial, unpatched ones included (e.g. "
+                             "expandable_segments:True, against the fragmentation that packed contexts of many "
+                             "sizes cause)")
     parser.add_argument("--checkpoint-debug", action="store_true",
                         help="torch.utils.checkpoint.set_checkpoint_debug_enabled(True) in every trial: a "
                              "CheckpointError then names the tensor that differs")
@@ -487,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batch, --steps and --parallel must be >= 1, --warmup >= 0")
     if args.cap and not args.device.startswith("cuda"):
         parser.error(f"--cap needs a CUDA device (--device is {args.device!r})")
-    meta = _meta(torch.device(args.device)) | {
+    if args.alloc_conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf  # the trials' subprocesses inherit it
+    meta = _meta(torch.device(args.device)) | {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")} | {
         key: getattr(args, key) for key in ("batch", "steps", "warmup", "seq", "image_size", "dtype", "resolution",
                                             "attention_dropout", "parallel")
     } | {"cap_bytes": args.cap}
