@@ -276,7 +276,7 @@ store = ContextStore()
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _without_history(t: torch.Tensor) -> torch.Tensor:

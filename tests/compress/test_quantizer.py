@@ -159,6 +159,43 @@ def test_reproducible_with_seed_and_generator():
     assert not torch.equal(quantize(x, 2, seed=1).payload, quantize(x, 2, seed=2).payload)
 
 
+def test_seed_stream_is_one_draw_at_a_time_and_restarts_on_reseeding():
+    """Seeds are drawn ahead in batches; the stream is still the generator's one-at-a-time sequence, and a new
+    seed (act_hf's or, when following it, torch's) drops what was drawn ahead."""
+    import act_hf
+    from act_hf.compress import rng
+
+    saved = rng._pinned, rng._followed_torch_seed, rng._generator.get_state(), list(rng._ahead)
+
+    def one_at_a_time(seed: int, count: int) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return [int(torch.randint(0, (1 << 63) - 1, (1,), generator=g).item()) for _ in range(count)]
+
+    try:
+        _check_seed_stream(act_hf, rng, one_at_a_time)
+    finally:  # leave the stream as other tests found it
+        rng._pinned, rng._followed_torch_seed = saved[0], saved[1]
+        rng._generator.set_state(saved[2])
+        rng._ahead[:] = saved[3]
+
+
+def _check_seed_stream(act_hf, rng, one_at_a_time) -> None:
+    act_hf.manual_seed(7)
+    first = [rng.next_seed() for _ in range(300)]  # past one batch of 256
+    assert first == one_at_a_time(7, 300)
+    act_hf.manual_seed(7)
+    assert [rng.next_seed() for _ in range(5)] == first[:5]
+    act_hf.manual_seed(8)
+    assert rng.next_seed() == one_at_a_time(8, 1)[0]
+    rng._pinned = False  # follow torch's seed again, as a fresh process does
+    torch.manual_seed(11)
+    a = [rng.next_seed() for _ in range(3)]
+    torch.manual_seed(12)
+    rng.next_seed()
+    torch.manual_seed(11)
+    assert [rng.next_seed() for _ in range(3)] == a
+
+
 def test_does_not_touch_global_rng():
     torch.manual_seed(5)
     expected = torch.rand(3)
