@@ -167,6 +167,20 @@ def test_profile_step_writes_the_hot_ops_on_cpu(tmp_path):
     assert "## bits3:" in (tmp_path / "profile_resnet50.md").read_text()
 
 
+def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
+    from act_hf.compress import reference
+
+    host_overhead = _load("benchmark_host_overhead")
+    before = reference.quantize_pack_chunked, reference.unpack_dequantize_chunked
+    assert host_overhead.main(["--stub-codec", "--layers", "1", "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert (reference.quantize_pack_chunked, reference.unpack_dequantize_chunked) == before
+    rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
+    assert [r["setting"] for r in rows] == ["unpatched", "bits3"] and all(r["ms_per_step"] > 0 for r in rows)
+    assert rows[0]["vs_unpatched"] == 1.0
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--settings", "bits9"])
+
+
 def test_curve_batches():
     assert gpu_training._curve_batches(91, 32) == [8, 16, 32, 64, 91]
     assert gpu_training._curve_batches(20, 32) == [8, 16, 20]

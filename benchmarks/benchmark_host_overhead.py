@@ -1,0 +1,113 @@
+"""Host (Python and dispatch) overhead of a patched training step, measurable without a GPU.
+
+On the H200 a patched bert-large step at batch 32 was bound by host work, not by the GPU (README, "First GPU
+run"). This benchmark isolates that work on any machine: a tiny BERT (hidden 32, seq 8, batch 1, one thread),
+so that the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec``
+the codec's CPU implementations (quantize+pack, unpack+dequantize) are replaced by stand-ins that return
+tensors of the right shapes and dtypes without computing anything, as a GPU kernel launch would cost next to
+nothing on the host; what remains is act_hf's own work per op. The stand-ins make the gradients meaningless:
+this measures time only.
+
+    python benchmarks/benchmark_host_overhead.py --stub-codec            # ms per step, best of 3 x 40 steps
+
+Writes ``host_overhead.json`` and ``host_overhead.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import act_hf
+from act_hf.compress import reference
+
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_saved_memory import _meta
+
+
+def _stub_quantize_pack(x, bits, group_size, seed, chunk=None):
+    n, groups = x.numel(), -(-x.numel() // group_size)
+    return (torch.zeros(-(-n * bits // 8), dtype=torch.uint8), torch.zeros(groups, dtype=torch.int16),
+            torch.zeros(groups, dtype=torch.int16))
+
+
+def _stub_unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype, chunk=None):
+    return torch.zeros(numel, dtype=dtype)
+
+
+def step_ms(setting: str, layers: int, steps: int, repeats: int = 3) -> float:
+    """Best over ``repeats`` of the mean time of ``steps`` training steps (forward and backward) of a tiny BERT."""
+    import transformers as tf
+
+    config = tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                           intermediate_size=64, attention_probs_dropout_prob=0.0, num_labels=2)
+    torch.manual_seed(0)
+    model = tf.BertForSequenceClassification(config).train()
+    if setting != "unpatched":
+        act_hf.patch(model, bits=int(setting.removeprefix("bits")))
+    ids, labels = torch.randint(0, 100, (1, 8)), torch.zeros(1, dtype=torch.long)
+
+    def step() -> None:
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+
+    for _ in range(5):
+        step()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = min(best, (time.perf_counter() - start) / steps * 1000)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", nargs="+", default=["unpatched", "bits3"],
+                        help="unpatched and/or bitsN (N 1..8)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--stub-codec", action="store_true",
+                        help="replace the codec's CPU implementations by shape-only stand-ins (host work only)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    for name in args.settings:
+        if name != "unpatched" and not (name.startswith("bits") and name[4:].isdigit() and 1 <= int(name[4:]) <= 8):
+            parser.error(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8)")
+    if args.layers < 1 or args.steps < 1:
+        parser.error("--layers and --steps must be >= 1")
+    torch.set_num_threads(1)
+    saved = reference.quantize_pack_chunked, reference.unpack_dequantize_chunked
+    if args.stub_codec:
+        reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = (_stub_quantize_pack,
+                                                                                 _stub_unpack_dequantize)
+    try:
+        rows = [{"setting": name, "ms_per_step": step_ms(name, args.layers, args.steps)} for name in args.settings]
+    finally:
+        reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = saved
+    base = next((r["ms_per_step"] for r in rows if r["setting"] == "unpatched"), None)
+    for r in rows:
+        r["vs_unpatched"] = None if base is None else r["ms_per_step"] / base
+    meta = _meta(torch.device("cpu")) | {"layers": args.layers, "steps": args.steps, "stub_codec": args.stub_codec}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [(f"Tiny BERT ({args.layers} layers, hidden 32, seq 8, batch 1), bf16 autocast, one thread, best of 3 x "
+              f"{args.steps} steps; codec {'stubbed (host work only)' if args.stub_codec else 'real (CPU reference)'}; "
+              f"{meta['device']}, torch {meta['torch']}, act_hf @ {meta['commit']}."), "",
+             "| setting | ms per step | vs unpatched |", "|---|---|---|"]
+    lines += [f"| {r['setting']} | {r['ms_per_step']:.2f} | "
+              f"{'-' if r['vs_unpatched'] is None else format(r['vs_unpatched'], '.2f')} |" for r in rows]
+    (args.out / "host_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
