@@ -40,7 +40,9 @@ Saved bytes for that shape (q, k, v are 1 MiB each in fp32): recompute 208,896 /
 1,372,160 / 1,470,464 / 1,863,680; with the output quantized too 294,912 / 425,984 / 557,056 / 1,081,344.
 Recompute is both smaller and more accurate at every width, so it is the only backward here. Its cost is one
 extra attention forward in backward, by the kernel the forward ran (on the CPU with dropout, SDPA's math path,
-which materialises the ``S x S`` scores of one layer at a time, as it does in the unpatched forward).
+which materialises the ``S x S`` scores of one layer at a time, as it does in the unpatched forward). Eager
+attention's recomputation (timm Swin's default path) runs over chunks of the batch once the layer's attention
+matrix passes ``RECOMPUTE_CHUNK_ELEMENTS``, so its fp32 scores, probabilities and their gradients stay bounded.
 
 Dropout and the RNG
 -------------------
@@ -162,6 +164,19 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, 
     if keep is not None:
         probs = probs * keep * (1.0 / (1.0 - dropout_p))
     return torch.matmul(probs, v.to(dtype))
+
+
+#: the most attention-matrix elements (batch x heads x L x S) an eager backward recomputes at once; beyond it the
+#: recomputation runs over chunks of the batch, so that its scores, probabilities and their gradients (several
+#: fp32 copies of the matrix) stay bounded instead of growing with the batch
+RECOMPUTE_CHUNK_ELEMENTS = 1 << 22
+
+
+def _batch_chunks(batch: int, per_item: int, period: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges covering ``range(batch)``, each of at most ``RECOMPUTE_CHUNK_ELEMENTS //
+    per_item`` items but at least ``period`` (Swin's windows of one image stay together), a multiple of it."""
+    step = max(period, RECOMPUTE_CHUNK_ELEMENTS // max(per_item, 1) // period * period)
+    return [(start, min(batch, start + step)) for start in range(0, batch, step)]
 
 
 def _load_qkv(ctx, pq, pk, pv, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -459,6 +474,10 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
         keep = unpack_keep_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
+        chunks = _batch_chunks(q.shape[0], math.prod(ctx.keep_shape[1:]), 1 if extra is None else extra.shape[0])
+        if len(chunks) > 1:
+            return (*_eager_grads_by_chunks(chunks, q, k, v, mask, extra, keep, grad_out, ctx.args, need[:5]),
+                    None, None, None, None, None, None, None)
         with torch.enable_grad():
             q = q.requires_grad_(need[0])
             k = k.requires_grad_(need[1])
@@ -469,6 +488,40 @@ class ActEagerAttentionFunction(torch.autograd.Function):
                                   window_mask=e)
             dq, dk, dv, dm, de = grads_of(out, [q, k, v, m, e], grad_out)
         return dq, dk, dv, dm, de, None, None, None, None, None, None, None
+
+
+def _eager_grads_by_chunks(chunks: list[tuple[int, int]], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                           window_mask: Tensor | None, keep: Tensor | None, grad_out: Tensor, args: tuple,
+                           need: tuple[bool, ...]) -> list[Tensor | None]:
+    """:class:`ActEagerAttentionFunction`'s backward over ``chunks`` of the batch: each chunk recomputes its
+    own attention and gradients (batch items are independent); ``dq``, ``dk``, ``dv`` and a per-item mask's
+    gradient are filled chunk by chunk, the gradients of a mask broadcast over the batch (Swin's relative position
+    bias) and of the window mask are summed over the chunks."""
+    scaling, dropout_p, n_rep = args
+    batch = q.shape[0]
+    per_item_mask = mask is not None and mask.dim() == q.dim() and mask.shape[0] == batch and batch > 1
+    grads: list[Tensor | None] = [torch.empty_like(t) if want else None for t, want in zip((q, k, v), need[:3])]
+    grads += [torch.empty_like(mask) if need[3] and per_item_mask else None, None]
+    for start, end in chunks:
+        with torch.enable_grad():
+            leaves = [t[start:end].detach().requires_grad_(want) for t, want in zip((q, k, v), need[:3])]
+            m = mask
+            if mask is not None:
+                m = (mask[start:end] if per_item_mask else mask).detach().requires_grad_(need[3])
+            e = window_mask.detach().requires_grad_(True) if window_mask is not None and need[4] else window_mask
+            out = math_attention(leaves[0], repeat_kv(leaves[1], n_rep), repeat_kv(leaves[2], n_rep), (m,),
+                                 None if keep is None else keep[start:end], dropout_p, scaling, window_mask=e)
+            got = grads_of(out, [*leaves, m, e], grad_out[start:end])
+        for i, g in enumerate(got):
+            if g is None:
+                continue
+            if i < 3 or (i == 3 and per_item_mask):
+                grads[i][start:end] = g
+            elif grads[i] is None:
+                grads[i] = g
+            else:
+                grads[i] += g
+    return grads
 
 
 def act_eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, *, scaling: float,

@@ -19,7 +19,7 @@ from act_hf.compress import dequantize, quantize
 from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
 from act_hf.ops._saving import OpSettings
-from act_hf.ops.attention import act_eager_attention, act_sdpa, repeat_kv
+from act_hf.ops.attention import _eager_grads_by_chunks, act_eager_attention, act_sdpa, repeat_kv
 from tests.utils import assert_grads_match, packed_bytes, sqnr_db
 
 # Minimum gradient SQNR (dB) of dq, dk, dv per bit width for Gaussian q, k, v (B, H, S, D = 2, 4, 64, 32).
@@ -363,6 +363,48 @@ def test_eager_forward_equal_and_grads(softmax_dtype, dropout_p):
                                                    repeat_kv=2)[0], (q, k, v), grad_out)
     assert torch.equal(ref, out) and torch.equal(ref_rng, rng)
     _check_grads(ref_g, g, SQNR_MIN[8])
+
+
+@pytest.mark.parametrize("case", ["swin_bias_and_shift", "per_item_mask", "dropout_gqa"])
+def test_eager_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, case):
+    """Past ``RECOMPUTE_CHUNK_ELEMENTS`` the eager backward recomputes attention chunk by chunk over the batch
+    (whole images' windows together): the same gradients as one pass, a broadcast bias's summed over the chunks,
+    a per-item mask's and the keep mask's sliced with the batch. float64, so only summation order may differ."""
+    from act_hf.ops import attention
+
+    images, windows, n, d = 5, 4, 9, 8
+    torch.manual_seed(0)
+    q, k, v = _qkv(b=images * windows, h=4, hkv=2 if case == "dropout_gqa" else 4, s=n, d=d, dtype=torch.float64)
+    shift = window_mask = None
+    if case == "swin_bias_and_shift":
+        mask = torch.randn(1, 4, n, n, dtype=torch.float64, requires_grad=True)
+        window_mask = torch.zeros(windows, n, n, dtype=torch.float64).masked_fill(torch.rand(windows, n, n) < 0.3,
+                                                                                  -100.0)
+        shift = window_mask
+    elif case == "per_item_mask":
+        mask = torch.randn(images * windows, 4, n, n, dtype=torch.float64, requires_grad=True)
+    else:
+        mask = torch.zeros(images * windows, 1, n, n, dtype=torch.float64)
+    dropout_p = 0.2 if case == "dropout_gqa" else 0.0
+    grad_out = torch.randn(images * windows, 4, n, d, dtype=torch.float64)
+    inputs = (q, k, v) + ((mask,) if mask.requires_grad else ())
+
+    def run():
+        act_hf.manual_seed(3)  # the same quantization draws in both passes
+        return _run(lambda: act_eager_attention(q, k, v, mask, scaling=0.3, settings=_settings(4), dropout_p=dropout_p,
+                                                window_mask=shift, repeat_kv=2 if case == "dropout_gqa" else 1,
+                                                scale_query=True)[0], inputs, grad_out)
+
+    out, one_pass, _ = run()
+    chunks = []
+    monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", 2 * windows * 4 * n * n)  # two images a chunk
+    monkeypatch.setattr(attention, "_eager_grads_by_chunks",
+                        lambda c, *a: chunks.append(c) or _eager_grads_by_chunks(c, *a))
+    chunked_out, chunked, _ = run()
+    assert chunks == [[(0, 8), (8, 16), (16, 20)]]
+    assert torch.equal(out, chunked_out)
+    for a, b in zip(one_pass, chunked):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
 # --------------------------------------------------------------------------------------------------------------
