@@ -40,9 +40,11 @@ Saved bytes for that shape (q, k, v are 1 MiB each in fp32): recompute 208,896 /
 1,372,160 / 1,470,464 / 1,863,680; with the output quantized too 294,912 / 425,984 / 557,056 / 1,081,344.
 Recompute is both smaller and more accurate at every width, so it is the only backward here. Its cost is one
 extra attention forward in backward, by the kernel the forward ran (on the CPU with dropout, SDPA's math path,
-which materialises the ``S x S`` scores of one layer at a time, as it does in the unpatched forward). Eager
-attention's recomputation (timm Swin's default path) runs over chunks of the batch once the layer's attention
-matrix passes ``RECOMPUTE_CHUNK_ELEMENTS``, so its fp32 scores, probabilities and their gradients stay bounded.
+which materialises the ``S x S`` scores of one layer at a time, as it does in the unpatched forward). Once a
+layer's attention matrix passes ``RECOMPUTE_CHUNK_ELEMENTS``, the recomputation runs over chunks of the batch
+(eager attention always; SDPA when a mask gets a gradient or Swin's window mask is summed, without dropout),
+so the eager path's fp32 scores and probabilities, a mask's gradient and their like stay bounded as the batch
+grows. SDPA's fused kernels build no such tensor otherwise, and more calls would only add host time.
 
 Dropout and the RNG
 -------------------
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -244,6 +247,21 @@ class ActSDPAFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         replay: _DropoutReplay | None = ctx.replay
         q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
+        # over chunks of the batch past RECOMPUTE_CHUNK_ELEMENTS when backward builds a full (B, H, L, S) tensor
+        # (a mask's gradient, Swin's summed window mask); not with dropout, whose mask is drawn for the whole shape
+        chunked = replay is None and (need[3] or window_mask is not None)
+        chunks = _batch_chunks(q.shape[0], q.shape[1] * q.shape[-2] * k.shape[-2],
+                               1 if window_mask is None else window_mask.shape[0]) if chunked else [()]
+        if len(chunks) > 1:
+            def recompute(qc, kc, vc, m, e, start, end):
+                full = m if e is None else add_windows_mask(m, e, qc.shape[0])
+                inputs = [autocast_cast(t, ctx.cast) for t in (qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), full)]
+                with torch.autocast(qc.device.type, enabled=False):
+                    return F.scaled_dot_product_attention(*inputs, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                                                          enable_gqa=enable_gqa)
+
+            grads = _grads_by_chunks(chunks, q, k, v, mask, window_mask, grad_out, (*need[:4], False), recompute)
+            return (*grads[:4], None, None, None, None, None, None, None)
         with torch.enable_grad():
             q = q.requires_grad_(need[0])
             k = k.requires_grad_(need[1])
@@ -476,7 +494,11 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         keep = unpack_keep_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
         chunks = _batch_chunks(q.shape[0], math.prod(ctx.keep_shape[1:]), 1 if extra is None else extra.shape[0])
         if len(chunks) > 1:
-            return (*_eager_grads_by_chunks(chunks, q, k, v, mask, extra, keep, grad_out, ctx.args, need[:5]),
+            def recompute(qc, kc, vc, m, e, start, end):
+                return math_attention(qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), (m,),
+                                      None if keep is None else keep[start:end], dropout_p, scaling, window_mask=e)
+
+            return (*_grads_by_chunks(chunks, q, k, v, mask, extra, grad_out, need[:5], recompute),
                     None, None, None, None, None, None, None)
         with torch.enable_grad():
             q = q.requires_grad_(need[0])
@@ -490,14 +512,14 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, dm, de, None, None, None, None, None, None, None
 
 
-def _eager_grads_by_chunks(chunks: list[tuple[int, int]], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                           window_mask: Tensor | None, keep: Tensor | None, grad_out: Tensor, args: tuple,
-                           need: tuple[bool, ...]) -> list[Tensor | None]:
-    """:class:`ActEagerAttentionFunction`'s backward over ``chunks`` of the batch: each chunk recomputes its
-    own attention and gradients (batch items are independent); ``dq``, ``dk``, ``dv`` and a per-item mask's
-    gradient are filled chunk by chunk, the gradients of a mask broadcast over the batch (Swin's relative position
-    bias) and of the window mask are summed over the chunks."""
-    scaling, dropout_p, n_rep = args
+def _grads_by_chunks(chunks: list[tuple[int, int]], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                     window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
+                     recompute: Callable[..., Tensor]) -> list[Tensor | None]:
+    """An attention backward over ``chunks`` of the batch: ``recompute(q, k, v, mask, window_mask, start, end)``
+    runs the chunk's attention (batch items are independent) and autograd gives its gradients. ``dq``, ``dk``,
+    ``dv`` and a per-item mask's gradient are filled chunk by chunk; the gradients of a mask broadcast over the
+    batch (Swin's relative position bias) and of the window mask are summed over the chunks. ``need``: whether
+    q, k, v, the mask and the window mask want a gradient."""
     batch = q.shape[0]
     per_item_mask = mask is not None and mask.dim() == q.dim() and mask.shape[0] == batch and batch > 1
     grads: list[Tensor | None] = [torch.empty_like(t) if want else None for t, want in zip((q, k, v), need[:3])]
@@ -509,8 +531,7 @@ def _eager_grads_by_chunks(chunks: list[tuple[int, int]], q: Tensor, k: Tensor, 
             if mask is not None:
                 m = (mask[start:end] if per_item_mask else mask).detach().requires_grad_(need[3])
             e = window_mask.detach().requires_grad_(True) if window_mask is not None and need[4] else window_mask
-            out = math_attention(leaves[0], repeat_kv(leaves[1], n_rep), repeat_kv(leaves[2], n_rep), (m,),
-                                 None if keep is None else keep[start:end], dropout_p, scaling, window_mask=e)
+            out = recompute(*leaves, m, e, start, end)
             got = grads_of(out, [*leaves, m, e], grad_out[start:end])
         for i, g in enumerate(got):
             if g is None:

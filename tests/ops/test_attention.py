@@ -19,7 +19,7 @@ from act_hf.compress import dequantize, quantize
 from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
 from act_hf.ops._saving import OpSettings
-from act_hf.ops.attention import _eager_grads_by_chunks, act_eager_attention, act_sdpa, repeat_kv
+from act_hf.ops.attention import _grads_by_chunks, act_eager_attention, act_sdpa, repeat_kv
 from tests.utils import assert_grads_match, packed_bytes, sqnr_db
 
 # Minimum gradient SQNR (dB) of dq, dk, dv per bit width for Gaussian q, k, v (B, H, S, D = 2, 4, 64, 32).
@@ -365,43 +365,53 @@ def test_eager_forward_equal_and_grads(softmax_dtype, dropout_p):
     _check_grads(ref_g, g, SQNR_MIN[8])
 
 
-@pytest.mark.parametrize("case", ["swin_bias_and_shift", "per_item_mask", "dropout_gqa"])
-def test_eager_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, case):
-    """Past ``RECOMPUTE_CHUNK_ELEMENTS`` the eager backward recomputes attention chunk by chunk over the batch
-    (whole images' windows together): the same gradients as one pass, a broadcast bias's summed over the chunks,
-    a per-item mask's and the keep mask's sliced with the batch. float64, so only summation order may differ."""
+@pytest.mark.parametrize("op", ["eager", "sdpa"])
+@pytest.mark.parametrize("case", ["swin_bias_and_shift", "per_item_mask", "dropout_gqa", "plain_mask"])
+def test_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, op, case):
+    """Past ``RECOMPUTE_CHUNK_ELEMENTS`` the backward recomputes attention chunk by chunk over the batch (whole
+    images' windows together): the same gradients as one pass, a broadcast bias's summed over the chunks, a
+    per-item mask's and eager attention's keep mask sliced with the batch. SDPA with dropout stays one call (its
+    mask is drawn for the whole shape). float64, so only summation order may differ."""
     from act_hf.ops import attention
 
     images, windows, n, d = 5, 4, 9, 8
     torch.manual_seed(0)
-    q, k, v = _qkv(b=images * windows, h=4, hkv=2 if case == "dropout_gqa" else 4, s=n, d=d, dtype=torch.float64)
-    shift = window_mask = None
+    n_rep = 2 if case == "dropout_gqa" else 1
+    q, k, v = _qkv(b=images * windows, h=4, hkv=4 // n_rep, s=n, d=d, dtype=torch.float64)
+    shift = None
     if case == "swin_bias_and_shift":
         mask = torch.randn(1, 4, n, n, dtype=torch.float64, requires_grad=True)
-        window_mask = torch.zeros(windows, n, n, dtype=torch.float64).masked_fill(torch.rand(windows, n, n) < 0.3,
-                                                                                  -100.0)
-        shift = window_mask
+        shift = torch.zeros(windows, n, n, dtype=torch.float64).masked_fill(torch.rand(windows, n, n) < 0.3, -100.0)
     elif case == "per_item_mask":
         mask = torch.randn(images * windows, 4, n, n, dtype=torch.float64, requires_grad=True)
+    elif case == "plain_mask":  # HF's padding mask: no gradient, so SDPA builds no full tensor in backward
+        mask = torch.zeros(images * windows, 1, 1, n, dtype=torch.float64).masked_fill(torch.rand(n) < 0.2, -1e4)
     else:
         mask = torch.zeros(images * windows, 1, n, n, dtype=torch.float64)
     dropout_p = 0.2 if case == "dropout_gqa" else 0.0
     grad_out = torch.randn(images * windows, 4, n, d, dtype=torch.float64)
     inputs = (q, k, v) + ((mask,) if mask.requires_grad else ())
 
+    def attend():
+        if op == "eager":
+            return act_eager_attention(q, k, v, mask, scaling=0.3, settings=_settings(4), dropout_p=dropout_p,
+                                       window_mask=shift, repeat_kv=n_rep, scale_query=True)[0]
+        return act_sdpa(q, k, v, mask * 1.0 if mask.requires_grad else mask, dropout_p, scale=0.3,
+                        settings=_settings(4), repeat_kv=n_rep, window_mask=shift)
+
     def run():
         act_hf.manual_seed(3)  # the same quantization draws in both passes
-        return _run(lambda: act_eager_attention(q, k, v, mask, scaling=0.3, settings=_settings(4), dropout_p=dropout_p,
-                                                window_mask=shift, repeat_kv=2 if case == "dropout_gqa" else 1,
-                                                scale_query=True)[0], inputs, grad_out)
+        return _run(attend, inputs, grad_out)
 
     out, one_pass, _ = run()
     chunks = []
     monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", 2 * windows * 4 * n * n)  # two images a chunk
-    monkeypatch.setattr(attention, "_eager_grads_by_chunks",
-                        lambda c, *a: chunks.append(c) or _eager_grads_by_chunks(c, *a))
+    monkeypatch.setattr(attention, "_grads_by_chunks", lambda c, *a: chunks.append(c) or _grads_by_chunks(c, *a))
     chunked_out, chunked, _ = run()
-    assert chunks == [[(0, 8), (8, 16), (16, 20)]]
+    if op == "sdpa" and case in ("dropout_gqa", "plain_mask"):
+        assert chunks == []  # a dropout mask is drawn for the whole shape; a mask without grad builds nothing
+    else:
+        assert chunks == [[(0, 8), (8, 16), (16, 20)]]
     assert torch.equal(out, chunked_out)
     for a, b in zip(one_pass, chunked):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
