@@ -249,17 +249,24 @@ class ActSDPAFunction(torch.autograd.Function):
         q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
         # over chunks of the batch past RECOMPUTE_CHUNK_ELEMENTS when backward builds a full (B, H, L, S) tensor
         # (a mask's gradient, Swin's summed window mask); not with dropout, whose mask is drawn for the whole shape
+        def recompute(qc, kc, vc, m, e, start, end):  # SDPA on items [start, end) (all of them: the inputs given)
+            full = m if e is None else add_windows_mask(m, e, qc.shape[0])
+            # cast as autocast did in forward (an fp32 mask beside bf16 q, k stops fused kernels)
+            inputs = [autocast_cast(t, ctx.cast) for t in (qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), full)]
+            with torch.autocast(qc.device.type, enabled=False):
+                if replay is None:
+                    return F.scaled_dot_product_attention(*inputs, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                                                          enable_gqa=enable_gqa)
+                with replayed_rng(replay.rng), sdpa_kernel(replay.backend):
+                    return F.scaled_dot_product_attention(*inputs, dropout_p=dropout_p, is_causal=is_causal,
+                                                          scale=scale, enable_gqa=enable_gqa)
+
+        # over chunks of the batch past RECOMPUTE_CHUNK_ELEMENTS when backward builds a full (B, H, L, S) tensor
+        # (a mask's gradient, Swin's summed window mask); not with dropout, whose mask is drawn for the whole shape
         chunked = replay is None and (need[3] or window_mask is not None)
         chunks = _batch_chunks(q.shape[0], q.shape[1] * q.shape[-2] * k.shape[-2],
                                1 if window_mask is None else window_mask.shape[0]) if chunked else [()]
         if len(chunks) > 1:
-            def recompute(qc, kc, vc, m, e, start, end):
-                full = m if e is None else add_windows_mask(m, e, qc.shape[0])
-                inputs = [autocast_cast(t, ctx.cast) for t in (qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), full)]
-                with torch.autocast(qc.device.type, enabled=False):
-                    return F.scaled_dot_product_attention(*inputs, dropout_p=0.0, is_causal=is_causal, scale=scale,
-                                                          enable_gqa=enable_gqa)
-
             grads = _grads_by_chunks(chunks, q, k, v, mask, window_mask, grad_out, (*need[:4], False), recompute)
             return (*grads[:4], None, None, None, None, None, None, None)
         with torch.enable_grad():
@@ -267,17 +274,7 @@ class ActSDPAFunction(torch.autograd.Function):
             k = k.requires_grad_(need[1])
             v = v.requires_grad_(need[2])
             m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
-            full = m if window_mask is None else add_windows_mask(m, window_mask, q.shape[0])
-            # cast as autocast did in forward (an fp32 mask beside bf16 q, k stops fused kernels)
-            inputs = [autocast_cast(t, ctx.cast) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), full)]
-            with torch.autocast(q.device.type, enabled=False):
-                if replay is None:
-                    out = F.scaled_dot_product_attention(*inputs, dropout_p=0.0, is_causal=is_causal, scale=scale,
-                                                         enable_gqa=enable_gqa)
-                else:
-                    with replayed_rng(replay.rng), sdpa_kernel(replay.backend):
-                        out = F.scaled_dot_product_attention(*inputs, dropout_p=dropout_p, is_causal=is_causal,
-                                                             scale=scale, enable_gqa=enable_gqa)
+            out = recompute(q, k, v, m, window_mask, 0, q.shape[0])
             dq, dk, dv, dm = grads_of(out, [q, k, v, m], grad_out)
         return dq, dk, dv, dm, None, None, None, None, None, None, None
 
@@ -492,12 +489,12 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
         keep = unpack_keep_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
+        def recompute(qc, kc, vc, m, e, start, end):  # attention of items [start, end), keep mask sliced to them
+            return math_attention(qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), (m,),
+                                  None if keep is None else keep[start:end], dropout_p, scaling, window_mask=e)
+
         chunks = _batch_chunks(q.shape[0], math.prod(ctx.keep_shape[1:]), 1 if extra is None else extra.shape[0])
         if len(chunks) > 1:
-            def recompute(qc, kc, vc, m, e, start, end):
-                return math_attention(qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), (m,),
-                                      None if keep is None else keep[start:end], dropout_p, scaling, window_mask=e)
-
             return (*_grads_by_chunks(chunks, q, k, v, mask, extra, grad_out, need[:5], recompute),
                     None, None, None, None, None, None, None)
         with torch.enable_grad():
@@ -506,8 +503,7 @@ class ActEagerAttentionFunction(torch.autograd.Function):
             v = v.requires_grad_(need[2])
             m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
             e = extra.detach().requires_grad_(True) if extra is not None and need[4] else extra
-            out = math_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), (m,), keep, dropout_p, scaling,
-                                  window_mask=e)
+            out = recompute(q, k, v, m, e, 0, q.shape[0])
             dq, dk, dv, dm, de = grads_of(out, [q, k, v, m, e], grad_out)
         return dq, dk, dv, dm, de, None, None, None, None, None, None, None
 
