@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: aten ops that make the host wait for the device (on a GPU): a value read back, or an output sized by data
+HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal",
+                           "_unique2", "unique_consecutive", "unique_dim"})
 
 
 def packed_bytes(numel: int, bits: int, group_size: int = 256) -> int:
     """Bytes of a packed tensor of ``numel`` elements: the bit stream plus a 16-bit zero point and scale per group."""
     return math.ceil(numel * bits / 8) + 4 * math.ceil(numel / group_size)
+
+
+def host_syncs(fn) -> Counter:
+    """Run ``fn()`` and count the ops of :data:`HOST_SYNC_OPS` it dispatches (on any device: these ops would sync
+    a GPU). Host copies such as ``.tolist()`` or ``.cpu()`` are not seen on the CPU."""
+    seen: Counter = Counter()
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in HOST_SYNC_OPS:
+                seen[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Watch():
+        fn()
+    return seen
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:

@@ -113,10 +113,10 @@ def _channel_shifts(x: torch.Tensor) -> torch.Tensor:
     finite = torch.isfinite(amax)
     amax = torch.where(finite, amax, 0.0)
     mantissa, exponent = torch.frexp(amax)
-    top = amax.argmax()
+    top_mantissa, top_exponent = torch.frexp(amax.amax())  # on the device: indexing by argmax would sync
     # amax = m * 2**e with m in [0.5, 1): the floor of log2(top / amax) is the exponent difference, less one
     # where this channel's mantissa exceeds the top's
-    shift = exponent[top] - exponent - (mantissa > mantissa[top]).to(exponent.dtype)
+    shift = top_exponent - exponent - (mantissa > top_mantissa).to(exponent.dtype)
     shift = shift.clamp_(0, _MAX_CHANNEL_SHIFT.get(x.dtype, 24))
     return torch.where(finite, shift, 0).to(torch.int8)
 

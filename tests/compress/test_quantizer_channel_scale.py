@@ -7,6 +7,7 @@ import torch
 
 from act_hf.compress import CHANNEL_SCALE_MIN_ROWS, PackedTensor, dequantize, quantize
 from act_hf.compress import reference as R
+from tests.utils import host_syncs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -133,3 +134,9 @@ def test_non_contiguous_input_is_read_in_logical_order():
     b = quantize(x.contiguous(), 4, 64, seed=3, channel_scale=True)
     assert torch.equal(a.payload, b.payload) and torch.equal(a.channel, b.channel)
     assert torch.equal(dequantize(a), dequantize(b))
+
+
+def test_channel_shifts_never_read_a_value_back():
+    """The shift of each channel is computed on the device: a host read per quantize would stall a GPU's queue."""
+    x = outlier_hidden_states()
+    assert host_syncs(lambda: dequantize(quantize(x, 3, channel_scale=True))) == {}

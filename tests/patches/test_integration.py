@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import act_hf
 from act_hf.checkpoint import enable_hf_checkpointing
 from tests.patches.models import ALL_CASES, bert, loss_of
-from tests.utils import assert_grads_match
+from tests.utils import assert_grads_match, host_syncs
 
 CASES = {c.name: c for c in ALL_CASES}
 
@@ -134,6 +134,29 @@ def test_three_bit_training_lowers_the_loss_like_unpatched(name):
     assert a0 == r0
     drop_ref, drop_act = r0 - r1, a0 - a1
     assert drop_act > 0.8 * drop_ref, (drop_ref, drop_act)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_step_adds_no_host_sync(name):
+    """A bf16 training step after an optimizer step reads no more values back from the device than the unpatched
+    model's (a GPU's queue would drain at each), with dropout on and enough rows (>= 64) for channel scaling."""
+    case, ref, model, inputs = _pair(name, dropout=0.1, bits=3)
+    inputs = {k: v.repeat(4, *([1] * (v.dim() - 1))) for k, v in inputs.items()}
+    counts = []
+    for m in (ref, model):
+        m.train()
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+
+        def step(m=m, opt=opt):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_of(case, m, inputs)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()
+        counts.append(host_syncs(step))
+    assert counts[1] == counts[0], f"unpatched {dict(counts[0])}, act_hf {dict(counts[1])}"
 
 
 def test_small_bert_bf16_saved_activations_at_least_5x_smaller():
