@@ -14,7 +14,8 @@ loses ``x_hat`` entirely. :func:`output_context_safe` therefore accepts the outp
 ``|gamma_j| >= gamma_eps * max_j |gamma_j|`` (``gamma_eps`` defaults to :data:`DEFAULT_GAMMA_EPS` = 0.05,
 relative); otherwise the whole op falls back to the input form (simplest honest choice: no per-column side
 channel, no reparametrization). The check costs one device sync; the modules in :mod:`act_hf.nn.norm` cache
-it per weight version, so it runs once per optimizer step, not per forward.
+it per weight version, and the first miss after an optimizer step answers all their changed weights in that one
+sync (:mod:`act_hf.ops._gamma_guard`).
 
 Measured default (CPU, fp32, x: 2x256x768 with a per-feature offset, group size 256, gradients vs fp64
 autograd, SQNR in dB as ``grad_x / grad_w``, mean of 4 rounding draws; RMSNorm ("llama") within 0.2 dB of
@@ -42,10 +43,8 @@ Gradients are computed in fp32 from the reconstructed ``x_hat`` and cast to each
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +54,9 @@ from ..compress import dequantize, unpack_bits
 from ..context import store
 from ..derived import note_pending
 from ..errors import ActHFValueError
+from ._gamma_guard import output_context_safe
 from ._saving import OpSettings, load_context, owned_output, save_context
 from .activation import _pack_codes
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "ACTIVATIONS",
@@ -87,9 +85,6 @@ RMS_STYLES = ("llama", "t5", "torch", "gemma")
 ACTIVATIONS = ("identity", "leaky_relu", "elu")
 DEFAULT_GAMMA_EPS = 0.05
 
-_SAFE_CACHE: dict[int, tuple[weakref.ref, tuple, bool]] = {}  # id(weight) -> (ref, key, answer)
-
-
 def check_norm_context(context: object, name: str = "context") -> str:
     """Validate a context form: ``"output"`` or ``"input"``."""
     if context not in NORM_CONTEXTS:
@@ -112,33 +107,6 @@ def check_activation(activation: object, param: float, name: str = "activation")
         what = "negative_slope" if activation == "leaky_relu" else "alpha"
         raise ActHFValueError(f"{what} of {activation} must be > 0 to be invertible, got {param!r}")
     return activation  # type: ignore[return-value]
-
-
-def output_context_safe(weight: Tensor | None, *, offset: float = 0.0, gamma_eps: float = DEFAULT_GAMMA_EPS,
-                        cache: bool = False) -> bool:
-    """Whether ``x_hat = (y - beta) / (weight + offset)`` is well conditioned for every feature.
-
-    True when ``weight`` is ``None`` or every ``|weight + offset| >= gamma_eps * max|weight + offset|`` (and the
-    maximum is non-zero and finite). One host-device sync; with ``cache=True`` the answer is kept per weight
-    tensor and version counter, so it is recomputed only after the weight changes (an optimizer step).
-    """
-    if weight is None:
-        return True
-    key = (weight._version, float(offset), float(gamma_eps))
-    if cache:
-        hit = _SAFE_CACHE.get(id(weight))
-        if hit is not None and hit[0]() is weight and hit[1] == key:
-            return hit[2]
-    with torch.no_grad():
-        g = (weight.detach().float() + offset).abs()
-        top = g.max()
-        ok = bool(torch.isfinite(top) & (top > 0) & (g.min() >= gamma_eps * top))
-    if cache:
-        wid = id(weight)
-        _SAFE_CACHE[wid] = (weakref.ref(weight, lambda _r, wid=wid: _SAFE_CACHE.pop(wid, None)), key, ok)
-    if not ok:
-        logger.debug("norm weight has |gamma| below %g of its max: saving the input instead of the output", gamma_eps)
-    return ok
 
 
 def _autocast_on(x: Tensor) -> bool:

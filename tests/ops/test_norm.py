@@ -27,8 +27,9 @@ from act_hf.nn.norm import (
     ActRMSNormMixin,
     infer_rms_style,
 )
+from act_hf.ops import _gamma_guard
 from act_hf.ops._saving import OpSettings
-from act_hf.ops.norm import act_batch_norm_act, act_layer_norm, act_rms_norm
+from act_hf.ops.norm import act_batch_norm_act, act_layer_norm, act_rms_norm, output_context_safe
 from tests.utils import packed_bytes, sqnr_db
 
 # Minimum gradient SQNR (dB) vs float64 autograd, per bit width, for Gaussian inputs (fp32 / bf16 inputs). The
@@ -236,6 +237,52 @@ def test_layer_norm_small_gamma_falls_back_to_input():
     with track_saved(act) as saved:
         act(x.requires_grad_())
     assert saved.bytes == packed_bytes(4 * n, 8) + 4 * 4
+
+
+def _guard_by_definition(weight, offset, gamma_eps):
+    g = (weight.detach().double() + offset).abs()
+    return bool(torch.isfinite(g.max()) and g.max() > 0 and g.min() >= gamma_eps * g.max())
+
+
+def test_gamma_guard_answers_each_weight_as_defined():
+    """Weights of several sizes, offsets and thresholds answered together match the definition one by one."""
+    torch.manual_seed(0)
+    cases = [(torch.randn(16) + 3, 0.0, 0.05), (torch.randn(16) + 3, 0.0, 0.5), (torch.zeros(16), 0.0, 0.05),
+             (torch.full((16,), -1.0), 1.0, 0.05), (torch.randn(8).abs() + 1, 0.0, 0.05),
+             (torch.tensor([1.0, float("nan"), 1.0, 1.0]), 0.0, 0.05), (torch.ones(8, dtype=torch.bfloat16), 0.0, 0.05),
+             (torch.tensor([1.0, 0.04, 1.0, 1.0]), 0.0, 0.05), (torch.tensor([1.0, 0.06, 1.0, 1.0]), 0.0, 0.05)]
+    items = [(w, (off, eps)) for w, off, eps in cases]
+    assert _gamma_guard._answers(items) == [_guard_by_definition(*case) for case in cases]
+    for w, off, eps in cases:
+        assert output_context_safe(w, offset=off, gamma_eps=eps) == _guard_by_definition(w, off, eps)
+    assert output_context_safe(None, gamma_eps=0.05)
+
+
+def test_gamma_guard_answers_all_changed_norms_in_one_pass(monkeypatch):
+    """After an optimizer step, the first norm that runs answers every changed norm weight: one device sync a step
+    (the others hit the cache), and each answer follows its weight's new values."""
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(4)),
+                          nn.LayerNorm(16, elementwise_affine=False), nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8)))
+    act_hf.patch(model, bits=4)
+    calls = []
+    real = _gamma_guard._answers
+    monkeypatch.setattr(_gamma_guard, "_answers", lambda items: calls.append(len(items)) or real(items))
+    x = torch.randn(3, 16)
+    model(x).sum().backward()
+    assert calls == [1] * 5  # first step: each weight is new
+    calls.clear()
+    with track_saved(model) as before:
+        model(x).sum().backward()  # nothing changed
+    assert calls == []
+    with torch.no_grad():  # what an optimizer step does: every weight changes in place, one gamma to zero
+        for p in model.parameters():
+            p.add_(0.01)
+        model[2][1].weight[5] = 0.0
+    with track_saved(model) as saved:
+        model(x).sum().backward()
+    assert calls == [5]
+    uncompressed = "<uncompressed:torch.float32>"  # the input form saves the per-row mean beside rstd
+    assert saved.by_slot[uncompressed] == before.by_slot[uncompressed] + 3 * 4
 
 
 def test_layer_norm_eval_and_no_grad_run_original():
