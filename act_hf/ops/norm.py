@@ -113,6 +113,27 @@ def _autocast_on(x: Tensor) -> bool:
     return torch.is_autocast_enabled(x.device.type)
 
 
+_AUTOCAST_LAYER_NORM: dict[tuple[str, torch.dtype], str] = {}
+
+
+def _autocast_layer_norm_policy(device_type: str) -> str:
+    """What autocast on ``device_type``, at its current dtype, does to ``F.layer_norm``: ``"fp32"`` (casts the
+    inputs to fp32, CUDA's policy), ``"none"`` (runs it as called, the CPU's) or ``"other"``; told by the output
+    dtypes of a low-precision and an fp32 probe, asked once per device type and dtype."""
+    key = (device_type, torch.get_autocast_dtype(device_type))
+    policy = _AUTOCAST_LAYER_NORM.get(key)
+    if policy is None:
+        low, full = (F.layer_norm(torch.ones(1, 2, dtype=dtype, device=device_type), (2,)).dtype
+                     for dtype in (key[1], torch.float32))
+        policy = {(torch.float32, torch.float32): "fp32", (key[1], torch.float32): "none"}.get((low, full), "other")
+        _AUTOCAST_LAYER_NORM[key] = policy
+    return policy
+
+
+def _fp32(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.float()
+
+
 def _rows(shape: torch.Size, k: int) -> tuple[int, int]:
     n = math.prod(shape[len(shape) - k:])
     return math.prod(shape[: len(shape) - k]), n
@@ -123,12 +144,6 @@ def _inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
     for i, p in enumerate(perm):
         inv[p] = i
     return tuple(inv)
-
-
-def _norm_input_grad(g: Tensor, x_hat: Tensor, rstd: Tensor, w_eff: Tensor | None) -> Tensor:
-    """``d x`` of ``y = w * x_hat`` with ``x_hat = (x - mean) * rstd`` over rows of ``(rows, N)`` (fp32)."""
-    d = g if w_eff is None else g * w_eff
-    return rstd * (d - d.mean(1, keepdim=True) - x_hat * (d * x_hat).mean(1, keepdim=True))
 
 
 def _rms_input_grad(g: Tensor, x_hat: Tensor, rstd: Tensor, w_eff: Tensor | None) -> Tensor:
@@ -159,13 +174,18 @@ class ActLayerNormFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, normalized_shape: tuple[int, ...],
                 eps: float, context: str, settings: OpSettings, out_perm: tuple[int, ...] | None) -> Tensor:
         k = len(normalized_shape)
-        if _autocast_on(x):  # the original's autocast policy applies to F.layer_norm; stats computed aside
+        # the aten call F.layer_norm makes, under the original's autocast policy, with its statistics
+        policy = _autocast_layer_norm_policy(x.device.type) if _autocast_on(x) else "none"
+        if policy == "fp32":
+            with torch.autocast(x.device.type, enabled=False):
+                y, mean, rstd = torch.native_layer_norm(x.float(), normalized_shape, _fp32(weight), _fp32(bias), eps)
+        elif policy == "none":
+            y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        else:  # a policy of another torch release: F.layer_norm itself, the statistics computed aside
             y = F.layer_norm(x, normalized_shape, weight, bias, eps)
             with torch.autocast(x.device.type, enabled=False):
                 var, mean = torch.var_mean(x.float(), dim=tuple(range(-k, 0)), unbiased=False, keepdim=True)
                 rstd = torch.rsqrt(var + eps)
-        else:
-            y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         out = owned_output(y if out_perm is None else y.permute(out_perm))
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.meta = (x.shape, x.dtype, k, context, out_perm, None if bias is None else bias.dtype)
@@ -188,27 +208,32 @@ class ActLayerNormFunction(torch.autograd.Function):
             grad_out = grad_out.permute(_inverse_perm(out_perm))
         rows, n = _rows(shape, k)
         g = grad_out.float().reshape(rows, n)
-        grad_x = grad_w = grad_b = None
-        if need_b:
-            grad_b = g.sum(0).reshape(shape[-k:]).to(bias_dtype)
-        if need_x or need_w:
-            w = None if weight is None else weight.float().reshape(1, n)
-            saved = dequantize(packed)
-            if out_perm is not None and context == "output":  # the saved output is the permuted view
-                saved = saved.permute(_inverse_perm(out_perm))
-            saved = saved.float().reshape(rows, n)
-            if context == "output":
-                x_hat = saved
-                if bias is not None:
-                    x_hat = x_hat - bias.float().reshape(1, n)
-                if w is not None:
-                    x_hat = x_hat / w
-            else:
-                x_hat = (saved - mean.float().reshape(rows, 1)) * rstd.float().reshape(rows, 1)
-            if need_w:
-                grad_w = (g * x_hat).sum(0).reshape(shape[-k:]).to(weight.dtype)
-            if need_x:
-                grad_x = _norm_input_grad(g, x_hat, rstd.float().reshape(rows, 1), w).reshape(shape).to(dtype)
+        if not (need_x or need_w):
+            grad_b = g.sum(0).reshape(shape[-k:]).to(bias_dtype) if need_b else None
+            return None, None, grad_b, None, None, None, None, None
+        saved = dequantize(packed)
+        if out_perm is not None and context == "output":  # the saved output is the permuted view
+            saved = saved.permute(_inverse_perm(out_perm))
+        saved = saved.float().reshape(rows, n)
+        w = _fp32(weight)
+        if context == "output":  # x_hat = (y - beta) / gamma, fed to aten's backward as an input of mean 0, rstd 1
+            x_hat = saved if bias is None else saved - bias.float().reshape(1, n)
+            if w is not None:
+                x_hat = x_hat / w.reshape(1, n)
+            saved, mean = x_hat, torch.zeros(rows, 1, device=g.device)
+            unit_rstd = torch.ones(rows, 1, device=g.device)
+        else:
+            unit_rstd = None
+        grad_x, grad_w, _ = torch.ops.aten.native_layer_norm_backward(
+            g, saved, (n,), mean.float().reshape(rows, 1),
+            rstd.float().reshape(rows, 1) if unit_rstd is None else unit_rstd,
+            None if w is None else w.reshape(n), None, [need_x, need_w, False])
+        if need_x:
+            if unit_rstd is not None:  # the bracket of d x, times the real rstd
+                grad_x = grad_x * rstd.float().reshape(rows, 1)
+            grad_x = grad_x.reshape(shape).to(dtype)
+        grad_w = grad_w.reshape(shape[-k:]).to(weight.dtype) if need_w else None
+        grad_b = g.sum(0).reshape(shape[-k:]).to(bias_dtype) if need_b else None
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 

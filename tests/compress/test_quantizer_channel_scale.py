@@ -64,6 +64,23 @@ def test_shifts_equalize_channels_and_never_overflow(dtype):
     assert torch.isfinite(dequantize(p)).all()
 
 
+def test_shift_is_the_floor_of_log2_of_the_ratio_to_the_top_channel():
+    """Exactly ``clamp(floor(log2(top / amax)), 0, 24)`` in float64, also at and beside exact powers of two (where
+    the mantissas tie or differ by one ulp) and for magnitudes from 2**-120 to 2**100."""
+    top = 1.7 * 2.0**100
+    torch.manual_seed(0)
+    ratios = torch.cat([torch.tensor([1.0, 2.0, 4.0, 2.0**23, 2.0**24, 2.0**25, 2.0**200]),
+                        torch.tensor([2.0, 8.0, 2.0**20]) * (1 + 2.0**-22), torch.tensor([2.0, 8.0]) * (1 - 2.0**-22),
+                        2.0 ** (torch.rand(200) * 220)]).double()
+    amax = (top / ratios).float()
+    x = torch.zeros(64, amax.numel())
+    x[5] = amax
+    x[9] = -amax / 3  # smaller magnitudes elsewhere in the channel leave its maximum alone
+    k = quantize(x, 3, 64, seed=0, channel_scale=True).channel.long()
+    exact = torch.floor(torch.log2(amax.double().max() / amax.double())).clamp(0, 24).long()
+    assert torch.equal(k, exact), (k[k != exact], exact[k != exact])
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_outlier_channels_no_longer_set_the_groups_range(bits):
     x = outlier_hidden_states()

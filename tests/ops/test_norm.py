@@ -28,6 +28,7 @@ from act_hf.nn.norm import (
     infer_rms_style,
 )
 from act_hf.ops import _gamma_guard
+from act_hf.ops import norm as norm_ops
 from act_hf.ops._saving import OpSettings
 from act_hf.ops.norm import act_batch_norm_act, act_layer_norm, act_rms_norm, output_context_safe
 from tests.utils import packed_bytes, sqnr_db
@@ -339,6 +340,50 @@ def test_layer_norm_autocast_dtypes():
             assert act_ln(x.requires_grad_()).dtype == ln(x).dtype
         assert ya.dtype == yr.dtype and torch.equal(ya, yr)
         ya.float().sum().backward()
+
+
+@pytest.mark.parametrize("policy", ["fp32", "none", "other"])
+@pytest.mark.parametrize("context", ["output", "input"])
+def test_layer_norm_under_each_autocast_policy(monkeypatch, policy, context):
+    """Forward as autocast would run ``F.layer_norm`` under each policy ("none" is the CPU's; "fp32", CUDA's, and
+    "other" are forced here), gradients against float64 from the statistics the forward used."""
+    torch.manual_seed(3)
+    ln = _randomize(nn.LayerNorm(64))
+    act = _act(ln, ActLayerNormMixin, act_norm_context=context)
+    monkeypatch.setitem(norm_ops._AUTOCAST_LAYER_NORM, ("cpu", torch.bfloat16), policy)
+    x, g = torch.randn(6, 64, dtype=torch.bfloat16), torch.randn(6, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, gx, gp = _run(act, x, g)
+    if policy == "fp32":
+        expected = F.layer_norm(x.float(), (64,), ln.weight, ln.bias, ln.eps)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = ln(x)
+    assert y.dtype == expected.dtype and torch.equal(y, expected)
+    rx, rp = _grads_f64(ln, x, g)
+    _check_grads(f"LN autocast {policy} {context}", gx, gp, rx, rp, SQNR_MIN_BF16_8)
+
+
+def test_autocast_layer_norm_policy_of_the_cpu():
+    assert norm_ops._autocast_layer_norm_policy("cpu") == "none"  # CPU autocast leaves layer_norm as called
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("context", ["output", "input"])
+def test_layer_norm_under_cuda_autocast(dtype, context):
+    """CUDA autocast's fp32 policy: the output is F.layer_norm's, bit for bit; gradients against float64."""
+    torch.manual_seed(4)
+    ln = _randomize(nn.LayerNorm(256)).cuda()
+    act = _act(ln, ActLayerNormMixin, act_norm_context=context)
+    x, g = torch.randn(128, 256, dtype=dtype, device="cuda"), torch.randn(128, 256, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        y, gx, gp = _run(act, x, g)
+        expected = ln(x)
+    assert norm_ops._autocast_layer_norm_policy("cuda") == "fp32"
+    assert y.dtype == expected.dtype and torch.equal(y, expected)
+    rx, rp = _grads_f64(ln, x, g)
+    _check_grads(f"LN cuda autocast {dtype} {context}", gx, gp, rx, rp, SQNR_MIN_BF16_8)
 
 
 def test_layer_norm_functional_errors():
