@@ -18,6 +18,10 @@ class PackedSpec:
     bits: int
     group_size: int
     channel_scaled: bool = False
+    memory_order: tuple[int, ...] | None = None
+    """The dims of ``shape``, outermost first, in the order the payload stores the elements, when the original was
+    a permuted view of a dense tensor (a transpose, channels-last) packed as it lay in memory; ``None``: the
+    row-major order of ``shape``."""
 
     @property
     def n_tensors(self) -> int:

@@ -50,7 +50,9 @@ def quantize(
 
     Groups are contiguous runs of ``group_size`` elements in row-major order (along the last dimension,
     continuing into the next row): constant metadata cost per element whatever the shape, and one flat pass
-    per direction in the kernel. Each group stores a zero point and a scale (two 16-bit numbers, 32 /
+    per direction in the kernel. A permuted view of a dense tensor (attention's ``(B, H, S, D)`` query over a
+    ``(B, S, H * D)`` projection, a channels-last image) is read in the order it lies in memory instead, without a
+    contiguous copy, and decodes to its own layout (``spec.memory_order``). Each group stores a zero point and a scale (two 16-bit numbers, 32 /
     ``group_size`` bits per element), both rounded outward, and quantization uses the stored values, so
     ``E[dequantize(quantize(x))] == x``. Full format: ``act_hf.compress.reference``.
 
@@ -91,13 +93,24 @@ def quantize(
     check_group_size(group_size)
     x = x.detach()
     shifts = _channel_shifts(x) if channel_scale and _scalable(x) else None
+    if shifts is not None:
+        x = x * _powers_of_two(shifts, x.dtype)  # keeps x's layout
+    order = _memory_order(x)
     spec = PackedSpec(shape=x.shape, dtype=x.dtype, bits=bits, group_size=group_size,
-                      channel_scaled=shifts is not None)
-    flat = (x if shifts is None else x * _powers_of_two(shifts, x.dtype)).reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+                      channel_scaled=shifts is not None, memory_order=order)
+    flat = (x if order is None else x.permute(order)).reshape(-1)  # a view unless x is not dense
     payload, lo, scale = _library.run(_library.quantize_pack, flat, bits, group_size, resolve_seed(seed))
     return PackedTensor(payload, lo, scale, spec, None if shifts is None else shifts.to(torch.int8))
+
+
+def _memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation ``order`` for which ``x.permute(order)`` is contiguous, when ``x`` is a non-contiguous
+    permuted view of a dense tensor (a transpose, channels-last); ``None`` for a contiguous ``x`` and for one that
+    no permutation makes contiguous (a strided slice, an expanded view), which is read in row-major order."""
+    if x.is_contiguous():
+        return None
+    order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))  # stable: ties keep the logical order
+    return order if x.permute(order).is_contiguous() else None
 
 
 def _scalable(x: torch.Tensor) -> bool:
@@ -130,13 +143,21 @@ def _powers_of_two(shifts: torch.Tensor, dtype: torch.dtype, *, negate: bool = F
 
 
 def dequantize(packed: PackedTensor) -> torch.Tensor:
-    """Decode a :class:`PackedTensor` into a new contiguous tensor of its original shape and dtype."""
+    """Decode a :class:`PackedTensor` into a new tensor of its original shape and dtype: contiguous, or laid out
+    like the original when that was a permuted view of a dense tensor (``spec.memory_order``)."""
     if not isinstance(packed, PackedTensor):
         raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     spec = packed.spec
     flat = _library.run(_library.unpack_dequantize, packed.payload, packed.lo, packed.scale, spec.bits,
                         spec.group_size, spec.numel, spec.dtype)
-    out = flat.view(spec.shape)
+    order = spec.memory_order
+    if order is None:
+        out = flat.view(spec.shape)
+    else:
+        inverse = [0] * len(order)
+        for position, dim in enumerate(order):
+            inverse[dim] = position
+        out = flat.view([spec.shape[d] for d in order]).permute(inverse)
     if spec.channel_scaled:
         out.mul_(_powers_of_two(packed.channel, spec.dtype, negate=True))
     return out

@@ -150,6 +150,53 @@ def test_empty_and_non_contiguous_and_partial_groups():
     torch.testing.assert_close(dequantize(quantize(x, 8, 256, seed=0)), x, atol=0.05, rtol=0)
 
 
+def _copies(fn) -> list[str]:
+    """The copying aten ops ``fn()`` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("clone", "copy_", "_to_copy", "contiguous"):
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with _Watch():
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("perm", [(0, 2, 1, 3), (0, 2, 3, 1), (3, 1, 0, 2)])
+def test_permuted_dense_input_is_read_as_it_lies_in_memory(perm):
+    """A permuted view of a contiguous tensor (attention's (B, H, S, D) query over (B, S, H, D); channels-last) is
+    packed as its storage lies, without a copy, the same bits as the contiguous tensor, and decodes to its
+    layout."""
+    base = torch.randn(2, 6, 4, 40)
+    x = base.permute(perm)
+    assert not x.is_contiguous()
+    p = quantize(x, 3, 64, seed=5)
+    q = quantize(base, 3, 64, seed=5)
+    assert p.spec.memory_order is not None and x.permute(p.spec.memory_order).is_contiguous()
+    assert torch.equal(p.payload, q.payload) and torch.equal(p.lo, q.lo) and torch.equal(p.scale, q.scale)
+    y = dequantize(p)
+    assert y.shape == x.shape and y.stride() == x.stride()
+    assert torch.equal(y, dequantize(q).permute(perm))
+    assert _copies(lambda: quantize(x, 3, 64, seed=5)) == []
+    rebuilt = PackedTensor.rebuild(p.tensors, p.spec)
+    assert torch.equal(dequantize(rebuilt), y)
+
+
+def test_input_no_permutation_makes_dense_is_read_in_row_major_order():
+    base = torch.randn(8, 64, 48)
+    for x in (base[:, ::2], base[:, :, :40].transpose(1, 2), torch.randn(1, 64).expand(16, 64)):
+        p = quantize(x, 4, 64, seed=1)
+        assert p.spec.memory_order is None
+        assert torch.equal(p.payload, quantize(x.contiguous(), 4, 64, seed=1).payload)
+        y = dequantize(p)
+        assert y.is_contiguous() and y.shape == x.shape
+
+
 def test_reproducible_with_seed_and_generator():
     x = torch.randn(10, 100)
     a, b = quantize(x, 2, seed=7), quantize(x, 2, seed=7)

@@ -144,13 +144,18 @@ def test_a_non_finite_channel_marks_its_groups_and_leaves_the_others(bad):
     assert torch.isfinite(y[torch.arange(64) != 3]).all()
 
 
-def test_non_contiguous_input_is_read_in_logical_order():
+def test_non_contiguous_input_keeps_its_channels_and_layout():
+    """A column-major input: shifts per channel of its last logical dim, as for the contiguous copy; the scaled
+    tensor is packed as it lies in memory and decodes to the input's layout, as accurate as the contiguous copy's."""
     x = outlier_hidden_states(rows=96, channels=128).t().contiguous().t()  # (96, 128), column-major
     assert not x.is_contiguous()
     a = quantize(x, 4, 64, seed=3, channel_scale=True)
     b = quantize(x.contiguous(), 4, 64, seed=3, channel_scale=True)
-    assert torch.equal(a.payload, b.payload) and torch.equal(a.channel, b.channel)
-    assert torch.equal(dequantize(a), dequantize(b))
+    assert torch.equal(a.channel, b.channel) and a.spec.memory_order == (1, 0)
+    y = dequantize(a)
+    assert y.stride() == x.stride()
+    errors = [float((dequantize(p) - x).norm() / x.norm()) for p in (a, b)]
+    assert errors[0] < 1.5 * errors[1], errors
 
 
 def test_channel_shifts_never_read_a_value_back():

@@ -484,9 +484,10 @@ def test_rms_norm_saved_bytes_and_low_bits(context):
 def test_timm_layer_norm2d(dtype, context):
     timm_norm = pytest.importorskip("timm.layers.norm")
     torch.manual_seed(13)
-    mod = _randomize(timm_norm.LayerNorm2d(5)).to(dtype)
+    # 16 channels: over 5, the input form's x gradient at 8 bits spread over 25-41 dB from draw to draw
+    mod = _randomize(timm_norm.LayerNorm2d(16)).to(dtype)
     act = _act(mod, ActLayerNorm2dMixin, act_norm_context=context)
-    x = torch.randn(3, 5, 4, 4, dtype=dtype)
+    x = torch.randn(3, 16, 4, 4, dtype=dtype)
     g = torch.randn_like(x)
     y_ref = mod(x)
     y, gx, gp = _run(act, x, g)
