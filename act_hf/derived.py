@@ -144,7 +144,8 @@ class AffineTerm:
     def add_to(self, values: Tensor | None, dtype: torch.dtype) -> Tensor:
         """``values + term``, in place in ``values``; the term as a new tensor of ``dtype`` when ``values`` is
         ``None``."""
-        decoded = dequantize(self.packed)
+        # a new tensor of dtype, updated in place from here on, when there are no values yet
+        decoded = dequantize(self.packed, dtype if values is None else None)
         channel = (1, -1) + (1,) * (decoded.dim() - 2)
         weight = None if self.weight is None else self.weight.float().view(channel)
         bias = None if self.bias is None else self.bias.float().view(channel)
@@ -153,7 +154,7 @@ class AffineTerm:
             weight = scale if weight is None else scale * weight
             bias = None if bias is None else scale * bias
         if values is None:
-            values = decoded.to(dtype)  # a new tensor: updated in place from here on
+            values = decoded
             if weight is not None:
                 values.mul_(weight)
         elif weight is not None:

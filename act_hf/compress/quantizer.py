@@ -7,6 +7,7 @@ import torch
 from ..errors import ActHFTypeError, ActHFValueError
 from ..ops import _library
 from .packed import PackedSpec, PackedTensor
+from .reference import lo_dtype_for
 from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
@@ -142,14 +143,23 @@ def _powers_of_two(shifts: torch.Tensor, dtype: torch.dtype, *, negate: bool = F
     return field.bitwise_left_shift_(23).view(torch.float32).to(dtype)
 
 
-def dequantize(packed: PackedTensor) -> torch.Tensor:
-    """Decode a :class:`PackedTensor` into a new tensor of its original shape and dtype: contiguous, or laid out
-    like the original when that was a permuted view of a dense tensor (``spec.memory_order``)."""
+def dequantize(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Decode a :class:`PackedTensor` into a new tensor of its original shape: contiguous, or laid out like the
+    original when that was a permuted view of a dense tensor (``spec.memory_order``).
+
+    ``dtype`` (default: the original's) is the result's: the fp32 decode rounds once, straight to it (an fp32
+    context read by a bf16 matmul needs no fp32 copy), except between fp16 and the other dtypes, whose zero
+    points are stored differently: those decode to the original's dtype and are then cast."""
     if not isinstance(packed, PackedTensor):
         raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     spec = packed.spec
+    if dtype is None:
+        dtype = spec.dtype
+    elif dtype not in SUPPORTED_DTYPES:
+        raise ActHFValueError(f"dtype must be one of float32, float16, bfloat16 or float64, got {dtype}")
+    direct = lo_dtype_for(dtype) == lo_dtype_for(spec.dtype)
     flat = _library.run(_library.unpack_dequantize, packed.payload, packed.lo, packed.scale, spec.bits,
-                        spec.group_size, spec.numel, spec.dtype)
+                        spec.group_size, spec.numel, dtype if direct else spec.dtype)
     order = spec.memory_order
     if order is None:
         out = flat.view(spec.shape)
@@ -159,5 +169,5 @@ def dequantize(packed: PackedTensor) -> torch.Tensor:
             inverse[dim] = position
         out = flat.view([spec.shape[d] for d in order]).permute(inverse)
     if spec.channel_scaled:
-        out.mul_(_powers_of_two(packed.channel, spec.dtype, negate=True))
-    return out
+        out.mul_(_powers_of_two(packed.channel, out.dtype, negate=True))
+    return out if direct else out.to(dtype)

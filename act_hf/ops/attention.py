@@ -183,10 +183,10 @@ def _batch_chunks(batch: int, per_item: int, period: int) -> list[tuple[int, int
 
 
 def _load_qkv(ctx, pq, pk, pv, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    q = dequantize(pq).to(dtype)
-    k = dequantize(pk).to(dtype)
+    q = dequantize(pq, dtype)
+    k = dequantize(pk, dtype)
     if pv is not None:
-        v = dequantize(pv).to(dtype)
+        v = dequantize(pv, dtype)
     else:  # only dv is wanted: v's values do not enter it, only its shape
         v = torch.zeros(ctx.v_shape, dtype=dtype, device=q.device)
     return q, k, v

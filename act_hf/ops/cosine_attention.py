@@ -124,11 +124,10 @@ class ActCosineAttentionFunction(torch.autograd.Function):
         window_mask_adds, dropout_p = ctx.args
         v_shape, w_shape = ctx.shapes
         need = ctx.needs_input_grad
-        q_unit, k_unit = dequantize(packed_q), dequantize(packed_k)
-        compute = torch.float32 if q_unit.dtype in (torch.float16, torch.bfloat16) else q_unit.dtype
-        q_unit, k_unit = q_unit.to(compute), k_unit.to(compute)
+        compute = torch.float32 if packed_q.dtype in (torch.float16, torch.bfloat16) else packed_q.dtype
+        q_unit, k_unit = dequantize(packed_q, compute), dequantize(packed_k, compute)
         # only dv wanted: v's values do not enter it, only its shape
-        v = dequantize(packed_v).to(compute) if packed_v is not None else q_unit.new_zeros(v_shape)
+        v = dequantize(packed_v, compute) if packed_v is not None else q_unit.new_zeros(v_shape)
         keep = unpack_keep_mask(keep_payload, w_shape) if keep_payload is not None else None
         leaf = lambda t, wanted: t.detach().requires_grad_(True) if t is not None and wanted else t
         with torch.enable_grad():

@@ -83,7 +83,7 @@ class ActGRNFunction(torch.autograd.Function):
             grad_b = dy.sum(reduce).reshape(b_shape).to(b_dtype)
         if packed is None:
             return grad_x, grad_w, grad_b, None, None, None, None
-        z = dequantize(packed).float()
+        z = dequantize(packed, torch.float32)
         d = g.mean(dim=channel_dim, keepdim=True) + eps
         n = g / d
         if ctx.needs_input_grad[1]:

@@ -47,7 +47,7 @@ def input_values(saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum,
     """The input estimate :func:`saved_input`'s context stands for, in ``dtype``."""
     if isinstance(saved, DERIVED_CONTEXTS):
         return saved.add_to(None, dtype).to(dtype)
-    return dequantize(saved).to(dtype)
+    return dequantize(saved, dtype)
 
 
 def _transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

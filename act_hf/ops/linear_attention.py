@@ -84,7 +84,7 @@ class ActLinearAttentionFunction(torch.autograd.Function):
         packed_q, packed_k, packed_v, packed_out, den = load_context(ctx)
         dtype = den.dtype
         compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        unpack = lambda p: dequantize(p).to(compute) if p is not None else None
+        unpack = lambda p: dequantize(p, compute) if p is not None else None
         k, v = unpack(packed_k), unpack(packed_v)
         g, den = grad_out.to(compute), den.to(compute)
         s = (g * unpack(packed_out)).sum(-1, keepdim=True)

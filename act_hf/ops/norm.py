@@ -211,10 +211,10 @@ class ActLayerNormFunction(torch.autograd.Function):
         if not (need_x or need_w):
             grad_b = g.sum(0).reshape(shape[-k:]).to(bias_dtype) if need_b else None
             return None, None, grad_b, None, None, None, None, None
-        saved = dequantize(packed)
+        saved = dequantize(packed, torch.float32)
         if out_perm is not None and context == "output":  # the saved output is the permuted view
             saved = saved.permute(_inverse_perm(out_perm))
-        saved = saved.float().reshape(rows, n)
+        saved = saved.reshape(rows, n)
         w = _fp32(weight)
         if context == "output":  # x_hat = (y - beta) / gamma, fed to aten's backward as an input of mean 0, rstd 1
             x_hat = saved if bias is None else saved - bias.float().reshape(1, n)
@@ -376,7 +376,7 @@ class ActRMSNormFunction(torch.autograd.Function):
                 w = weight.float().reshape(1, n)
                 if style == "gemma":
                     w = 1.0 + w
-            saved = dequantize(packed).float().reshape(rows, n)
+            saved = dequantize(packed, torch.float32).reshape(rows, n)
             if context == "output":
                 x_hat = saved if w is None else saved / w
             else:
@@ -601,7 +601,7 @@ class ActBatchNormActFunction(torch.autograd.Function):
             g3 = torch.where(pos, g3, g3 * param)
         if packed is None:  # bias gradient only
             return (None, None, g3.sum((0, 2)).to(bias.dtype) if need_b else None) + (None,) * 8
-        z = dequantize(packed).float().reshape(shape[0], c, -1)
+        z = dequantize(packed, torch.float32).reshape(shape[0], c, -1)
         if activation == "leaky_relu":
             bn = torch.where(pos, z, z / param)
         elif activation == "elu":

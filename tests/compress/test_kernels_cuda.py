@@ -41,6 +41,16 @@ def test_quantize_pack_matches_reference(ext, bits, dtype, group_size):
         assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(ref))
 
 
+@pytest.mark.parametrize("packed_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                 (torch.float32, torch.float64)])
+def test_unpack_dequantize_into_another_dtype_matches_reference(ext, packed_dtype, dtype):
+    """``dequantize(packed, dtype)``'s direct decode (metadata of the packed dtype, results in ``dtype``)."""
+    x = (torch.randn(4099, device="cuda") * 4 - 1).to(packed_dtype)
+    packed = ext.quantize_pack(x, 3, 256, 77)
+    out = ext.unpack_dequantize(*packed, 3, 256, x.numel(), dtype)
+    assert out.dtype == dtype and torch.equal(out, R.unpack_dequantize(*packed, 3, 256, x.numel(), dtype))
+
+
 def test_unaligned_input_view(ext):
     base = torch.randn(10_000, device="cuda", dtype=torch.bfloat16)
     x = base[3:]  # storage offset breaks 16-byte alignment

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -195,6 +196,29 @@ def test_input_no_permutation_makes_dense_is_read_in_row_major_order():
         assert torch.equal(p.payload, quantize(x.contiguous(), 4, 64, seed=1).payload)
         y = dequantize(p)
         assert y.is_contiguous() and y.shape == x.shape
+
+
+@pytest.mark.parametrize("channel_scale", [False, True])
+@pytest.mark.parametrize("packed_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float64),
+                                                 (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+                                                 (torch.float16, torch.float32), (torch.bfloat16, torch.float16)])
+def test_dequantize_into_another_dtype(packed_dtype, dtype, channel_scale):
+    """Straight into ``dtype``: the fp32 decode rounded once to it (what decoding to fp32 and casting gives); from or
+    to fp16, whose zero points are stored as fp16, the original dtype's decode cast."""
+    x = (torch.randn(96, 64) * torch.logspace(-2, 2, 64)).to(packed_dtype)
+    p = quantize(x, 4, 64, seed=2, channel_scale=channel_scale)
+    y = dequantize(p, dtype)
+    assert y.dtype == dtype and y.shape == x.shape
+    if torch.float16 in (packed_dtype, dtype):
+        expected = dequantize(p).to(dtype)
+    else:
+        expected = dequantize(PackedTensor.rebuild(p.tensors, replace(p.spec, dtype=torch.float32))).to(dtype)
+    assert torch.equal(y, expected)
+
+
+def test_dequantize_refuses_a_non_floating_dtype():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        dequantize(quantize(torch.randn(64), 3), torch.int32)
 
 
 def test_reproducible_with_seed_and_generator():

@@ -89,7 +89,7 @@ def test_backward_is_exact_without_the_rounding(monkeypatch, dropout_p):
     normalize backward through the exact norms (rows of small norm, and one below ``eps``, where ``clamp_min``
     drops the radial term) and the dropout mask are right."""
     monkeypatch.setattr(cosine_attention, "compress_role", lambda t, settings, role: t)
-    monkeypatch.setattr(cosine_attention, "dequantize", lambda t: t)
+    monkeypatch.setattr(cosine_attention, "dequantize", lambda t, dtype=None: t if dtype is None else t.to(dtype))
     tensors = _inputs(small_rows=True)
     tensors[0][0, 0, 3] *= 1e-13 / tensors[0][0, 0, 3].norm()  # norm 1e-13 < eps
     grad_out = torch.randn(B, H, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

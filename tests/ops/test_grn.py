@@ -107,7 +107,7 @@ def exact_context(monkeypatch):
     from act_hf.ops import grn
 
     monkeypatch.setattr(grn.store, "compress_as", lambda t, settings: t)
-    monkeypatch.setattr(grn, "dequantize", lambda t: t)
+    monkeypatch.setattr(grn, "dequantize", lambda t, dtype=None: t if dtype is None else t.to(dtype))
 
 
 @pytest.mark.parametrize(("name", "factory", "channel_dim", "shape"), MODULES, ids=[m[0] for m in MODULES])
