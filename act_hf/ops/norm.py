@@ -216,21 +216,22 @@ class ActLayerNormFunction(torch.autograd.Function):
             saved = saved.permute(_inverse_perm(out_perm))
         saved = saved.reshape(rows, n)
         w = _fp32(weight)
-        if context == "output":  # x_hat = (y - beta) / gamma, fed to aten's backward as an input of mean 0, rstd 1
-            x_hat = saved if bias is None else saved - bias.float().reshape(1, n)
+        if context == "output":  # x_hat = (y - beta) / gamma, in place, fed to aten's backward as an input of mean 0
+            if bias is not None:  # and rstd 1; the decoded tensor is this backward's own
+                saved.sub_(bias.float().reshape(1, n))
             if w is not None:
-                x_hat = x_hat / w.reshape(1, n)
-            saved, mean = x_hat, torch.zeros(rows, 1, device=g.device)
-            unit_rstd = torch.ones(rows, 1, device=g.device)
+                saved.div_(w.reshape(1, n))
+            mean, unit_rstd = torch.zeros(rows, 1, device=g.device), torch.ones(rows, 1, device=g.device)
         else:
             unit_rstd = None
         grad_x, grad_w, _ = torch.ops.aten.native_layer_norm_backward(
             g, saved, (n,), mean.float().reshape(rows, 1),
             rstd.float().reshape(rows, 1) if unit_rstd is None else unit_rstd,
             None if w is None else w.reshape(n), None, [need_x, need_w, False])
+        del saved
         if need_x:
             if unit_rstd is not None:  # the bracket of d x, times the real rstd
-                grad_x = grad_x * rstd.float().reshape(rows, 1)
+                grad_x.mul_(rstd.float().reshape(rows, 1))
             grad_x = grad_x.reshape(shape).to(dtype)
         grad_w = grad_w.reshape(shape[-k:]).to(weight.dtype) if need_w else None
         grad_b = g.sum(0).reshape(shape[-k:]).to(bias_dtype) if need_b else None
@@ -451,16 +452,21 @@ def _bn_forward(x: Tensor, weight, bias, running_mean, running_var, momentum: fl
     return y, mean, invstd
 
 
-def _bn_param_grads(g3: Tensor, x_hat3: Tensor, need_w: bool, need_b: bool):
-    grad_w = (g3 * x_hat3).sum((0, 2)) if need_w else None
-    grad_b = g3.sum((0, 2)) if need_b else None
-    return grad_w, grad_b
-
-
-def _bn_input_grad(g3: Tensor, x_hat3: Tensor, invstd: Tensor, w: Tensor | None) -> Tensor:
-    d = g3 if w is None else g3 * w.reshape(1, -1, 1)
-    return invstd.reshape(1, -1, 1) * (d - d.mean((0, 2), keepdim=True)
-                                       - x_hat3 * (d * x_hat3).mean((0, 2), keepdim=True))
+def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | None, invstd: Tensor,
+                            mask: list[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Training BatchNorm's ``(grad_x, grad_weight, grad_bias)`` (``mask`` says which) from the normalized input
+    ``x_hat`` (``grad_out``'s dtype) and the per-channel ``invstd``: aten's backward of an input whose mean is 0
+    and invstd 1, its input gradient scaled by ``invstd`` in place. No full-size fp32 copy is made (aten
+    accumulates in fp32 inside its kernels)."""
+    c = x_hat.shape[1]
+    if not grad_out.is_contiguous():
+        grad_out = grad_out.contiguous()
+    grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
+        grad_out, x_hat, weight, None, None, torch.zeros(c, device=x_hat.device),
+        torch.ones(c, device=x_hat.device), True, 0.0, mask)
+    if grad_x is not None:
+        grad_x.mul_(invstd.float().view((1, c) + (1,) * (x_hat.dim() - 2)))
+    return grad_x, grad_w, grad_b
 
 
 #: Below this many values per channel, BatchNorm keeps its (small) normalized input exact.
@@ -514,14 +520,10 @@ class ActBatchNormFunction(torch.autograd.Function):
             if need_b:
                 grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
             return grad_x, grad_w, grad_b, None, None, None, None, None, None
-        stats = (1, -1) + (1,) * (len(shape) - 2)
-        x_norm = packed if isinstance(packed, Tensor) else dequantize(packed)
-        x_hat = (x_norm.float() / invstd.view(stats) + mean.view(stats)).to(grad_out.dtype)
-        if not grad_out.is_contiguous():
-            grad_out = grad_out.contiguous()
-        grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
-            grad_out, x_hat, weight, None, None, mean, invstd, True, eps,
-            [need_x, need_w and weight is not None, need_b and weight is not None])
+        x_norm = packed.to(grad_out.dtype) if isinstance(packed, Tensor) else dequantize(packed, grad_out.dtype)
+        grad_x, grad_w, grad_b = _bn_backward_from_x_hat(grad_out, x_norm, weight, invstd,
+                                                         [need_x, need_w and weight is not None,
+                                                          need_b and weight is not None])
         if grad_b is None and need_b:
             grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
@@ -594,34 +596,35 @@ class ActBatchNormActFunction(torch.autograd.Function):
         shape, dtype, activation, param = ctx.meta
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         c = shape[1]
-        g3 = grad_out.float().reshape(shape[0], c, -1)
+        stats = (1, c) + (1,) * (len(shape) - 2)
+        g = grad_out
         if mask is not None:
-            pos = unpack_bits(mask, 1, math.prod(shape)).view(torch.bool).reshape(g3.shape)
+            pos = unpack_bits(mask, 1, math.prod(shape)).view(torch.bool).view(shape)
         if activation == "leaky_relu":
-            g3 = torch.where(pos, g3, g3 * param)
+            g = torch.where(pos, g, g * param)
         if packed is None:  # bias gradient only
-            return (None, None, g3.sum((0, 2)).to(bias.dtype) if need_b else None) + (None,) * 8
-        z = dequantize(packed, torch.float32).reshape(shape[0], c, -1)
+            grad_b = g.float().sum([d for d in range(len(shape)) if d != 1]).to(bias.dtype) if need_b else None
+            return (None, None, grad_b) + (None,) * 8
+        z = dequantize(packed, torch.float32)  # this backward's own tensor: inverted in place into x_hat
         if activation == "leaky_relu":
-            bn = torch.where(pos, z, z / param)
+            z.div_(torch.where(pos, 1.0, param))
         elif activation == "elu":
             z = torch.where(pos, z.clamp_min(0), z.clamp_max(0))
-            g3 = torch.where(pos, g3, g3 * (z + param).clamp_min(0))
-            bn = torch.where(pos, z, param * torch.log1p((z / param).clamp_min(-1 + 1e-6)))
-        else:
-            bn = z
-        w = None if weight is None else weight.float()
-        x_hat = bn
+            g = torch.where(pos, g, g * (z + param).clamp_min(0).to(g.dtype))
+            z = torch.where(pos, z, param * torch.log1p((z / param).clamp_min(-1 + 1e-6)))
         if bias is not None:
-            x_hat = x_hat - bias.float().reshape(1, c, 1)
-        if w is not None:
-            x_hat = x_hat / w.reshape(1, c, 1)
-        grad_w, grad_b = _bn_param_grads(g3, x_hat, need_w, need_b)
-        grad_x = _bn_input_grad(g3, x_hat, invstd.float(), w).reshape(shape).to(dtype) if need_x else None
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
+            z.sub_(bias.float().view(stats))
+        if weight is not None:
+            z.div_(weight.float().view(stats))
+        x_hat = z.to(g.dtype)
+        del z
+        grad_x, grad_w, grad_b = _bn_backward_from_x_hat(g, x_hat, weight, invstd,
+                                                         [need_x, need_w, need_b and weight is not None])
+        if grad_b is None and need_b:
+            grad_b = g.float().sum([d for d in range(len(shape)) if d != 1])
+        grad_x = grad_x.to(dtype) if need_x else None
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 

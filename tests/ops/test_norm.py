@@ -539,6 +539,40 @@ def test_batch_norm_forward_stats_and_grads(dtype, dims, shape, momentum, track)
     _check_grads(f"BN{dims}d {dtype} {shape} m={momentum} track={track}", gx, gp, rx, rp, _min_db(dtype))
 
 
+def _full_size_fp32_made(fn, numel: int) -> int:
+    """How many float32 storages of at least ``numel`` elements the ops ``fn()`` dispatches return."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made = set()
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= numel:
+                    made.add(t.untyped_storage().data_ptr())
+            return out
+
+    with _Watch():
+        fn()
+    return len(made)
+
+
+@pytest.mark.parametrize("mixin", [ActBatchNormMixin, ActBatchNormActMixin])
+def test_batch_norm_backward_of_a_bf16_input_makes_no_full_size_fp32_copy(mixin):
+    """Backward of a bf16 BatchNorm works from the bf16 estimate (aten accumulates in fp32 inside its kernels): an fp32
+    copy of the input's size would double the transient memory of the largest layers. The output form's inversion
+    (x_hat = (z - beta) / gamma) is the one fp32 tensor it makes."""
+    torch.manual_seed(17)
+    bn = _randomize(nn.BatchNorm2d(8))
+    act = _act(bn, mixin, bits=4)
+    x = torch.randn(4, 8, 16, 16, dtype=torch.bfloat16, requires_grad=True)
+    y = act(x)
+    made = _full_size_fp32_made(lambda: y.backward(torch.randn_like(y)), x.numel())
+    assert made == (0 if mixin is ActBatchNormMixin else 1)
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
+
+
 def test_batch_norm_saved_bytes_eval_and_frozen():
     torch.manual_seed(16)
     bn = _randomize(nn.BatchNorm2d(5))
