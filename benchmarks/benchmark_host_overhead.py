@@ -8,6 +8,13 @@ tensors of the right shapes and dtypes without computing anything, as a GPU kern
 nothing on the host; what remains is act_hf's own work per op. The stand-ins make the gradients meaningless:
 this measures time only.
 
+It also counts the device ops of one step, the number a GPU would launch: every aten op that is not a view, and
+each codec call once (counted under a dispatch mode, where the codec runs as its ``torch.ops.act_hf`` op), and
+among them the host syncs (``.item()``-like reads). CPU paths differ from CUDA ones in places (CPU dropout is
+composite; CPU autocast leaves LayerNorm in its input dtype), so the counts are a proxy for the GPU's launches.
+The default batch of 8 x 16 tokens gives the 64 rows from which hidden states are channel scaled, as in every
+real model.
+
     python benchmarks/benchmark_host_overhead.py --stub-codec            # ms per step, best of 3 x 40 steps
 
 Writes ``host_overhead.json`` and ``host_overhead.md`` under ``--out``.
@@ -40,8 +47,33 @@ def _stub_unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype, 
     return torch.zeros(numel, dtype=dtype)
 
 
-def step_ms(setting: str, layers: int, steps: int, repeats: int = 3) -> float:
-    """Best over ``repeats`` of the mean time of ``steps`` training steps (forward and backward) of a tiny BERT."""
+_VIEWS = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "expand", "t", "transpose", "permute", "slice",
+                    "select", "unsqueeze", "squeeze", "detach", "alias", "split", "unbind", "lift_fresh"})
+_SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal"})
+
+
+def count_ops(step) -> tuple[int, int]:
+    """``(device ops, host syncs)`` that one call of ``step`` dispatches: aten ops other than views, the codec's
+    ``act_hf`` ops once each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = [0, 0]
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            counts[0] += name not in _VIEWS
+            counts[1] += name in _SYNCS
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        step()
+    return counts[0], counts[1]
+
+
+def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats: int = 3) -> dict:
+    """Best over ``repeats`` of the mean time of ``steps`` training steps (forward and backward) of a tiny BERT,
+    and the ops of one step (:func:`count_ops`)."""
     import transformers as tf
 
     config = tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
@@ -50,7 +82,7 @@ def step_ms(setting: str, layers: int, steps: int, repeats: int = 3) -> float:
     model = tf.BertForSequenceClassification(config).train()
     if setting != "unpatched":
         act_hf.patch(model, bits=int(setting.removeprefix("bits")))
-    ids, labels = torch.randint(0, 100, (1, 8)), torch.zeros(1, dtype=torch.long)
+    ids, labels = torch.randint(0, 100, (batch, seq)), torch.zeros(batch, dtype=torch.long)
 
     def step() -> None:
         with torch.autocast("cpu", torch.bfloat16):
@@ -65,7 +97,8 @@ def step_ms(setting: str, layers: int, steps: int, repeats: int = 3) -> float:
         for _ in range(steps):
             step()
         best = min(best, (time.perf_counter() - start) / steps * 1000)
-    return best
+    ops, syncs = count_ops(step)
+    return {"setting": setting, "ms_per_step": best, "ops_per_step": ops, "syncs_per_step": syncs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="unpatched and/or bitsN (N 1..8)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--stub-codec", action="store_true",
                         help="replace the codec's CPU implementations by shape-only stand-ins (host work only)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -81,29 +116,34 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.settings:
         if name != "unpatched" and not (name.startswith("bits") and name[4:].isdigit() and 1 <= int(name[4:]) <= 8):
             parser.error(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8)")
-    if args.layers < 1 or args.steps < 1:
-        parser.error("--layers and --steps must be >= 1")
+    if min(args.layers, args.steps, args.batch, args.seq) < 1:
+        parser.error("--layers, --steps, --batch and --seq must be >= 1")
     torch.set_num_threads(1)
     saved = reference.quantize_pack_chunked, reference.unpack_dequantize_chunked
     if args.stub_codec:
         reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = (_stub_quantize_pack,
                                                                                  _stub_unpack_dequantize)
     try:
-        rows = [{"setting": name, "ms_per_step": step_ms(name, args.layers, args.steps)} for name in args.settings]
+        rows = [measure(name, args.layers, args.steps, args.batch, args.seq) for name in args.settings]
     finally:
         reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = saved
     base = next((r["ms_per_step"] for r in rows if r["setting"] == "unpatched"), None)
     for r in rows:
         r["vs_unpatched"] = None if base is None else r["ms_per_step"] / base
-    meta = _meta(torch.device("cpu")) | {"layers": args.layers, "steps": args.steps, "stub_codec": args.stub_codec}
+    meta = _meta(torch.device("cpu")) | {"layers": args.layers, "steps": args.steps, "batch": args.batch,
+                                         "seq": args.seq, "stub_codec": args.stub_codec}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [(f"Tiny BERT ({args.layers} layers, hidden 32, seq 8, batch 1), bf16 autocast, one thread, best of 3 x "
-              f"{args.steps} steps; codec {'stubbed (host work only)' if args.stub_codec else 'real (CPU reference)'}; "
-              f"{meta['device']}, torch {meta['torch']}, act_hf @ {meta['commit']}."), "",
-             "| setting | ms per step | vs unpatched |", "|---|---|---|"]
+    lines = [(f"Tiny BERT ({args.layers} layers, hidden 32, batch {args.batch} x seq {args.seq}), bf16 autocast, one "
+              f"thread, best of 3 x {args.steps} steps; codec "
+              f"{'stubbed (host work only)' if args.stub_codec else 'real (CPU reference)'}; {meta['device']}, torch "
+              f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops and host syncs: one step's, counted as "
+              "dispatched (views excluded, each codec call one op)."), "",
+             "| setting | ms per step | vs unpatched | device ops per step | host syncs per step |",
+             "|---|---|---|---|---|"]
     lines += [f"| {r['setting']} | {r['ms_per_step']:.2f} | "
-              f"{'-' if r['vs_unpatched'] is None else format(r['vs_unpatched'], '.2f')} |" for r in rows]
+              f"{'-' if r['vs_unpatched'] is None else format(r['vs_unpatched'], '.2f')} | {r['ops_per_step']} | "
+              f"{r['syncs_per_step']} |" for r in rows]
     (args.out / "host_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

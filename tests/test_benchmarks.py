@@ -177,6 +177,8 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
     assert [r["setting"] for r in rows] == ["unpatched", "bits3"] and all(r["ms_per_step"] > 0 for r in rows)
     assert rows[0]["vs_unpatched"] == 1.0
+    assert 0 < rows[0]["ops_per_step"] < rows[1]["ops_per_step"]  # act_hf's ops come on top of the model's
+    assert rows[1]["syncs_per_step"] == 0
     with pytest.raises(SystemExit):
         host_overhead.main(["--settings", "bits9"])
 
