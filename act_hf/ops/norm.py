@@ -477,8 +477,9 @@ class ActBatchNormFunction(torch.autograd.Function):
     """Training-mode BatchNorm (any ``(N, C, *)``; running stats updated exactly as ``F.batch_norm``).
 
     Saves, when the input or the weight needs a gradient: ``quantize((x - mean) * invstd)``, the input
-    normalized per channel, with ``save_mean`` and ``save_invstd`` (fp32, one per channel) and ``weight``.
-    Backward rebuilds ``x = x_norm / invstd + mean`` and runs ``aten.native_batch_norm_backward``. Quantizing
+    normalized per channel, with ``save_invstd`` (fp32, one per channel) and ``weight``. Backward decodes
+    ``x_norm`` in the gradient's dtype and runs ``aten.native_batch_norm_backward`` on it as an input of mean 0
+    and invstd 1, then scales the input gradient by ``invstd`` (:func:`_bn_backward_from_x_hat`). Quantizing
     the normalized input keeps the error relative to each channel's own spread: a quantization group spans
     many channels, and with the raw input a channel of small variance next to large ones got an error of the
     order of its whole spread, which the BN backward then amplifies by ``invstd`` (seen at 8 bits: a ResNet
@@ -495,7 +496,7 @@ class ActBatchNormFunction(torch.autograd.Function):
                 note_output: bool = False) -> Tensor:
         y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.meta = (x.shape, x.dtype, eps)
+        ctx.shape = x.shape
         if need_x or need_w:
             stats = (1, -1) + (1,) * (x.dim() - 2)
             x_norm = ((x - mean.view(stats)) * invstd.view(stats)).to(x.dtype)
@@ -505,15 +506,15 @@ class ActBatchNormFunction(torch.autograd.Function):
                 packed = store.compress_as(x_norm, settings)
                 if note_output:  # noted by act_batch_norm once y has its autograd node (note_pending)
                     ctx.act_affine = (packed, weight, bias, settings.slot)
-            save_context(ctx, packed, mean, invstd, weight)
+            save_context(ctx, packed, invstd, weight)
         else:
-            save_context(ctx, None, None, None, None)
+            save_context(ctx, None, None, None)
         return y
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        packed, mean, invstd, weight = load_context(ctx)
-        shape, dtype, eps = ctx.meta
+        packed, invstd, weight = load_context(ctx)
+        shape = ctx.shape
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if packed is None:
@@ -573,7 +574,7 @@ class ActBatchNormActFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
                 running_var: Tensor | None, momentum: float, eps: float, activation: str, param: float,
                 settings: OpSettings, note_output: bool = False) -> Tensor:
-        y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
+        y, _, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         z = apply_activation(y, activation, param)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.meta = (x.shape, x.dtype, activation, param)

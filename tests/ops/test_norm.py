@@ -580,7 +580,7 @@ def test_batch_norm_saved_bytes_eval_and_frozen():
     x = torch.randn(3, 5, 4, 4, requires_grad=True)
     with track_saved(act) as saved:
         act(x)
-    assert saved.bytes == packed_bytes(x.numel(), 4) + 2 * 5 * 4
+    assert saved.bytes == packed_bytes(x.numel(), 4) + 5 * 4  # x_norm and invstd
     act.eval()
     with track_saved(act) as saved:
         y = act(x)
@@ -725,6 +725,6 @@ def test_batch_norm_act_zero_gamma_falls_back():
     with track_saved(act) as saved:
         y, gx, gp = _run(act, x, torch.randn_like(x))
     assert torch.equal(y, F.leaky_relu(bn(x), 0.1))
-    # the input form (x, mean, invstd), then F.leaky_relu saving its own fp32 input
-    assert saved.bytes == packed_bytes(x.numel(), BITS) + 2 * 4 * 4 + x.numel() * 4
+    # the input form (x_norm, invstd), then F.leaky_relu saving its own fp32 input
+    assert saved.bytes == packed_bytes(x.numel(), BITS) + 4 * 4 + x.numel() * 4
     assert torch.isfinite(gx).all() and torch.isfinite(gp["weight"]).all()
