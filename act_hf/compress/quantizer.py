@@ -53,9 +53,9 @@ def quantize(
     continuing into the next row): constant metadata cost per element whatever the shape, and one flat pass
     per direction in the kernel. A permuted view of a dense tensor (attention's ``(B, H, S, D)`` query over a
     ``(B, S, H * D)`` projection, a channels-last image) is read in the order it lies in memory instead, without a
-    contiguous copy, and decodes to its own layout (``spec.memory_order``). Each group stores a zero point and a scale (two 16-bit numbers, 32 /
-    ``group_size`` bits per element), both rounded outward, and quantization uses the stored values, so
-    ``E[dequantize(quantize(x))] == x``. Full format: ``act_hf.compress.reference``.
+    contiguous copy, and decodes to its own layout (``spec.memory_order``). Each group stores a zero point and a
+    scale (two 16-bit numbers, 32 / ``group_size`` bits per element), both rounded outward, and quantization uses
+    the stored values, so ``E[dequantize(quantize(x))] == x``. Full format: ``act_hf.compress.reference``.
 
     With ``channel_scale``, every channel of the last dimension is first multiplied by a power of two
     ``2**k[c]`` that brings its largest magnitude within a factor 2 of the largest channel's, never above

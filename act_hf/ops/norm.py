@@ -134,6 +134,11 @@ def _fp32(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.float()
 
 
+def _autocast_cast(t: Tensor | None) -> Tensor | None:
+    """What autocast's fp32 policy does to an op's input: fp16 and bf16 become fp32, fp64 is left alone."""
+    return t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _rows(shape: torch.Size, k: int) -> tuple[int, int]:
     n = math.prod(shape[len(shape) - k:])
     return math.prod(shape[: len(shape) - k]), n
@@ -178,7 +183,8 @@ class ActLayerNormFunction(torch.autograd.Function):
         policy = _autocast_layer_norm_policy(x.device.type) if _autocast_on(x) else "none"
         if policy == "fp32":
             with torch.autocast(x.device.type, enabled=False):
-                y, mean, rstd = torch.native_layer_norm(x.float(), normalized_shape, _fp32(weight), _fp32(bias), eps)
+                y, mean, rstd = torch.native_layer_norm(_autocast_cast(x), normalized_shape, _autocast_cast(weight),
+                                                        _autocast_cast(bias), eps)
         elif policy == "none":
             y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         else:  # a policy of another torch release: F.layer_norm itself, the statistics computed aside

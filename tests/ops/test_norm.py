@@ -250,8 +250,9 @@ def test_gamma_guard_answers_each_weight_as_defined():
     torch.manual_seed(0)
     cases = [(torch.randn(16) + 3, 0.0, 0.05), (torch.randn(16) + 3, 0.0, 0.5), (torch.zeros(16), 0.0, 0.05),
              (torch.full((16,), -1.0), 1.0, 0.05), (torch.randn(8).abs() + 1, 0.0, 0.05),
-             (torch.tensor([1.0, float("nan"), 1.0, 1.0]), 0.0, 0.05), (torch.ones(8, dtype=torch.bfloat16), 0.0, 0.05),
-             (torch.tensor([1.0, 0.04, 1.0, 1.0]), 0.0, 0.05), (torch.tensor([1.0, 0.06, 1.0, 1.0]), 0.0, 0.05)]
+             (torch.tensor([1.0, float("nan"), 1.0, 1.0]), 0.0, 0.05),
+             (torch.ones(8, dtype=torch.bfloat16), 0.0, 0.05), (torch.tensor([1.0, 0.04, 1.0, 1.0]), 0.0, 0.05),
+             (torch.tensor([1.0, 0.06, 1.0, 1.0]), 0.0, 0.05)]
     items = [(w, (off, eps)) for w, off, eps in cases]
     assert _gamma_guard._answers(items) == [_guard_by_definition(*case) for case in cases]
     for w, off, eps in cases:
