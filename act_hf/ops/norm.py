@@ -151,10 +151,12 @@ def _inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def _rms_input_grad(g: Tensor, x_hat: Tensor, rstd: Tensor, w_eff: Tensor | None) -> Tensor:
-    """``d x`` of ``y = w * x * rstd`` with ``rstd = rsqrt(mean(x^2) + eps)`` over rows (fp32)."""
+def _rms_input_grad_(g: Tensor, x_hat: Tensor, rstd: Tensor, w_eff: Tensor | None) -> Tensor:
+    """``d x`` of ``y = w * x * rstd`` with ``rstd = rsqrt(mean(x^2) + eps)`` over rows (fp32), overwriting
+    ``x_hat`` (the caller's own tensor) to keep the full-size temporaries to one."""
     d = g if w_eff is None else g * w_eff
-    return rstd * (d - x_hat * (d * x_hat).mean(1, keepdim=True))
+    x_hat.mul_((d * x_hat).mean(1, keepdim=True))
+    return torch.sub(d, x_hat, out=x_hat).mul_(rstd)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -383,15 +385,16 @@ class ActRMSNormFunction(torch.autograd.Function):
                 w = weight.float().reshape(1, n)
                 if style == "gemma":
                     w = 1.0 + w
-            saved = dequantize(packed, torch.float32).reshape(rows, n)
+            x_hat = dequantize(packed, torch.float32).reshape(rows, n)  # this backward's own: normalized in place
             if context == "output":
-                x_hat = saved if w is None else saved / w
+                if w is not None:
+                    x_hat.div_(w)
             else:
-                x_hat = saved * rstd.float().reshape(rows, 1)
+                x_hat.mul_(rstd.float().reshape(rows, 1))
             if need_w:
                 grad_w = (g * x_hat).sum(0).reshape(weight.shape).to(weight.dtype)
             if need_x:
-                grad_x = _rms_input_grad(g, x_hat, rstd.float().reshape(rows, 1), w).reshape(shape).to(dtype)
+                grad_x = _rms_input_grad_(g, x_hat, rstd.float().reshape(rows, 1), w).reshape(shape).to(dtype)
         return grad_x, grad_w, None, None, None, None, None
 
 
