@@ -52,7 +52,8 @@ def output_context_safe(weight: Tensor | None, *, offset: float = 0.0, gamma_eps
 
 
 def _state(weight: Tensor) -> tuple[int, int]:
-    return weight._version, weight.data_ptr()
+    """The version counter, and for a plain tensor its data pointer (a tensor subclass may have no storage)."""
+    return weight._version, weight.data_ptr() if type(weight) in (Tensor, torch.nn.Parameter) else 0
 
 
 def _answers(items: list[tuple[Tensor, tuple[float, float]]]) -> list[bool]:

@@ -258,6 +258,12 @@ def test_gamma_guard_answers_each_weight_as_defined():
     for w, off, eps in cases:
         assert output_context_safe(w, offset=off, gamma_eps=eps) == _guard_by_definition(w, off, eps)
     assert output_context_safe(None, gamma_eps=0.05)
+    w = nn.Parameter(torch.ones(8))
+    assert output_context_safe(w, gamma_eps=0.05, cache=True)
+    swapped = torch.ones(8)
+    swapped[2] = 0.0
+    w.data = swapped  # same version counter, new storage (what a move to another device does): answered again
+    assert not output_context_safe(w, gamma_eps=0.05, cache=True)
 
 
 def test_gamma_guard_answers_all_changed_norms_in_one_pass(monkeypatch):
