@@ -247,8 +247,7 @@ class ActSDPAFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         replay: _DropoutReplay | None = ctx.replay
         q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
-        # over chunks of the batch past RECOMPUTE_CHUNK_ELEMENTS when backward builds a full (B, H, L, S) tensor
-        # (a mask's gradient, Swin's summed window mask); not with dropout, whose mask is drawn for the whole shape
+
         def recompute(qc, kc, vc, m, e, start, end):  # SDPA on items [start, end) (all of them: the inputs given)
             full = m if e is None else add_windows_mask(m, e, qc.shape[0])
             # cast as autocast did in forward (an fp32 mask beside bf16 q, k stops fused kernels)
@@ -265,18 +264,9 @@ class ActSDPAFunction(torch.autograd.Function):
         # (a mask's gradient, Swin's summed window mask); not with dropout, whose mask is drawn for the whole shape
         chunked = replay is None and (need[3] or window_mask is not None)
         chunks = _batch_chunks(q.shape[0], q.shape[1] * q.shape[-2] * k.shape[-2],
-                               1 if window_mask is None else window_mask.shape[0]) if chunked else [()]
-        if len(chunks) > 1:
-            grads = _grads_by_chunks(chunks, q, k, v, mask, window_mask, grad_out, (*need[:4], False), recompute)
-            return (*grads[:4], None, None, None, None, None, None, None)
-        with torch.enable_grad():
-            q = q.requires_grad_(need[0])
-            k = k.requires_grad_(need[1])
-            v = v.requires_grad_(need[2])
-            m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
-            out = recompute(q, k, v, m, window_mask, 0, q.shape[0])
-            dq, dk, dv, dm = grads_of(out, [q, k, v, m], grad_out)
-        return dq, dk, dv, dm, None, None, None, None, None, None, None
+                               1 if window_mask is None else window_mask.shape[0]) if chunked else [(0, q.shape[0])]
+        grads = _attention_grads(chunks, q, k, v, mask, window_mask, grad_out, (*need[:4], False), recompute)
+        return (*grads[:4], None, None, None, None, None, None, None)
 
 
 @dataclass(frozen=True)
@@ -489,46 +479,57 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
         keep = unpack_keep_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
+
         def recompute(qc, kc, vc, m, e, start, end):  # attention of items [start, end), keep mask sliced to them
             return math_attention(qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), (m,),
                                   None if keep is None else keep[start:end], dropout_p, scaling, window_mask=e)
 
         chunks = _batch_chunks(q.shape[0], math.prod(ctx.keep_shape[1:]), 1 if extra is None else extra.shape[0])
-        if len(chunks) > 1:
-            return (*_grads_by_chunks(chunks, q, k, v, mask, extra, grad_out, need[:5], recompute),
-                    None, None, None, None, None, None, None)
-        with torch.enable_grad():
-            q = q.requires_grad_(need[0])
-            k = k.requires_grad_(need[1])
-            v = v.requires_grad_(need[2])
-            m = mask.detach().requires_grad_(True) if mask is not None and need[3] else mask
-            e = extra.detach().requires_grad_(True) if extra is not None and need[4] else extra
-            out = recompute(q, k, v, m, e, 0, q.shape[0])
-            dq, dk, dv, dm, de = grads_of(out, [q, k, v, m, e], grad_out)
-        return dq, dk, dv, dm, de, None, None, None, None, None, None, None
+        return (*_attention_grads(chunks, q, k, v, mask, extra, grad_out, need[:5], recompute),
+                None, None, None, None, None, None, None)
+
+
+def _per_item_mask(mask: Tensor | None, q: Tensor) -> bool:
+    """Whether ``mask`` has one entry per batch item (sliced with the batch; otherwise broadcast over it)."""
+    return mask is not None and mask.dim() == q.dim() and mask.shape[0] == q.shape[0] and q.shape[0] > 1
+
+
+def _recomputed_grads(start: int, end: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                      window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
+                      recompute: Callable[..., Tensor]) -> list[Tensor | None]:
+    """The gradients of batch items ``[start, end)``: ``recompute(q, k, v, mask, window_mask, start, end)`` runs
+    their attention (batch items are independent) and autograd differentiates it. ``need``: whether q, k, v, the
+    mask and the window mask want a gradient."""
+    with torch.enable_grad():
+        leaves = [t[start:end].detach().requires_grad_(want) for t, want in zip((q, k, v), need[:3])]
+        m = mask
+        if mask is not None:
+            m = (mask[start:end] if _per_item_mask(mask, q) else mask).detach().requires_grad_(need[3])
+        e = window_mask.detach().requires_grad_(True) if window_mask is not None and need[4] else window_mask
+        out = recompute(*leaves, m, e, start, end)
+        return grads_of(out, [*leaves, m, e], grad_out[start:end])
+
+
+def _attention_grads(chunks: list[tuple[int, int]], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                     window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
+                     recompute: Callable[..., Tensor]) -> list[Tensor | None]:
+    """An attention backward by recomputation: in one pass for a single chunk, else :func:`_grads_by_chunks`."""
+    if len(chunks) > 1:
+        return _grads_by_chunks(chunks, q, k, v, mask, window_mask, grad_out, need, recompute)
+    return _recomputed_grads(*chunks[0], q, k, v, mask, window_mask, grad_out, need, recompute)
 
 
 def _grads_by_chunks(chunks: list[tuple[int, int]], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                      window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
                      recompute: Callable[..., Tensor]) -> list[Tensor | None]:
-    """An attention backward over ``chunks`` of the batch: ``recompute(q, k, v, mask, window_mask, start, end)``
-    runs the chunk's attention (batch items are independent) and autograd gives its gradients. ``dq``, ``dk``,
-    ``dv`` and a per-item mask's gradient are filled chunk by chunk; the gradients of a mask broadcast over the
-    batch (Swin's relative position bias) and of the window mask are summed over the chunks. ``need``: whether
-    q, k, v, the mask and the window mask want a gradient."""
-    batch = q.shape[0]
-    per_item_mask = mask is not None and mask.dim() == q.dim() and mask.shape[0] == batch and batch > 1
+    """An attention backward over ``chunks`` of the batch (:func:`_recomputed_grads` each). ``dq``, ``dk``, ``dv``
+    and a per-item mask's gradient are filled chunk by chunk; the gradients of a mask broadcast over the batch
+    (Swin's relative position bias) and of the window mask are summed over the chunks."""
+    per_item_mask = _per_item_mask(mask, q)
     grads: list[Tensor | None] = [torch.empty_like(t) if want else None for t, want in zip((q, k, v), need[:3])]
     grads += [torch.empty_like(mask) if need[3] and per_item_mask else None, None]
     for start, end in chunks:
-        with torch.enable_grad():
-            leaves = [t[start:end].detach().requires_grad_(want) for t, want in zip((q, k, v), need[:3])]
-            m = mask
-            if mask is not None:
-                m = (mask[start:end] if per_item_mask else mask).detach().requires_grad_(need[3])
-            e = window_mask.detach().requires_grad_(True) if window_mask is not None and need[4] else window_mask
-            out = recompute(*leaves, m, e, start, end)
-            got = grads_of(out, [*leaves, m, e], grad_out[start:end])
+        got = _recomputed_grads(start, end, q, k, v, mask, window_mask, grad_out, need, recompute)
         for i, g in enumerate(got):
             if g is None:
                 continue
