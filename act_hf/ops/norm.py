@@ -55,7 +55,7 @@ from ..context import store
 from ..derived import note_pending
 from ..errors import ActHFValueError
 from ._gamma_guard import output_context_safe
-from ._saving import OpSettings, load_context, owned_output, save_context
+from ._saving import OpSettings, autocast_cast, load_context, owned_output, save_context
 from .activation import _pack_codes
 
 __all__ = [
@@ -130,15 +130,6 @@ def _autocast_layer_norm_policy(device_type: str) -> str:
     return policy
 
 
-def _fp32(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.float()
-
-
-def _autocast_cast(t: Tensor | None) -> Tensor | None:
-    """What autocast's fp32 policy does to an op's input: fp16 and bf16 become fp32, fp64 is left alone."""
-    return t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
-
-
 def _rows(shape: torch.Size, k: int) -> tuple[int, int]:
     n = math.prod(shape[len(shape) - k:])
     return math.prod(shape[: len(shape) - k]), n
@@ -185,8 +176,8 @@ class ActLayerNormFunction(torch.autograd.Function):
         policy = _autocast_layer_norm_policy(x.device.type) if _autocast_on(x) else "none"
         if policy == "fp32":
             with torch.autocast(x.device.type, enabled=False):
-                y, mean, rstd = torch.native_layer_norm(_autocast_cast(x), normalized_shape, _autocast_cast(weight),
-                                                        _autocast_cast(bias), eps)
+                x32, w32, b32 = (autocast_cast(t, torch.float32) for t in (x, weight, bias))  # as autocast casts
+                y, mean, rstd = torch.native_layer_norm(x32, normalized_shape, w32, b32, eps)
         elif policy == "none":
             y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         else:  # a policy of another torch release: F.layer_norm itself, the statistics computed aside
@@ -223,7 +214,7 @@ class ActLayerNormFunction(torch.autograd.Function):
         if out_perm is not None and context == "output":  # the saved output is the permuted view
             saved = saved.permute(_inverse_perm(out_perm))
         saved = saved.reshape(rows, n)
-        w = _fp32(weight)
+        w = None if weight is None else weight.float()
         if context == "output":  # x_hat = (y - beta) / gamma, in place, fed to aten's backward as an input of mean 0
             if bias is not None:  # and rstd 1; the decoded tensor is this backward's own
                 saved.sub_(bias.float().reshape(1, n))
