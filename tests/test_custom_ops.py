@@ -10,6 +10,7 @@ import torch
 
 import act_hf.ops._library  # noqa: F401
 from act_hf.compress import dequantize, quantize
+from tests.utils import dispatched
 
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
@@ -58,8 +59,6 @@ def test_compile_fullgraph_sees_the_ops():
 def test_eager_calls_skip_the_dispatcher_and_modes_still_see_the_ops(monkeypatch):
     """Plain eager: the implementation runs directly (no torch.ops round trip), with the same bits; under a
     dispatch mode (a tracer, a memory tracker) the op itself is called, so the mode sees it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from act_hf.ops import _library
 
     x = torch.randn(3, 100)
@@ -67,15 +66,7 @@ def test_eager_calls_skip_the_dispatcher_and_modes_still_see_the_ops(monkeypatch
     through_op = torch.ops.act_hf.quantize_pack(x.reshape(-1), 3, 64, 5)
     assert all(torch.equal(a, b) for a, b in zip((direct.payload, direct.lo, direct.scale), through_op))
 
-    seen = []
-
-    class Seen(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Seen():
-        dequantize(quantize(x, 3, 64, seed=5))
+    seen = [str(func) for func, _ in dispatched(lambda: dequantize(quantize(x, 3, 64, seed=5)))]
     assert "act_hf.quantize_pack.default" in seen and "act_hf.unpack_dequantize.default" in seen
 
     calls = []
@@ -84,8 +75,7 @@ def test_eager_calls_skip_the_dispatcher_and_modes_still_see_the_ops(monkeypatch
                         lambda *a: calls.append(a) or implementation(*a))
     quantize(x, 3, 64, seed=5)
     assert len(calls) == 1  # eager: the table's implementation, directly
-    with Seen():
-        quantize(x, 3, 64, seed=5)
+    dispatched(lambda: quantize(x, 3, 64, seed=5))
     assert len(calls) == 1  # under a mode: through torch.ops (whose kernel is registered apart from the table)
     assert _library._plain_eager(x) and not _library._plain_eager(torch.empty(2, device="meta"))
 

@@ -18,20 +18,27 @@ def packed_bytes(numel: int, bits: int, group_size: int = 256) -> int:
     return math.ceil(numel * bits / 8) + 4 * math.ceil(numel / group_size)
 
 
-def host_syncs(fn) -> Counter:
-    """Run ``fn()`` and count the ops of :data:`HOST_SYNC_OPS` it dispatches (on any device: these ops would sync
-    a GPU). Host copies such as ``.tolist()`` or ``.cpu()`` are not seen on the CPU."""
-    seen: Counter = Counter()
+def dispatched(fn) -> list[tuple[torch._ops.OpOverload, tuple]]:
+    """Run ``fn()`` under a dispatch mode and list the ops it dispatched with their outputs (as a tuple). Under a
+    mode, act_hf's codec runs as its ``torch.ops.act_hf`` op (one entry), not as the ops inside it."""
+    seen: list[tuple[torch._ops.OpOverload, tuple]] = []
 
     class _Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in HOST_SYNC_OPS:
-                seen[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            seen.append((func, tuple(out) if isinstance(out, (tuple, list)) else (out,)))
+            return out
 
     with _Watch():
         fn()
     return seen
+
+
+def host_syncs(fn) -> Counter:
+    """Run ``fn()`` and count the ops of :data:`HOST_SYNC_OPS` it dispatches (on any device: these ops would sync
+    a GPU). Host copies such as ``.tolist()`` or ``.cpu()`` are not seen on the CPU."""
+    names = (func.overloadpacket.__name__ for func, _ in dispatched(fn))
+    return Counter(name for name in names if name in HOST_SYNC_OPS)
 
 
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:

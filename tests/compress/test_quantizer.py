@@ -10,6 +10,7 @@ import torch
 
 from act_hf.compress import PackedTensor, dequantize, pack_bits, quantize, unpack_bits
 from act_hf.compress import reference as R
+from tests.utils import dispatched
 
 ALL_BITS = [1, 2, 3, 4, 5, 6, 7, 8]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -153,19 +154,8 @@ def test_empty_and_non_contiguous_and_partial_groups():
 
 def _copies(fn) -> list[str]:
     """The copying aten ops ``fn()`` dispatches."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class _Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("clone", "copy_", "_to_copy", "contiguous"):
-                seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with _Watch():
-        fn()
-    return seen
+    names = (func.overloadpacket.__name__ for func, _ in dispatched(fn))
+    return [name for name in names if name in ("clone", "copy_", "_to_copy", "contiguous")]
 
 
 @pytest.mark.parametrize("perm", [(0, 2, 1, 3), (0, 2, 3, 1), (3, 1, 0, 2)])

@@ -31,7 +31,7 @@ from act_hf.ops import _gamma_guard
 from act_hf.ops import norm as norm_ops
 from act_hf.ops._saving import OpSettings
 from act_hf.ops.norm import act_batch_norm_act, act_layer_norm, act_rms_norm, output_context_safe
-from tests.utils import packed_bytes, sqnr_db
+from tests.utils import dispatched, packed_bytes, sqnr_db
 
 # Minimum gradient SQNR (dB) vs float64 autograd, per bit width, for Gaussian inputs (fp32 / bf16 inputs). The
 # input gradient is mostly exact terms (only its x_hat-weighted term carries noise), the weight gradient is a sum of
@@ -548,21 +548,8 @@ def test_batch_norm_forward_stats_and_grads(dtype, dims, shape, momentum, track)
 
 def _full_size_fp32_made(fn, numel: int) -> int:
     """How many float32 storages of at least ``numel`` elements the ops ``fn()`` dispatches return."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    made = set()
-
-    class _Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= numel:
-                    made.add(t.untyped_storage().data_ptr())
-            return out
-
-    with _Watch():
-        fn()
-    return len(made)
+    return len({t.untyped_storage().data_ptr() for _, outputs in dispatched(fn) for t in outputs
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= numel})
 
 
 @pytest.mark.parametrize("mixin", [ActBatchNormMixin, ActBatchNormActMixin])
