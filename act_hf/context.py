@@ -210,7 +210,7 @@ class ContextStore:
             self._local.inserts += 1
             if self._local.inserts % _PURGE_EVERY == 0:
                 self._purge()
-            self.register(packed.tensors, slot=slot, original_nbytes=packed.spec.numel * _itemsize(x.dtype))
+            self.register(packed.tensors, slot=slot, original_nbytes=packed.spec.numel * x.dtype.itemsize)
             if self._probe is not None:
                 self._probe._twins[packed.payload.data_ptr()] = (slot, quantize(x, bits, group_size,
                                                                                   channel_scale=channel_scale))
@@ -273,10 +273,6 @@ class ContextStore:
 
 
 store = ContextStore()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 def _without_history(t: torch.Tensor) -> torch.Tensor:
