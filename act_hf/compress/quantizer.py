@@ -107,8 +107,9 @@ def quantize(
 def _memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
     """The permutation ``order`` for which ``x.permute(order)`` is contiguous, when ``x`` is a non-contiguous
     permuted view of a dense tensor (a transpose, channels-last); ``None`` for a contiguous ``x`` and for one that
-    no permutation makes contiguous (a strided slice, an expanded view), which is read in row-major order."""
-    if x.is_contiguous():
+    no permutation makes contiguous (a strided slice, an expanded view), which is read in row-major order.
+    Also ``None`` while torch.compile traces (the row-major copy): dynamo in torch 2.11 fails on the sort."""
+    if x.is_contiguous() or torch.compiler.is_compiling():
         return None
     order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))  # stable: ties keep the logical order
     return order if x.permute(order).is_contiguous() else None
