@@ -326,3 +326,53 @@ def test_model_sweep_checks_a_text_and_an_image_model(tmp_path):
     assert "| regnety_002 | no (fallback) | True |" in (tmp_path / "sweep.md").read_text()
     with pytest.raises(SystemExit):
         model_sweep.main(["--models", "no-such-model"])
+
+
+memory_at_peak = _load("memory_at_peak")
+
+
+def test_peak_sites_replays_allocations_in_order():
+    """Two blocks alive together at the peak, one freed before a smaller later one; a free of a block from
+    before the step lowers the total; the phase is the peak's."""
+    a, b, c = ("x.py", "/act_hf/ops/norm.py(1): f", "op:aten::empty"), ("/timm/m.py(2): g", "op:aten::mm"), ()
+    events = [(0, 0, 100, 1, a), (1, 1, 50, 2, b), (2, 2, -100, 1, a), (3, 3, 30, 3, c), (4, 4, -40, 9, c)]
+    out = memory_at_peak.peak_sites(events, backward_from_ns=2)
+    assert out == {"peak": 150, "phase": "forward", "sites": {"norm.py(1): f | aten::empty": 100,
+                                                              "m.py(2): g | aten::mm": 50}}
+    assert memory_at_peak.peak_sites(events + [(5, 5, 200, 4, c)], backward_from_ns=2)["phase"] == "backward"
+
+
+class _SavesABuffer(torch.autograd.Function):
+    """Saves a 4 MiB buffer made in forward; backward makes a 2 MiB temporary while it lives."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(torch.ones(1 << 20))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (buffer,) = ctx.saved_tensors
+        temporary = torch.ones(1 << 19)
+        return grad * 2 + (buffer.sum() + temporary.sum()) * 0
+
+
+def test_memory_at_peak_names_the_saved_buffer_and_the_backward_temporary():
+    x = torch.randn(8, requires_grad=True)
+    out = memory_at_peak.profile_peak(lambda: _SavesABuffer.apply(x).sum(), torch.device("cpu"))
+    assert out["phase"] == "backward" and out["peak"] >= 6 << 20
+    assert out["sites"]["_SavesABuffer | aten::empty"] == 4 << 20
+    assert out["sites"]["autograd::engine::evaluate_function: _SavesABufferBackward | aten::empty"] == 2 << 20
+
+
+def test_memory_at_peak_sites_and_arguments():
+    frame = ("op:ActConvFunction", "/x/site-packages/timm/models/resnet.py(9): forward",
+             "act_hf/ops/linear.py(135): forward", "op:aten::conv2d", "op:aten::empty")
+    assert memory_at_peak._site(frame) == "linear.py(135): forward | aten::empty"  # relative paths count too
+    assert memory_at_peak._site(("benchmarks/x.py(1): f", "op:Fn", "op:aten::mm")) == "Fn | aten::mm"
+    with pytest.raises(SystemExit):
+        memory_at_peak.main(["--batches", "4", "2"])
+    with pytest.raises(SystemExit, match="--settings"):
+        memory_at_peak.main(["--setting", "bits9"])
+    with pytest.raises(SystemExit, match="checkpointing"):
+        memory_at_peak.measure("resnet50", "ckpt", 2, torch.device("cpu"), "bf16", 128)
