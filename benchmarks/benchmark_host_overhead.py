@@ -10,12 +10,15 @@ this measures time only.
 
 It also counts the device ops of one step, the number a GPU would launch: every aten op that is not a view, and
 each codec call once (counted under a dispatch mode, where the codec runs as its ``torch.ops.act_hf`` op), and
-among them the host syncs (``.item()``-like reads). CPU paths differ from CUDA ones in places (CPU dropout is
-composite; CPU autocast leaves LayerNorm in its input dtype), so the counts are a proxy for the GPU's launches.
-The default batch of 8 x 16 tokens gives the 64 rows from which hidden states are channel scaled, as in every
-real model.
+among them the host syncs (``.item()``-like reads), and the bytes those ops read and write (their tensor inputs
+and outputs): the GPU time of memory-bound ops, most of what act_hf adds, follows that traffic. CPU paths differ
+from CUDA ones in places (CPU dropout is composite; CPU autocast leaves LayerNorm in its input dtype), so the
+counts are a proxy for the GPU's launches and traffic. The default batch of 8 x 16 tokens gives the 64 rows from
+which hidden states are channel scaled, as in every real model.
 
     python benchmarks/benchmark_host_overhead.py --stub-codec            # ms per step, best of 3 x 40 steps
+    python benchmarks/benchmark_host_overhead.py --stub-codec --hidden 256 --seq 128 --layers 2 --steps 3
+                                                                         # traffic at wider, longer shapes
 
 Writes ``host_overhead.json`` and ``host_overhead.md`` under ``--out``.
 """
@@ -52,32 +55,38 @@ _VIEWS = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "expand", "
 _SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal"})
 
 
-def count_ops(step) -> tuple[int, int]:
-    """``(device ops, host syncs)`` that one call of ``step`` dispatches: aten ops other than views, the codec's
-    ``act_hf`` ops once each."""
+def count_ops(step) -> tuple[int, int, int]:
+    """``(device ops, host syncs, bytes moved)`` that one call of ``step`` dispatches: aten ops other than views,
+    the codec's ``act_hf`` ops once each, and the bytes of those ops' tensor inputs and outputs (what a GPU reads and
+    writes for them: the time of the memory-bound ones, most of act_hf's, follows it)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
-    counts = [0, 0]
+    counts = [0, 0, 0]
 
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
-            counts[0] += name not in _VIEWS
-            counts[1] += name in _SYNCS
-            return func(*args, **(kwargs or {}))
+            if name not in _VIEWS:
+                counts[0] += 1
+                counts[1] += name in _SYNCS
+                counts[2] += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                 if isinstance(t, torch.Tensor))
+            return out
 
     with _Count():
         step()
-    return counts[0], counts[1]
+    return counts[0], counts[1], counts[2]
 
 
-def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats: int = 3) -> dict:
+def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats: int = 3, hidden: int = 32) -> dict:
     """Best over ``repeats`` of the mean time of ``steps`` training steps (forward and backward) of a tiny BERT,
     and the ops of one step (:func:`count_ops`)."""
     import transformers as tf
 
-    config = tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-                           intermediate_size=64, attention_probs_dropout_prob=0.0, num_labels=2)
+    config = tf.BertConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                           intermediate_size=2 * hidden, attention_probs_dropout_prob=0.0, num_labels=2)
     torch.manual_seed(0)
     model = tf.BertForSequenceClassification(config).train()
     if setting != "unpatched":
@@ -97,8 +106,9 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
         for _ in range(steps):
             step()
         best = min(best, (time.perf_counter() - start) / steps * 1000)
-    ops, syncs = count_ops(step)
-    return {"setting": setting, "ms_per_step": best, "ops_per_step": ops, "syncs_per_step": syncs}
+    ops, syncs, moved = count_ops(step)
+    return {"setting": setting, "ms_per_step": best, "ops_per_step": ops, "syncs_per_step": syncs,
+            "mb_moved_per_step": moved / 1e6}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=32, help="hidden size (2 heads, MLP 2x wider; default 32)")
     parser.add_argument("--stub-codec", action="store_true",
                         help="replace the codec's CPU implementations by shape-only stand-ins (host work only)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -116,34 +127,34 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.settings:
         if name != "unpatched" and not (name.startswith("bits") and name[4:].isdigit() and 1 <= int(name[4:]) <= 8):
             parser.error(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8)")
-    if min(args.layers, args.steps, args.batch, args.seq) < 1:
-        parser.error("--layers, --steps, --batch and --seq must be >= 1")
+    if min(args.layers, args.steps, args.batch, args.seq) < 1 or args.hidden < 2 or args.hidden % 2:
+        parser.error("--layers, --steps, --batch and --seq must be >= 1, --hidden even and >= 2")
     torch.set_num_threads(1)
     saved = reference.quantize_pack_chunked, reference.unpack_dequantize_chunked
     if args.stub_codec:
         reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = (_stub_quantize_pack,
                                                                                  _stub_unpack_dequantize)
     try:
-        rows = [measure(name, args.layers, args.steps, args.batch, args.seq) for name in args.settings]
+        rows = [measure(name, args.layers, args.steps, args.batch, args.seq, hidden=args.hidden) for name in args.settings]
     finally:
         reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = saved
     base = next((r["ms_per_step"] for r in rows if r["setting"] == "unpatched"), None)
     for r in rows:
         r["vs_unpatched"] = None if base is None else r["ms_per_step"] / base
     meta = _meta(torch.device("cpu")) | {"layers": args.layers, "steps": args.steps, "batch": args.batch,
-                                         "seq": args.seq, "stub_codec": args.stub_codec}
+                                         "seq": args.seq, "hidden": args.hidden, "stub_codec": args.stub_codec}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [(f"Tiny BERT ({args.layers} layers, hidden 32, batch {args.batch} x seq {args.seq}), bf16 autocast, one "
+    lines = [(f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}), bf16 autocast, one "
               f"thread, best of 3 x {args.steps} steps; codec "
               f"{'stubbed (host work only)' if args.stub_codec else 'real (CPU reference)'}; {meta['device']}, torch "
-              f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops and host syncs: one step's, counted as "
-              "dispatched (views excluded, each codec call one op)."), "",
-             "| setting | ms per step | vs unpatched | device ops per step | host syncs per step |",
-             "|---|---|---|---|---|"]
+              f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops, host syncs and MB moved (the ops' tensor inputs "
+              "and outputs): one step's, counted as dispatched (views excluded, each codec call one op)."), "",
+             "| setting | ms per step | vs unpatched | device ops per step | host syncs per step | MB moved per step |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {r['setting']} | {r['ms_per_step']:.2f} | "
               f"{'-' if r['vs_unpatched'] is None else format(r['vs_unpatched'], '.2f')} | {r['ops_per_step']} | "
-              f"{r['syncs_per_step']} |" for r in rows]
+              f"{r['syncs_per_step']} | {r['mb_moved_per_step']:.2f} |" for r in rows]
     (args.out / "host_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

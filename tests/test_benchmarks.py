@@ -179,6 +179,7 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert rows[0]["vs_unpatched"] == 1.0
     assert 0 < rows[0]["ops_per_step"] < rows[1]["ops_per_step"]  # act_hf's ops come on top of the model's
     assert rows[1]["syncs_per_step"] == 0
+    assert 0 < rows[0]["mb_moved_per_step"] < rows[1]["mb_moved_per_step"]
     with pytest.raises(SystemExit):
         host_overhead.main(["--settings", "bits9"])
 
