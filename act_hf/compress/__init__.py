@@ -9,6 +9,7 @@ from .quantizer import (
     check_bits,
     check_group_size,
     dequantize,
+    dequantize_with_factors,
     quantize,
 )
 from .rng import manual_seed
@@ -22,6 +23,7 @@ __all__ = [
     "check_bits",
     "check_group_size",
     "dequantize",
+    "dequantize_with_factors",
     "manual_seed",
     "pack_bits",
     "quantize",

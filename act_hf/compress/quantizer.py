@@ -11,7 +11,7 @@ from .reference import lo_dtype_for
 from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
-           "dequantize", "quantize"]
+           "dequantize", "dequantize_with_factors", "quantize"]
 
 DEFAULT_GROUP_SIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -151,6 +151,20 @@ def dequantize(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.
     ``dtype`` (default: the original's) is the result's: the fp32 decode rounds once, straight to it (an fp32
     context read by a bf16 matmul needs no fp32 copy), except between fp16 and the other dtypes, whose zero
     points are stored differently: those decode to the original's dtype and are then cast."""
+    values, factors = dequantize_with_factors(packed, dtype)
+    return values if factors is None else values.mul_(factors)
+
+
+def dequantize_with_factors(packed: PackedTensor,
+                            dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(values, factors)`` with ``values * factors`` equal to ``dequantize(packed, dtype)``, bit for bit:
+    a channel-scaled context's values before the division by its powers of two, and ``factors`` (``2**-k`` in
+    ``values``' dtype, one per channel of the last dimension, broadcasting against ``values``). A caller folds
+    them into something smaller than the decoded tensor (a weight gradient's columns, a norm's affine
+    parameters) and saves a pass over it; powers of two commute with rounding, so the results are the same
+    (away from overflow and subnormal numbers). ``factors`` is ``None`` when there is nothing to fold: the
+    context is not channel scaled, or it decodes through a cast (fp16 and the other dtypes), whose values come
+    scaled."""
     if not isinstance(packed, PackedTensor):
         raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     spec = packed.spec
@@ -169,6 +183,7 @@ def dequantize(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.
         for position, dim in enumerate(order):
             inverse[dim] = position
         out = flat.view([spec.shape[d] for d in order]).permute(inverse)
-    if spec.channel_scaled:
-        out.mul_(_powers_of_two(packed.channel, out.dtype, negate=True))
-    return out if direct else out.to(dtype)
+    factors = _powers_of_two(packed.channel, out.dtype, negate=True) if spec.channel_scaled else None
+    if direct:
+        return out, factors
+    return (out if factors is None else out.mul_(factors)).to(dtype), None

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compress import PackedTensor, dequantize
+from ..compress import PackedTensor, dequantize, dequantize_with_factors
 from ..context import store
 from ..derived import DERIVED_CONTEXTS, AffineSum, AffineTerm, RectifiedAffine, derived_input, note_packed
 from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
@@ -48,6 +48,20 @@ def input_values(saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum,
     if isinstance(saved, DERIVED_CONTEXTS):
         return saved.add_to(None, dtype).to(dtype)
     return dequantize(saved, dtype)
+
+
+def _input_values_and_factors(saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum,
+                              dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """:func:`input_values`, or for a channel-scaled packed input its values and per-channel factors
+    (:func:`~act_hf.compress.dequantize_with_factors`), which the weight gradient takes on its input-feature
+    axis instead of a pass over the decoded input. fp16 gets the values scaled: the unscaled sums could pass its
+    largest number."""
+    if not isinstance(saved, PackedTensor):
+        return input_values(saved, dtype), None
+    values, factors = dequantize_with_factors(saved, dtype)
+    if factors is not None and values.dtype == torch.float16:
+        return values.mul_(factors), None
+    return values, factors
 
 
 def _transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -83,10 +97,12 @@ class ActLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             g2d = grad_out.reshape(-1, grad_out.shape[-1])
             if ctx.needs_input_grad[1]:
-                x2d = input_values(packed, dtype)
+                x2d, factors = _input_values_and_factors(packed, dtype)
                 x2d = x2d.reshape(-1, x2d.shape[-1])
                 grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
                 del x2d
+                if factors is not None:  # the input's channels are grad_w's columns (rows when transposed)
+                    grad_w.mul_(factors.reshape(-1, 1) if ctx.transposed else factors)
             if ctx.needs_input_grad[2]:
                 grad_b = g2d.sum(0)
         if ctx.needs_input_grad[0]:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compress import dequantize, unpack_bits
+from ..compress import PackedTensor, dequantize, dequantize_with_factors, unpack_bits
 from ..context import store
 from ..derived import note_pending
 from ..errors import ActHFValueError
@@ -142,6 +142,14 @@ def _inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
+def _decoded_and_factors(packed: PackedTensor, fold: bool) -> tuple[Tensor, Tensor | None]:
+    """A norm's saved tensor decoded in fp32, and when ``fold`` (the caller divides it per channel anyway) the
+    channel factors it left for the caller to fold into that divisor (:func:`dequantize_with_factors`)."""
+    if not fold:
+        return dequantize(packed, torch.float32), None
+    return dequantize_with_factors(packed, torch.float32)
+
+
 def _rms_input_grad_(g: Tensor, x_hat: Tensor, rstd: Tensor, w_eff: Tensor | None) -> Tensor:
     """``d x`` of ``y = w * x * rstd`` with ``rstd = rsqrt(mean(x^2) + eps)`` over rows (fp32), overwriting
     ``x_hat`` (the caller's own tensor) to keep the full-size temporaries to one."""
@@ -210,16 +218,19 @@ class ActLayerNormFunction(torch.autograd.Function):
         if not (need_x or need_w):
             grad_b = g.sum(0).reshape(shape[-k:]).to(bias_dtype) if need_b else None
             return None, None, grad_b, None, None, None, None, None
-        saved = dequantize(packed, torch.float32)
+        w = None if weight is None else weight.float()
+        # x_hat = (y - beta) / gamma of the output form takes the channel factors f of a channel-scaled y:
+        # (y/f - beta/f) / (gamma/f), the same bits without a pass for them
+        fold = context == "output" and out_perm is None and w is not None
+        saved, factors = _decoded_and_factors(packed, fold)
         if out_perm is not None and context == "output":  # the saved output is the permuted view
             saved = saved.permute(_inverse_perm(out_perm))
         saved = saved.reshape(rows, n)
-        w = None if weight is None else weight.float()
-        if context == "output":  # x_hat = (y - beta) / gamma, in place, fed to aten's backward as an input of mean 0
-            if bias is not None:  # and rstd 1; the decoded tensor is this backward's own
-                saved.sub_(bias.float().reshape(1, n))
+        if context == "output":  # x_hat, in place, fed to aten's backward as an input of mean 0 and rstd 1;
+            if bias is not None:  # the decoded tensor is this backward's own
+                saved.sub_((bias.float() if factors is None else bias.float() / factors).reshape(1, n))
             if w is not None:
-                saved.div_(w.reshape(1, n))
+                saved.div_((w if factors is None else w / factors).reshape(1, n))
             mean, unit_rstd = torch.zeros(rows, 1, device=g.device), torch.ones(rows, 1, device=g.device)
         else:
             unit_rstd = None
@@ -376,10 +387,13 @@ class ActRMSNormFunction(torch.autograd.Function):
                 w = weight.float().reshape(1, n)
                 if style == "gemma":
                     w = 1.0 + w
-            x_hat = dequantize(packed, torch.float32).reshape(rows, n)  # this backward's own: normalized in place
+            # this backward's own, normalized in place; y / w of the output form takes a channel-scaled y's
+            # factors f as (y/f) / (w/f)
+            x_hat, factors = _decoded_and_factors(packed, context == "output" and w is not None)
+            x_hat = x_hat.reshape(rows, n)
             if context == "output":
                 if w is not None:
-                    x_hat.div_(w)
+                    x_hat.div_(w if factors is None else (w.reshape(weight.shape) / factors).reshape(1, n))
             else:
                 x_hat.mul_(rstd.float().reshape(rows, 1))
             if need_w:

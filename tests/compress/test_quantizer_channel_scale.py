@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from act_hf.compress import CHANNEL_SCALE_MIN_ROWS, PackedTensor, dequantize, quantize
+from act_hf.compress import CHANNEL_SCALE_MIN_ROWS, PackedTensor, dequantize, dequantize_with_factors, quantize
 from act_hf.compress import reference as R
 from tests.utils import host_syncs
 
@@ -162,3 +162,25 @@ def test_channel_shifts_never_read_a_value_back():
     """The shift of each channel is computed on the device: a host read per quantize would stall a GPU's queue."""
     x = outlier_hidden_states()
     assert host_syncs(lambda: dequantize(quantize(x, 3, channel_scale=True))) == {}
+
+
+@pytest.mark.parametrize("source, target", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                            (torch.float32, torch.bfloat16), (torch.float16, torch.float16),
+                                            (torch.float16, torch.float32), (torch.float32, torch.float16)])
+def test_values_times_factors_is_the_decode_bit_for_bit(source, target):
+    """``dequantize_with_factors``: values and per-channel powers of two whose product is ``dequantize``'s
+    result; factors only where the decode does not go through a cast (fp16 and the other dtypes), and never
+    for a plain context."""
+    x = outlier_hidden_states(dtype=source)
+    packed = quantize(x, 3, 256, seed=1, channel_scale=True)
+    values, factors = dequantize_with_factors(packed, target)
+    direct = (source == torch.float16) == (target == torch.float16)
+    assert (factors is not None) == direct and values.dtype == target
+    if factors is not None:
+        assert factors.shape == (x.shape[-1],) and factors.dtype == target
+        assert torch.equal(factors, powers(packed.channel, -1).to(target))
+        values = values * factors
+    assert torch.equal(values, dequantize(packed, target))
+    plain = quantize(x, 3, 256, seed=1)
+    assert dequantize_with_factors(plain, target)[1] is None
+    assert torch.equal(dequantize_with_factors(plain, target)[0], dequantize(plain, target))

@@ -12,7 +12,7 @@ from torch import nn
 from act_hf.context import track_saved
 from act_hf.nn._base import convert, revert
 from act_hf.nn.linear import ActConvMixin, ActLinear, ActLinearMixin, ActTransposedLinearMixin
-from tests.utils import sqnr_db
+from tests.utils import dispatched, sqnr_db
 
 # Minimum weight-gradient SQNR (dB) per bit width for Gaussian inputs. A single row's gradient carries one
 # draw of stochastic rounding per element: SQNR ~= 10*log10((2^b - 1)^2 / 6) for a +-3 sigma group range,
@@ -104,6 +104,36 @@ def test_channel_scaled_linear_weight_grad_is_exact_at_the_dequantized_input(dty
         act_linear(x, act.weight, act.bias, OpSettings("lin", 3, channel_scale=True)).backward(g)
         mean += act.weight.grad.double() / 16
     assert sqnr_db(exact, mean) > 15  # 18-30 dB over seeds 3-10; a biased rounding stays near one draw
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_channel_scaled_weight_grad_folds_the_factors_bit_for_bit(dtype, transposed):
+    """The weight gradient takes a channel-scaled input's powers of two on its input-feature axis instead of a
+    pass over the decoded input: the same bits as the matmul with the decoded input (fp16 scales the input)."""
+    from act_hf import manual_seed
+    from act_hf.compress import dequantize, quantize
+    from act_hf.ops._saving import OpSettings
+    from act_hf.ops.linear import act_linear
+
+    torch.manual_seed(3)
+    weight = torch.randn(48, 8) if transposed else torch.randn(8, 48)
+    weight = weight.to(dtype).requires_grad_()
+    x = torch.randn(4, 32, 48, dtype=dtype)
+    x[..., 7] *= 50
+    x[..., 9] /= 300
+    g = torch.randn(4, 32, 8, dtype=dtype)
+    manual_seed(5)
+    out = act_linear(x.requires_grad_(), weight, None, OpSettings("lin", 3, channel_scale=True), transposed=transposed)
+    ops = dispatched(lambda: out.backward(g))
+    full_size_scalings = [f for f, outs in ops if f.overloadpacket.__name__ in ("mul", "mul_", "div", "div_")
+                          and outs[0].numel() == x.numel()]
+    assert len(full_size_scalings) == (dtype == torch.float16)
+    manual_seed(5)
+    packed = quantize(x.detach(), 3, 256, channel_scale=True)
+    assert packed.spec.channel_scaled and int(packed.channel.max()) >= 8
+    q, g2d = dequantize(packed).reshape(-1, 48), g.reshape(-1, 8)
+    assert torch.equal(weight.grad, q.t() @ g2d if transposed else g2d.t() @ q)
 
 
 def test_saved_bytes_formula_and_needs_input_grad():

@@ -722,3 +722,44 @@ def test_batch_norm_act_zero_gamma_falls_back():
     # the input form (x_norm, invstd), then F.leaky_relu saving its own fp32 input
     assert saved.bytes == packed_bytes(x.numel(), BITS) + 4 * 4 + x.numel() * 4
     assert torch.isfinite(gx).all() and torch.isfinite(gp["weight"]).all()
+
+
+@pytest.mark.parametrize("case", ["layer", "layer_no_bias", "layer_2d", "rms_llama", "rms_gemma", "rms_torch_2d"])
+def test_output_form_folds_the_channel_factors_bit_for_bit(monkeypatch, case):
+    """A channel-scaled output context's powers of two go into the per-channel divisor (LayerNorm: bias and
+    gamma, RMSNorm: its weight) instead of a pass over the decoded output: the same gradients, bit for bit, as
+    decoding them out first, and no full-size scaling op."""
+    torch.manual_seed(0)
+    shape = (4, 32, 3, 16) if case.endswith("_2d") else (4, 32, 48)
+    normalized = shape[-2:] if case.endswith("_2d") else shape[-1:]
+    x = torch.randn(shape)
+    x[..., 5] *= 40
+    x[..., 7] /= 100
+    weight = (1 + 0.1 * torch.randn(normalized)).requires_grad_()
+    bias = None if case == "layer_no_bias" else torch.randn(normalized).requires_grad_()
+    g = torch.randn(shape)
+    settings = OpSettings("norm", 3, channel_scale=True)
+
+    def grads():
+        act_hf.manual_seed(1)
+        xr = x.clone().requires_grad_()
+        params = [weight] if case.startswith("rms") else [p for p in (weight, bias) if p is not None]
+        if case.startswith("rms"):
+            style = case.split("_")[1]
+            out = act_rms_norm(xr, weight, 1e-6, settings, style=style, normalized_shape=normalized, context="output")
+        else:
+            out = act_layer_norm(xr, normalized, weight, bias, 1e-5, settings, context="output")
+        ops = dispatched(lambda: out.backward(g))
+        scalings = sum(f.overloadpacket.__name__ in ("mul", "mul_") and outs[0].numel() == x.numel()
+                       for f, outs in ops)
+        found = [xr.grad] + [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return found, scalings
+
+    folded, folded_scalings = grads()
+    monkeypatch.setattr(norm_ops, "_decoded_and_factors",
+                        lambda packed, fold: (act_hf.compress.dequantize(packed, torch.float32), None))
+    decoded, decoded_scalings = grads()
+    assert all(torch.equal(a, b) for a, b in zip(folded, decoded))
+    assert folded_scalings == decoded_scalings - 1
