@@ -315,10 +315,12 @@ def encode(x: torch.Tensor, table: DerivativeTable) -> torch.Tensor:
     """Interval index of every element of ``x`` in ``table``: the few-bit code saved for backward.
 
     ``code = torch.bucketize(x, boundaries, right=True)``, i.e. the number of boundaries ``<= x``: a value exactly
-    on a boundary goes to the piece on its right. The comparison runs in ``x``'s dtype promoted to at least float32
-    (fp16/bf16/fp32 inputs are compared in float32 against the float32-rounded boundaries, float64 inputs in
-    float64). ``-inf`` maps to code 0; ``+inf`` and NaN map to the last code ``2**bits - 1``. No host
-    synchronisation (after the first call per device the boundaries tensor is cached).
+    on a boundary goes to the piece on its right. The codes are those of comparing ``x`` in float32 against the
+    float32-rounded boundaries (float64 inputs: in float64); fp16 and bf16 inputs are compared in their own dtype,
+    against each boundary rounded *up* to it, which gives the same codes without a float32 copy of ``x`` (for
+    ``x`` in the dtype, ``b <= x`` exactly when the dtype's smallest value ``>= b`` is ``<= x``). ``-inf`` maps to
+    code 0; ``+inf`` and NaN map to the last code ``2**bits - 1``. No host synchronisation (after the first call
+    per device the boundaries tensor is cached).
 
     Args:
         x: Floating-point tensor on any device, any shape (empty allowed).
@@ -328,9 +330,27 @@ def encode(x: torch.Tensor, table: DerivativeTable) -> torch.Tensor:
         ``torch.uint8`` tensor of codes in ``[0, 2**bits)``, same shape and device as ``x``.
     """
     cdtype = _compute_dtype(x.dtype)
-    bounds = _cached_tensor(table.boundaries, x.device, cdtype)
-    codes = torch.bucketize(x.to(cdtype).contiguous(), bounds, right=True, out_int32=True)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        bounds = _rounded_up(table.boundaries, x.device, x.dtype)
+        codes = torch.bucketize(x.contiguous(), bounds, right=True, out_int32=True)
+    else:
+        bounds = _cached_tensor(table.boundaries, x.device, cdtype)
+        codes = torch.bucketize(x.to(cdtype).contiguous(), bounds, right=True, out_int32=True)
     return codes.to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=256)
+def _rounded_up(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Each float32-rounded value's smallest upper bound in ``dtype`` (fp16 or bf16), cached like :func:`_cached_tensor`.
+    Round to nearest lands at most one step below; that step is taken on the bit pattern (a larger pattern is a
+    larger positive number and a smaller negative one; from -0 or +0, the smallest positive subnormal)."""
+    exact = torch.tensor(values, dtype=torch.float32)
+    rounded = exact.to(dtype)
+    below = rounded.float() < exact
+    bits = rounded.view(torch.int16)
+    up = torch.where(rounded.float() == 0, torch.ones_like(bits),
+                     torch.where(rounded.float() > 0, bits + 1, bits - 1))
+    return torch.where(below, up, bits).view(dtype).to(device)
 
 
 def decode(codes: torch.Tensor, table: DerivativeTable, dtype: torch.dtype) -> torch.Tensor:

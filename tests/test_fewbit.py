@@ -280,13 +280,30 @@ def test_boundary_ties_go_to_the_right_piece(bits):
     expected = torch.arange(1, 2**bits, dtype=torch.uint8)
     assert torch.equal(on, expected)  # x == boundaries[i] -> piece i + 1 (right)
     assert torch.equal(below, expected - 1)
-    # bf16 inputs are compared in float32: an exactly representable boundary still goes right.
+    # bf16 inputs get the float32 comparison's codes: an exactly representable boundary still goes right.
     xb = torch.tensor([0.0], dtype=torch.bfloat16)
     assert int(encode(xb, get_table("gelu", 1))) == 1  # the 1-bit GELU boundary is exactly 0 (f' - 1/2 is odd)
     assert torch.equal(
         encode(b32.double(), table).long(),
         torch.bucketize(b32.double(), table.boundaries_tensor(dtype=torch.float64), right=True),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_compare_in_their_own_dtype_with_the_float32_codes(dtype):
+    """Every one of the 65536 fp16 / bf16 values (infinities and NaNs included) gets the code of comparing it in
+    float32 against the float32 boundaries, for every activation and width, and no float32 copy is made."""
+    from tests.utils import dispatched
+
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    for name in SUPPORTED_ACTIVATIONS:
+        for bits in BITS:
+            table = get_table(name, bits)
+            expected = torch.bucketize(x.float(), table.boundaries_tensor(), right=True)
+            assert torch.equal(encode(x, table).long(), expected), (name, bits)
+    ops = dispatched(lambda: encode(x, table))
+    assert not any(isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() == x.numel()
+                   for _, (out, *_) in ops)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
