@@ -68,7 +68,36 @@ def leave_own_hooks() -> None:
 
 def region_is_open(region: Any) -> bool:
     """Whether code may still run in ``region``: False only for a checkpoint pass torch has left (its pack hook
-    no longer carries the ``_user_hooks`` torch sets while the pass runs); True where torch does not say."""
-    if region is None or not getattr(region, "_checkpoint_internal", False):
+    no longer carries the ``_user_hooks`` torch sets while the pass runs; torch 2.11, which marks neither, by the
+    state of the checkpoint frame its pack hook closes over); True where torch does not say."""
+    if region is None:
         return True
-    return hasattr(region, "_user_hooks")
+    if getattr(region, "_checkpoint_internal", False):
+        return hasattr(region, "_user_hooks")
+    return _unmarked_pass_is_open(region)
+
+
+def _unmarked_pass_is_open(pack: Any) -> bool:
+    """torch 2.11's checkpoint passes, told by the pack hook's own closure: the forward's is over once its frame
+    has ``forward_completed``, the recomputation's once its frame ``is_recomputed`` for its graph task (or the
+    frame is gone). Any other hook: True."""
+    qualname = getattr(pack, "__qualname__", "")
+    if qualname == "_checkpoint_hook.__init__.<locals>.pack_hook":
+        frame = _closure_var(pack, "frame")
+        return frame is None or not getattr(frame, "forward_completed", False)
+    if qualname == "_recomputation_hook.__init__.<locals>.pack_hook":
+        frame_ref, gid = _closure_var(pack, "target_frame_ref"), _closure_var(pack, "gid")
+        frame = frame_ref() if callable(frame_ref) else None
+        return frame is not None and not getattr(frame, "is_recomputed", {}).get(gid, False)
+    return True
+
+
+def _closure_var(fn: Any, name: str) -> Any:
+    """The value of the free variable ``name`` of the closure ``fn``, or ``None``."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or cells is None or name not in code.co_freevars:
+        return None
+    try:
+        return cells[code.co_freevars.index(name)].cell_contents
+    except ValueError:  # an empty cell
+        return None
