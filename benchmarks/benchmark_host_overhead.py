@@ -71,8 +71,8 @@ def count_ops(step) -> tuple[int, int, int]:
             if name not in _VIEWS:
                 counts[0] += 1
                 counts[1] += name in _SYNCS
-                counts[2] += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
-                                 if isinstance(t, torch.Tensor))
+                tensors = {id(t): t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
+                counts[2] += sum(t.numel() * t.element_size() for t in tensors.values())  # an out= tensor once
             return out
 
     with _Count():
