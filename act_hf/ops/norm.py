@@ -234,17 +234,19 @@ class ActLayerNormFunction(torch.autograd.Function):
             mean, unit_rstd = torch.zeros(rows, 1, device=g.device), torch.ones(rows, 1, device=g.device)
         else:
             unit_rstd = None
-        grad_x, grad_w, _ = torch.ops.aten.native_layer_norm_backward(
+        # grad_b, sum(g), comes from the same pass as grad_w; aten reads only the dtype and device of its bias
+        beta = (g.new_empty(n) if bias is None else bias.float().reshape(n)) if need_b else None
+        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
             g, saved, (n,), mean.float().reshape(rows, 1),
             rstd.float().reshape(rows, 1) if unit_rstd is None else unit_rstd,
-            None if w is None else w.reshape(n), None, [need_x, need_w, False])
+            None if w is None else w.reshape(n), beta, [need_x, need_w, need_b])
         del saved
         if need_x:
             if unit_rstd is not None:  # the bracket of d x, times the real rstd
                 grad_x.mul_(rstd.float().reshape(rows, 1))
             grad_x = grad_x.reshape(shape).to(dtype)
         grad_w = grad_w.reshape(shape[-k:]).to(weight.dtype) if need_w else None
-        grad_b = g.sum(0).reshape(shape[-k:]).to(bias_dtype) if need_b else None
+        grad_b = grad_b.reshape(shape[-k:]).to(bias_dtype) if need_b else None
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
