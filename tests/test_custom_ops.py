@@ -100,3 +100,27 @@ def test_disable_ext_switch_forces_reference(monkeypatch):
     assert _ext.load() is None
     with pytest.raises(RuntimeError, match="ACT_HF_DISABLE_EXT=1.*act-hf build-ext"):
         _ext.require()
+
+
+def test_constant_tables_are_cached_only_in_plain_eager_execution():
+    """The channel-scale power table and LayerNorm's unit statistics are made once in eager execution; made
+    under a fake-tensor mode (torch.compile's tracing) they are not kept, so eager calls after it get real
+    tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from act_hf.compress import quantizer
+    from act_hf.ops import norm
+
+    quantizer._cached_power_table.cache_clear()
+    norm._cached_unit_statistics.cache_clear()
+    shifts = torch.tensor([0, 3, 24], dtype=torch.int8)
+    with FakeTensorMode() as mode:
+        fake_powers = quantizer._powers_of_two(mode.from_tensor(shifts), torch.float32, negate=True)
+        fake_zeros, _ = norm._unit_statistics(6, torch.device("cpu"))
+    assert isinstance(fake_powers, FakeTensor) and isinstance(fake_zeros, FakeTensor)
+    powers = quantizer._powers_of_two(shifts, torch.float32, negate=True)
+    assert type(powers) is torch.Tensor and powers.tolist() == [1.0, 2.0**-3, 2.0**-24]
+    zeros, ones = norm._unit_statistics(6, torch.device("cpu"))
+    assert type(zeros) is torch.Tensor and zeros.shape == (6, 1) and not zeros.any() and bool((ones == 1).all())
+    assert norm._unit_statistics(6, torch.device("cpu"))[0] is zeros  # made once
+    assert quantizer._cached_power_table.cache_info().currsize == 1

@@ -143,15 +143,19 @@ def _powers_of_two(shifts: torch.Tensor, dtype: torch.dtype, *, negate: bool = F
     """``2**shifts`` (``2**-shifts`` with ``negate``) in ``dtype``, looked up in a table of the exact powers (two
     device ops for stored ``int8`` shifts, one for ``int32``)."""
     index = shifts if shifts.dtype in (torch.int32, torch.int64) else shifts.to(torch.int32)
-    return _power_table(shifts.device, dtype, negate).index_select(0, index)
+    table = _cached_power_table if _library.plain_eager() else _power_table  # no fake or traced tensor is kept
+    return table(shifts.device, dtype, negate).index_select(0, index)
 
 
-@functools.lru_cache(maxsize=64)
 def _power_table(device: torch.device, dtype: torch.dtype, negate: bool) -> torch.Tensor:
-    """``2**k`` (``2**-k``) for ``k`` in ``0..24`` in ``dtype`` on ``device``: one host-to-device copy per device
-    and dtype (fp16 holds the powers it is shifted by, up to 15)."""
+    """``2**k`` (``2**-k``) for ``k`` in ``0..24`` in ``dtype`` on ``device`` (fp16 holds the powers it is
+    shifted by, up to 15)."""
     powers = torch.tensor([2.0 ** (-k if negate else k) for k in range(25)], dtype=torch.float32)
     return powers.to(dtype).to(device)
+
+
+#: :func:`_power_table` made once per device and dtype (one host-to-device copy)
+_cached_power_table = functools.lru_cache(maxsize=64)(_power_table)
 
 
 def dequantize(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -43,6 +43,7 @@ Gradients are computed in fp32 from the reconstructed ``x_hat`` and cast to each
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -55,6 +56,7 @@ from ..context import store
 from ..derived import note_pending
 from ..errors import ActHFValueError
 from ._gamma_guard import output_context_safe
+from ._library import plain_eager
 from ._saving import OpSettings, autocast_cast, load_context, owned_output, save_context
 from .activation import _pack_codes
 
@@ -140,6 +142,19 @@ def _inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
     for i, p in enumerate(perm):
         inv[p] = i
     return tuple(inv)
+
+
+def _unit_statistics(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(zeros, ones)`` of shape ``(rows, 1)`` in fp32: the mean and rstd of an input already normalized; in
+    plain eager execution made once per row count and device (aten's backward only reads them)."""
+    return (_cached_unit_statistics if plain_eager() else _make_unit_statistics)(rows, device)
+
+
+def _make_unit_statistics(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    return torch.zeros(rows, 1, device=device), torch.ones(rows, 1, device=device)
+
+
+_cached_unit_statistics = functools.lru_cache(maxsize=16)(_make_unit_statistics)
 
 
 def _decoded_and_factors(packed: PackedTensor, fold: bool) -> tuple[Tensor, Tensor | None]:
@@ -231,7 +246,7 @@ class ActLayerNormFunction(torch.autograd.Function):
                 saved.sub_((bias.float() if factors is None else bias.float() / factors).reshape(1, n))
             if w is not None:
                 saved.div_((w if factors is None else w / factors).reshape(1, n))
-            mean, unit_rstd = torch.zeros(rows, 1, device=g.device), torch.ones(rows, 1, device=g.device)
+            mean, unit_rstd = _unit_statistics(rows, g.device)
         else:
             unit_rstd = None
         # grad_b, sum(g), comes from the same pass as grad_w; aten reads only the dtype and device of its bias
