@@ -103,9 +103,8 @@ def test_disable_ext_switch_forces_reference(monkeypatch):
 
 
 def test_constant_tables_are_cached_only_in_plain_eager_execution():
-    """The channel-scale power table and LayerNorm's unit statistics are made once in eager execution; made
-    under a fake-tensor mode (torch.compile's tracing) they are not kept, so eager calls after it get real
-    tensors."""
+    """The channel-scale power table and LayerNorm's unit statistics are made once for plain tensors; made for
+    fake ones (torch.compile's tracing) they are not kept, so eager calls after it get real tensors."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from act_hf.compress import quantizer
@@ -116,11 +115,11 @@ def test_constant_tables_are_cached_only_in_plain_eager_execution():
     shifts = torch.tensor([0, 3, 24], dtype=torch.int8)
     with FakeTensorMode() as mode:
         fake_powers = quantizer._powers_of_two(mode.from_tensor(shifts), torch.float32, negate=True)
-        fake_zeros, _ = norm._unit_statistics(6, torch.device("cpu"))
+        fake_zeros, _ = norm._unit_statistics(6, mode.from_tensor(shifts))
     assert isinstance(fake_powers, FakeTensor) and isinstance(fake_zeros, FakeTensor)
     powers = quantizer._powers_of_two(shifts, torch.float32, negate=True)
     assert type(powers) is torch.Tensor and powers.tolist() == [1.0, 2.0**-3, 2.0**-24]
-    zeros, ones = norm._unit_statistics(6, torch.device("cpu"))
+    zeros, ones = norm._unit_statistics(6, shifts)
     assert type(zeros) is torch.Tensor and zeros.shape == (6, 1) and not zeros.any() and bool((ones == 1).all())
-    assert norm._unit_statistics(6, torch.device("cpu"))[0] is zeros  # made once
+    assert norm._unit_statistics(6, shifts)[0] is zeros  # made once
     assert quantizer._cached_power_table.cache_info().currsize == 1

@@ -143,7 +143,8 @@ def _powers_of_two(shifts: torch.Tensor, dtype: torch.dtype, *, negate: bool = F
     """``2**shifts`` (``2**-shifts`` with ``negate``) in ``dtype``, looked up in a table of the exact powers (two
     device ops for stored ``int8`` shifts, one for ``int32``)."""
     index = shifts if shifts.dtype in (torch.int32, torch.int64) else shifts.to(torch.int32)
-    table = _cached_power_table if _library.plain_eager() else _power_table  # no fake or traced tensor is kept
+    # kept across calls only when made for plain tensors, never as a fake or traced one
+    table = _cached_power_table if type(shifts) is torch.Tensor and not torch.compiler.is_compiling() else _power_table
     return table(shifts.device, dtype, negate).index_select(0, index)
 
 

@@ -21,7 +21,7 @@ from .. import _ext
 from ..compress import reference
 from ..errors import ActHFWarning
 
-__all__ = ["pack_bits", "plain_eager", "quantize_pack", "run", "unpack_bits", "unpack_dequantize"]
+__all__ = ["pack_bits", "quantize_pack", "run", "unpack_bits", "unpack_dequantize"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -155,17 +155,11 @@ _IMPLEMENTATIONS = {
 }
 
 
-def plain_eager() -> bool:
-    """Whether code runs in plain eager execution: outside torch.compile's tracing and Python dispatch or function
-    modes (fake tensors among them), so a tensor made now is a plain one that later calls may reuse."""
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and not torch._C._is_torch_function_mode_enabled())
-
-
 def _plain_eager(t: Tensor) -> bool:
-    """Whether nothing would see the op but its kernel: a plain CPU or CUDA tensor in :func:`plain_eager`
-    execution, not wrapped by a functorch transform."""
-    return (type(t) is Tensor and (t.is_cuda or t.is_cpu) and plain_eager()
+    """Whether nothing would see the op but its kernel: a plain CPU or CUDA tensor, outside torch.compile's
+    tracing, fake tensors, functorch transforms and Python dispatch or function modes."""
+    return (type(t) is Tensor and (t.is_cuda or t.is_cpu) and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled()
             and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 

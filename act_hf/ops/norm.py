@@ -56,7 +56,6 @@ from ..context import store
 from ..derived import note_pending
 from ..errors import ActHFValueError
 from ._gamma_guard import output_context_safe
-from ._library import plain_eager
 from ._saving import OpSettings, autocast_cast, load_context, owned_output, save_context
 from .activation import _pack_codes
 
@@ -144,10 +143,12 @@ def _inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def _unit_statistics(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(zeros, ones)`` of shape ``(rows, 1)`` in fp32: the mean and rstd of an input already normalized; in
-    plain eager execution made once per row count and device (aten's backward only reads them)."""
-    return (_cached_unit_statistics if plain_eager() else _make_unit_statistics)(rows, device)
+def _unit_statistics(rows: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """``(zeros, ones)`` of shape ``(rows, 1)`` in fp32 on ``like``'s device: the mean and rstd of an input already
+    normalized, made once per row count and device for plain tensors (aten's backward only reads them; a fake
+    or traced ``like`` gets new ones)."""
+    plain = type(like) is Tensor and not torch.compiler.is_compiling()
+    return (_cached_unit_statistics if plain else _make_unit_statistics)(rows, like.device)
 
 
 def _make_unit_statistics(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -246,7 +247,7 @@ class ActLayerNormFunction(torch.autograd.Function):
                 saved.sub_((bias.float() if factors is None else bias.float() / factors).reshape(1, n))
             if w is not None:
                 saved.div_((w if factors is None else w / factors).reshape(1, n))
-            mean, unit_rstd = _unit_statistics(rows, g.device)
+            mean, unit_rstd = _unit_statistics(rows, g)
         else:
             unit_rstd = None
         # grad_b, sum(g), comes from the same pass as grad_w; aten reads only the dtype and device of its bias
