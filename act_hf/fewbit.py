@@ -331,18 +331,25 @@ def encode(x: torch.Tensor, table: DerivativeTable) -> torch.Tensor:
     """
     cdtype = _compute_dtype(x.dtype)
     if x.dtype in (torch.float16, torch.bfloat16):
-        bounds = _rounded_up(table.boundaries, x.device, x.dtype)
+        bounds = _constant(_rounded_up, x, table.boundaries, x.dtype)
         codes = torch.bucketize(x.contiguous(), bounds, right=True, out_int32=True)
     else:
-        bounds = _cached_tensor(table.boundaries, x.device, cdtype)
+        bounds = _constant(_cached_tensor, x, table.boundaries, cdtype)
         codes = torch.bucketize(x.to(cdtype).contiguous(), bounds, right=True, out_int32=True)
     return codes.to(torch.uint8)
 
 
+def _constant(cached, like: torch.Tensor, values: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``cached(values, like.device, dtype)``, a table tensor kept across calls, when ``like`` is a plain tensor;
+    made anew (``cached.__wrapped__``) for a fake or traced one, which must not be kept."""
+    plain = type(like) is torch.Tensor and not torch.compiler.is_compiling()
+    return (cached if plain else cached.__wrapped__)(values, like.device, dtype)
+
+
 @functools.lru_cache(maxsize=256)
 def _rounded_up(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Each float32-rounded value's smallest upper bound in ``dtype`` (fp16 or bf16), cached like :func:`_cached_tensor`.
-    Round to nearest lands at most one step below; that step is taken on the bit pattern (a larger pattern is a
+    """Each float32-rounded value's smallest upper bound in ``dtype`` (fp16 or bf16), cached like
+    :func:`_cached_tensor`. Round to nearest lands at most one step below; that step is taken on the bit pattern (a larger pattern is a
     larger positive number and a smaller negative one; from -0 or +0, the smallest positive subnormal)."""
     exact = torch.tensor(values, dtype=torch.float32)
     rounded = exact.to(dtype)
@@ -364,7 +371,7 @@ def decode(codes: torch.Tensor, table: DerivativeTable, dtype: torch.dtype) -> t
     Returns:
         Tensor of the same shape and device as ``codes``.
     """
-    vals = _cached_tensor(table.values, codes.device, dtype)
+    vals = _constant(_cached_tensor, codes, table.values, dtype)
     flat = codes.reshape(-1).to(torch.int32)
     return vals.index_select(0, flat).reshape(codes.shape)
 

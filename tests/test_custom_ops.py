@@ -123,3 +123,18 @@ def test_constant_tables_are_cached_only_in_plain_eager_execution():
     assert type(zeros) is torch.Tensor and zeros.shape == (6, 1) and not zeros.any() and bool((ones == 1).all())
     assert norm._unit_statistics(6, shifts)[0] is zeros  # made once
     assert quantizer._cached_power_table.cache_info().currsize == 1
+
+
+def test_few_bit_tables_are_cached_only_for_plain_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from act_hf import fewbit
+
+    fewbit._rounded_up.cache_clear()
+    fewbit._cached_tensor.cache_clear()
+    table, x = fewbit.get_table("gelu", 3), torch.randn(64, dtype=torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fewbit.decode(fewbit.encode(mode.from_tensor(x), table), table, torch.bfloat16)
+    assert fewbit._rounded_up.cache_info().currsize == fewbit._cached_tensor.cache_info().currsize == 0
+    assert torch.equal(fewbit.decode(fewbit.encode(x, table), table, torch.bfloat16), table(x))
+    assert fewbit._rounded_up.cache_info().currsize == fewbit._cached_tensor.cache_info().currsize == 1
