@@ -349,8 +349,9 @@ def _constant(cached, like: torch.Tensor, values: tuple[float, ...], dtype: torc
 @functools.lru_cache(maxsize=256)
 def _rounded_up(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Each float32-rounded value's smallest upper bound in ``dtype`` (fp16 or bf16), cached like
-    :func:`_cached_tensor`. Round to nearest lands at most one step below; that step is taken on the bit pattern (a larger pattern is a
-    larger positive number and a smaller negative one; from -0 or +0, the smallest positive subnormal)."""
+    :func:`_cached_tensor`. Round to nearest lands at most one step below; that step is taken on the bit
+    pattern (a larger pattern is a larger positive number and a smaller negative one; from -0 or +0, the
+    smallest positive subnormal)."""
     exact = torch.tensor(values, dtype=torch.float32)
     rounded = exact.to(dtype)
     below = rounded.float() < exact

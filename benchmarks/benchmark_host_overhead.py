@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = (_stub_quantize_pack,
                                                                                  _stub_unpack_dequantize)
     try:
-        rows = [measure(name, args.layers, args.steps, args.batch, args.seq, hidden=args.hidden) for name in args.settings]
+        rows = [measure(name, args.layers, args.steps, args.batch, args.seq, hidden=args.hidden)
+                for name in args.settings]
     finally:
         reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = saved
     base = next((r["ms_per_step"] for r in rows if r["setting"] == "unpatched"), None)
@@ -145,12 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                                          "seq": args.seq, "hidden": args.hidden, "stub_codec": args.stub_codec}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [(f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}), bf16 autocast, one "
-              f"thread, best of 3 x {args.steps} steps; codec "
+    lines = [(f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}), bf16 "
+              f"autocast, one thread, best of 3 x {args.steps} steps; codec "
               f"{'stubbed (host work only)' if args.stub_codec else 'real (CPU reference)'}; {meta['device']}, torch "
-              f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops, host syncs and MB moved (the ops' tensor inputs "
-              "and outputs): one step's, counted as dispatched (views excluded, each codec call one op)."), "",
-             "| setting | ms per step | vs unpatched | device ops per step | host syncs per step | MB moved per step |",
+              f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops, host syncs and MB moved (the ops' tensor "
+              "inputs and outputs): one step's, counted as dispatched (views excluded, each codec call one op)."), "",
+             ("| setting | ms per step | vs unpatched | device ops per step | host syncs per step | "
+              "MB moved per step |"),
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['setting']} | {r['ms_per_step']:.2f} | "
               f"{'-' if r['vs_unpatched'] is None else format(r['vs_unpatched'], '.2f')} | {r['ops_per_step']} | "
