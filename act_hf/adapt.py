@@ -350,7 +350,12 @@ class BitAllocator:
 
                 return hook
 
-            handles = [node.register_hook(capture(node)) for node in nodes.values()]
+            handles = []
+            for node in nodes.values():
+                try:
+                    handles.append(node.register_hook(capture(node)))
+                except RuntimeError:  # a node that takes no hooks ("'register_hook' is invalid for this instance
+                    pass  # of _C._FunctionBase"): the groups it consumes are measured by a whole backward
             try:
                 g0 = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             finally:

@@ -388,3 +388,48 @@ def test_pickling_keeps_the_allocation(tmp_path):
     act_hf.unpatch(loaded)
     assert model.act_hf_slot_bits
     act_hf.unpatch(model)
+
+
+def test_a_consumer_that_takes_no_hook_is_measured_by_a_whole_backward(monkeypatch):
+    """A consumer node whose register_hook raises (torch's error for an autograd.Function instance that is not a
+    graph node) does not stop the probe: the groups it consumes are measured by the whole backward, as
+    whole_backward=True measures every group."""
+    from act_hf.context import Probe
+
+    torch.manual_seed(0)
+    model, inputs = bert()
+    model = model.double()
+    act_hf.patch(model, bits=2.5, adapt_samples=2, variance_alarm=0)
+    allocator = model.act_hf_allocator
+
+    def probe(whole):
+        allocator.whole_backward = whole
+        act_hf.manual_seed(7)
+        torch.manual_seed(7)
+        model.act_hf_slot_bits.clear()
+        allocator.update_batch(inputs, lambda b: model(**b).loss)
+        return {n: g.sensitivity for n, g in allocator.groups.items()}
+
+    whole = probe(True)
+
+    class NoHooks:
+        def __init__(self, node):
+            self.node = node
+
+        def register_hook(self, hook):
+            raise RuntimeError("Attribute 'register_hook' is invalid for this instance of _C._FunctionBase")
+
+    groups = Probe.groups
+    refused = []
+
+    def with_a_refusing_node(self):
+        found = groups(self)
+        name = next(n for n in sorted(found) if ":q" in n)
+        found[name]["consumers"] = [NoHooks(n) for n in found[name]["consumers"]]
+        refused.append(name)
+        return found
+
+    monkeypatch.setattr(Probe, "groups", with_a_refusing_node)
+    mixed = probe(False)
+    assert mixed[refused[0]] == pytest.approx(whole[refused[0]], rel=1e-9)  # the same whole backward
+    assert mixed.keys() == whole.keys()
