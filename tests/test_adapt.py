@@ -114,6 +114,18 @@ def test_sensitivity_is_the_variance_of_the_gradient():
     act_hf.unpatch(model)
 
 
+def _sensitivities(model, inputs: dict, *, whole: bool) -> dict[str, float]:
+    """Every group's sensitivity from one probe of ``model`` (patched with an adaptive budget) on ``inputs``, at
+    fixed seeds, by whole backwards or by local differences."""
+    allocator = model.act_hf_allocator
+    allocator.whole_backward = whole
+    act_hf.manual_seed(7)
+    torch.manual_seed(7)
+    model.act_hf_slot_bits.clear()
+    allocator.update_batch(inputs, lambda b: model(**b).loss)
+    return {n: g.sensitivity for n, g in allocator.groups.items()}
+
+
 def test_local_difference_matches_a_whole_backward():
     """The per-group local difference (one op re-run + a backward from it) equals GACT's whole backward with the
     group's draws changed, on the same forward and draws, for every kind of slot of a BERT layer."""
@@ -121,18 +133,7 @@ def test_local_difference_matches_a_whole_backward():
     model, inputs = bert()
     model = model.double()
     act_hf.patch(model, bits=2.5, adapt_samples=2, variance_alarm=0)
-    allocator = model.act_hf_allocator
-    batch = {k: v for k, v in inputs.items()}
-
-    def probe(whole):
-        allocator.whole_backward = whole
-        act_hf.manual_seed(7)
-        torch.manual_seed(7)
-        model.act_hf_slot_bits.clear()
-        allocator.update_batch(batch, lambda b: model(**b).loss)
-        return {n: g.sensitivity for n, g in allocator.groups.items()}
-
-    local, whole = probe(False), probe(True)
+    local, whole = _sensitivities(model, inputs, whole=False), _sensitivities(model, inputs, whole=True)
     assert local.keys() == whole.keys() and len(local) > 8
     assert any(":q" in n for n in local) and any("LayerNorm:output" in n for n in local)
     scale = max(whole.values())
@@ -400,17 +401,7 @@ def test_a_consumer_that_takes_no_hook_is_measured_by_a_whole_backward(monkeypat
     model, inputs = bert()
     model = model.double()
     act_hf.patch(model, bits=2.5, adapt_samples=2, variance_alarm=0)
-    allocator = model.act_hf_allocator
-
-    def probe(whole):
-        allocator.whole_backward = whole
-        act_hf.manual_seed(7)
-        torch.manual_seed(7)
-        model.act_hf_slot_bits.clear()
-        allocator.update_batch(inputs, lambda b: model(**b).loss)
-        return {n: g.sensitivity for n, g in allocator.groups.items()}
-
-    whole = probe(True)
+    whole = _sensitivities(model, inputs, whole=True)
 
     class NoHooks:
         def __init__(self, node):
@@ -430,6 +421,6 @@ def test_a_consumer_that_takes_no_hook_is_measured_by_a_whole_backward(monkeypat
         return found
 
     monkeypatch.setattr(Probe, "groups", with_a_refusing_node)
-    mixed = probe(False)
+    mixed = _sensitivities(model, inputs, whole=False)
     assert mixed[refused[0]] == pytest.approx(whole[refused[0]], rel=1e-9)  # the same whole backward
     assert mixed.keys() == whole.keys()
