@@ -43,7 +43,8 @@ timeout $(lim 90) "$PY" benchmarks/benchmark_model_sweep.py --device cuda --bits
 echo "sweep exit $?"
 # what is alive at the patched peak, by site: the transients above the saved context (swin-tiny: 19.9 vs 9.1 MiB)
 for m in swin-tiny resnet50; do
-  timeout $(lim 80) "$PY" benchmarks/memory_at_peak.py --model $m --setting bits3 --device cuda --batches 16 32 \
+  t=$(lim 80); (( t > 120 )) && t=120
+  timeout $t "$PY" benchmarks/memory_at_peak.py --model $m --setting bits3 --device cuda --batches 16 32 \
     --out "$W" >"$W/peak_$m.log" 2>&1
   echo "memory at peak $m exit $?"
 done
