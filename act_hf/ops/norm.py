@@ -469,9 +469,27 @@ def act_rms_norm(x: Tensor, weight: Tensor | None, eps: float | None, settings: 
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _autocast_batch_norm_policy(device_type: str) -> str:
+    """What autocast on ``device_type``, at its current dtype, does to ``F.batch_norm``: ``"none"`` (runs it as
+    called: CUDA's and the CPU's policy) or ``"other"``; asked once per device type and dtype, as
+    :func:`_autocast_layer_norm_policy`."""
+    key = (device_type, torch.get_autocast_dtype(device_type))
+    policy = _AUTOCAST_BATCH_NORM.get(key)
+    if policy is None:
+        low, full = (F.batch_norm(torch.ones(2, 1, dtype=dtype, device=device_type), None, None, training=True).dtype
+                     for dtype in (key[1], torch.float32))
+        policy = "none" if (low, full) == (key[1], torch.float32) else "other"
+        _AUTOCAST_BATCH_NORM[key] = policy
+    return policy
+
+
+_AUTOCAST_BATCH_NORM: dict[tuple[str, torch.dtype], str] = {}
+
+
 def _bn_forward(x: Tensor, weight, bias, running_mean, running_var, momentum: float, eps: float):
     """Training-mode ``F.batch_norm`` (running stats updated in place) plus fp32 per-channel mean and invstd."""
-    if _autocast_on(x):  # keep the original's autocast behaviour: call the same functional, stats aside
+    if _autocast_on(x) and _autocast_batch_norm_policy(x.device.type) != "none":
+        # keep the original's autocast behaviour: call the same functional, stats aside
         y = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
         dims = [0] + list(range(2, x.dim()))
         with torch.autocast(x.device.type, enabled=False):
@@ -482,6 +500,13 @@ def _bn_forward(x: Tensor, weight, bias, running_mean, running_var, momentum: fl
     y, mean, invstd, _, _ = torch.ops.aten._batch_norm_impl_index(
         x, weight, bias, running_mean, running_var, True, momentum, eps, torch.backends.cudnn.enabled)
     return y, mean, invstd
+
+
+def _normalized(x: Tensor, mean: Tensor, invstd: Tensor, eps: float) -> Tensor:
+    """``(x - mean) * invstd`` per channel (dim 1) in ``x``'s dtype, in one pass: an inference-mode batch norm
+    whose variance gives ``invstd`` back (``invstd**-2 - eps``; fp32, exact to a rounding or two)."""
+    var = invstd.reciprocal().square_().sub_(eps)
+    return torch.batch_norm(x, None, None, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
 
 
 def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | None, invstd: Tensor,
@@ -531,7 +556,7 @@ class ActBatchNormFunction(torch.autograd.Function):
         ctx.shape = x.shape
         if need_x or need_w:
             stats = (1, -1) + (1,) * (x.dim() - 2)
-            x_norm = ((x - mean.view(stats)) * invstd.view(stats)).to(x.dtype)
+            x_norm = _normalized(x, mean, invstd, eps)
             if x.numel() < MIN_VALUES_PER_CHANNEL * x.shape[1]:
                 packed = x_norm  # statistics over a handful of values amplify any error: keep this small tensor exact
             else:

@@ -567,6 +567,23 @@ def test_batch_norm_backward_of_a_bf16_input_makes_no_full_size_fp32_copy(mixin)
     assert x.grad is not None and x.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_batch_norm_forward_of_a_bf16_input_makes_no_full_size_fp32_tensor(autocast):
+    """Forward of a bf16 BatchNorm takes its statistics from the op that normalizes (CPU and CUDA autocast run
+    batch_norm as called) and the normalized input it packs from one inference-mode pass: no fp32 tensor of the
+    input's size (before: an fp32 copy for the statistics and two fp32 passes for x_norm)."""
+    torch.manual_seed(18)
+    bn = _randomize(nn.BatchNorm2d(8))
+    act = _act(bn, ActBatchNormMixin, bits=4)
+    x = torch.randn(4, 8, 16, 16, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        made = _full_size_fp32_made(lambda: act(x), x.numel())
+        y = act(x)
+    assert made == 0
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        assert torch.equal(y, bn(x))  # the module's own output
+
+
 def test_batch_norm_saved_bytes_eval_and_frozen():
     torch.manual_seed(16)
     bn = _randomize(nn.BatchNorm2d(5))
