@@ -289,8 +289,8 @@ class ActivationSpec:
 
     def grad_input(self, grad: Tensor, codes: Tensor, bits: int, *, out: Tensor | None = None) -> Tensor:
         """``grad * f'(x)`` from the codes, in ``grad``'s dtype (exact for the ReLU family); into ``out`` if given."""
-        if self.exact:
-            mask = codes.bool()
+        if self.exact:  # 1-bit codes: unpacked ones are 0/1 bytes, a bool tensor already (a view, no copy)
+            mask = codes.view(torch.bool) if codes.dtype == torch.uint8 else codes.bool()
             inside = grad * _HARDSIGMOID_SLOPE if self.name == "hardsigmoid" else grad
             other = grad * self.negative_slope if self.name == "leaky_relu" else grad.new_zeros(())
             return torch.where(mask, inside, other, out=out) if out is not None else torch.where(mask, inside, other)

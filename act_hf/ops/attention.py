@@ -134,7 +134,7 @@ def pack_keep_mask(attn_after_dropout: Tensor, settings: OpSettings) -> Tensor:
 
 def unpack_keep_mask(payload: Tensor, shape: torch.Size) -> Tensor:
     """The boolean keep mask of ``shape`` that :func:`pack_keep_mask` packed."""
-    return unpack_bits(payload, 1, math.prod(shape)).view(shape).bool()
+    return unpack_bits(payload, 1, math.prod(shape)).view(shape).view(torch.bool)  # 0 / 1 bytes as bool
 
 
 def add_window_mask(scores: Tensor, window_mask: Tensor) -> Tensor:

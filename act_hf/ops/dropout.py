@@ -83,7 +83,7 @@ class ActDropoutFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         (payload,) = ctx.saved_tensors
-        mask = unpack_bits(payload, 1, grad_out.numel()).view(ctx.shape).bool()
+        mask = unpack_bits(payload, 1, grad_out.numel()).view(ctx.shape).view(torch.bool)  # 0/1 bytes: no copy
         p = ctx.p
         if ctx.fused:
             grad = torch.ops.aten.native_dropout_backward(grad_out, mask, 1.0 / (1.0 - p))

@@ -90,7 +90,7 @@ class ActExtremumFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (payload,) = ctx.saved_tensors
         shape, dims, keepdim = ctx.meta
-        mask = unpack_bits(payload, 1, math.prod(shape)).view(shape).bool()
+        mask = unpack_bits(payload, 1, math.prod(shape)).view(shape).view(torch.bool)  # 0 / 1 bytes as bool
         if dims is None:
             return grad.new_zeros(shape).masked_fill_(mask, grad / mask.sum()), None, None, None, None
         grad = _restore_dims(grad, dims, keepdim)
@@ -260,7 +260,7 @@ class ActClampFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         (payload,) = ctx.saved_tensors
-        passed = unpack_bits(payload, 1, math.prod(ctx.shape)).view(ctx.shape).bool()
+        passed = unpack_bits(payload, 1, math.prod(ctx.shape)).view(ctx.shape).view(torch.bool)  # 0 / 1 bytes
         return torch.where(passed, grad, grad.new_zeros(())), None, None, None
 
 
