@@ -19,6 +19,8 @@ which hidden states are channel scaled, as in every real model.
     python benchmarks/benchmark_host_overhead.py --stub-codec            # ms per step, best of 3 x 40 steps
     python benchmarks/benchmark_host_overhead.py --stub-codec --hidden 256 --seq 128 --layers 2 --steps 3
                                                                          # traffic at wider, longer shapes
+    python benchmarks/benchmark_host_overhead.py --stub-codec --timm resnet50 --batch 4 --steps 1
+                                                                         # a timm model instead (96 px images)
 
 Writes ``host_overhead.json`` and ``host_overhead.md`` under ``--out``.
 """
@@ -80,25 +82,38 @@ def count_ops(step) -> tuple[int, int, int]:
     return counts[0], counts[1], counts[2]
 
 
-def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats: int = 3, hidden: int = 32) -> dict:
-    """Best over ``repeats`` of the mean time of ``steps`` training steps (forward and backward) of a tiny BERT,
-    and the ops of one step (:func:`count_ops`)."""
-    import transformers as tf
-
-    config = tf.BertConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-                           intermediate_size=2 * hidden, attention_probs_dropout_prob=0.0, num_labels=2)
+def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats: int = 3, hidden: int = 32,
+            timm_model: str | None = None, image_size: int = 96) -> dict:
+    """Best over ``repeats`` of the mean time of ``steps`` training steps (forward and backward) of a tiny BERT (or
+    of ``timm_model`` with 10 classes on ``image_size`` images), and the ops of one step (:func:`count_ops`)."""
     torch.manual_seed(0)
-    model = tf.BertForSequenceClassification(config).train()
+    if timm_model is not None:
+        import timm
+
+        model = timm.create_model(timm_model, num_classes=10).train()
+        x, labels = torch.randn(batch, 3, image_size, image_size), torch.zeros(batch, dtype=torch.long)
+
+        def loss_of() -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(model(x).float(), labels)
+    else:
+        import transformers as tf
+
+        config = tf.BertConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+                               intermediate_size=2 * hidden, attention_probs_dropout_prob=0.0, num_labels=2)
+        model = tf.BertForSequenceClassification(config).train()
+        ids, labels = torch.randint(0, 100, (batch, seq)), torch.zeros(batch, dtype=torch.long)
+
+        def loss_of() -> torch.Tensor:
+            return model(input_ids=ids, labels=labels).loss
     if setting != "unpatched":
         act_hf.patch(model, bits=int(setting.removeprefix("bits")))
-    ids, labels = torch.randint(0, 100, (batch, seq)), torch.zeros(batch, dtype=torch.long)
 
     def step() -> None:
         with torch.autocast("cpu", torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = loss_of()
         loss.backward()
 
-    for _ in range(5):
+    for _ in range(1 if timm_model else 5):
         step()
     best = float("inf")
     for _ in range(repeats):
@@ -120,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=32, help="hidden size (2 heads, MLP 2x wider; default 32)")
+    parser.add_argument("--timm", metavar="NAME", help="a timm model (10 classes) instead of the tiny BERT")
+    parser.add_argument("--image-size", type=int, default=96, help="images of --timm (default 96)")
     parser.add_argument("--stub-codec", action="store_true",
                         help="replace the codec's CPU implementations by shape-only stand-ins (host work only)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -127,27 +144,29 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.settings:
         if name != "unpatched" and not (name.startswith("bits") and name[4:].isdigit() and 1 <= int(name[4:]) <= 8):
             parser.error(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8)")
-    if min(args.layers, args.steps, args.batch, args.seq) < 1 or args.hidden < 2 or args.hidden % 2:
-        parser.error("--layers, --steps, --batch and --seq must be >= 1, --hidden even and >= 2")
+    if min(args.layers, args.steps, args.batch, args.seq, args.image_size) < 1 or args.hidden < 2 or args.hidden % 2:
+        parser.error("--layers, --steps, --batch, --seq and --image-size must be >= 1, --hidden even and >= 2")
     torch.set_num_threads(1)
     saved = reference.quantize_pack_chunked, reference.unpack_dequantize_chunked
     if args.stub_codec:
         reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = (_stub_quantize_pack,
                                                                                  _stub_unpack_dequantize)
     try:
-        rows = [measure(name, args.layers, args.steps, args.batch, args.seq, hidden=args.hidden)
-                for name in args.settings]
+        rows = [measure(name, args.layers, args.steps, args.batch, args.seq, hidden=args.hidden,
+                        timm_model=args.timm, image_size=args.image_size) for name in args.settings]
     finally:
         reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = saved
     base = next((r["ms_per_step"] for r in rows if r["setting"] == "unpatched"), None)
     for r in rows:
         r["vs_unpatched"] = None if base is None else r["ms_per_step"] / base
     meta = _meta(torch.device("cpu")) | {"layers": args.layers, "steps": args.steps, "batch": args.batch,
-                                         "seq": args.seq, "hidden": args.hidden, "stub_codec": args.stub_codec}
+                                         "seq": args.seq, "hidden": args.hidden, "timm": args.timm,
+                                         "image_size": args.image_size, "stub_codec": args.stub_codec}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [(f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}), bf16 "
-              f"autocast, one thread, best of 3 x {args.steps} steps; codec "
+    model = (f"timm {args.timm} ({args.image_size} px images, batch {args.batch})" if args.timm else
+             f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq})")
+    lines = [(f"{model}, bf16 autocast, one thread, best of 3 x {args.steps} steps; codec "
               f"{'stubbed (host work only)' if args.stub_codec else 'real (CPU reference)'}; {meta['device']}, torch "
               f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops, host syncs and MB moved (the ops' tensor "
               "inputs and outputs): one step's, counted as dispatched (views excluded, each codec call one op)."), "",

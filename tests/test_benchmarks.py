@@ -182,6 +182,11 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert 0 < rows[0]["mb_moved_per_step"] < rows[1]["mb_moved_per_step"]
     with pytest.raises(SystemExit):
         host_overhead.main(["--settings", "bits9"])
+    assert host_overhead.main(["--stub-codec", "--timm", "resnet18", "--image-size", "32", "--batch", "2",
+                               "--steps", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
+    assert 0 < rows[0]["mb_moved_per_step"] < rows[1]["mb_moved_per_step"]
+    assert (tmp_path / "host_overhead.md").read_text().startswith("timm resnet18 (32 px images, batch 2)")
 
 
 def test_curve_batches():
