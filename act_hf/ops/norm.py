@@ -555,7 +555,6 @@ class ActBatchNormFunction(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.shape = x.shape
         if need_x or need_w:
-            stats = (1, -1) + (1,) * (x.dim() - 2)
             x_norm = _normalized(x, mean, invstd, eps)
             if x.numel() < MIN_VALUES_PER_CHANNEL * x.shape[1]:
                 packed = x_norm  # statistics over a handful of values amplify any error: keep this small tensor exact
