@@ -393,6 +393,24 @@ def test_layer_norm_under_cuda_autocast(dtype, context):
     _check_grads(f"LN cuda autocast {dtype} {context}", gx, gp, rx, rp, SQNR_MIN_BF16_8)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_batch_norm_under_cuda_autocast(dtype):
+    """CUDA autocast runs batch_norm as called: the output is the module's, bit for bit, its statistics come from
+    that op; gradients against float64."""
+    torch.manual_seed(5)
+    bn = _randomize(nn.BatchNorm2d(16)).cuda()
+    act = _act(bn, ActBatchNormMixin)
+    x, g = torch.randn(8, 16, 12, 12, dtype=dtype, device="cuda"), torch.randn(8, 16, 12, 12, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        y, gx, gp = _run(act, x, g)
+        expected = bn(x)
+    assert norm_ops._autocast_batch_norm_policy("cuda") == "none"
+    assert y.dtype == expected.dtype and torch.equal(y, expected)
+    rx, rp = _grads_f64(bn, x, g)
+    _check_grads(f"BN cuda autocast {dtype}", gx, gp, rx, rp, SQNR_MIN_BF16_8)
+
+
 def test_layer_norm_functional_errors():
     x = torch.randn(2, 8, requires_grad=True)
     with pytest.raises(ActHFValueError, match="context"):
