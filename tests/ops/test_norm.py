@@ -382,15 +382,22 @@ def test_layer_norm_under_cuda_autocast(dtype, context):
     """CUDA autocast's fp32 policy: the output is F.layer_norm's, bit for bit; gradients against float64."""
     torch.manual_seed(4)
     ln = _randomize(nn.LayerNorm(256)).cuda()
-    act = _act(ln, ActLayerNormMixin, act_norm_context=context)
-    x, g = torch.randn(128, 256, dtype=dtype, device="cuda"), torch.randn(128, 256, device="cuda")
+    _check_under_cuda_autocast(ln, _act(ln, ActLayerNormMixin, act_norm_context=context), (128, 256), dtype,
+                               f"LN cuda autocast {dtype} {context}")
+    assert norm_ops._autocast_layer_norm_policy("cuda") == "fp32"
+
+
+def _check_under_cuda_autocast(module: nn.Module, act: nn.Module, shape: tuple[int, ...], dtype: torch.dtype,
+                               tag: str) -> None:
+    """Under CUDA autocast at ``dtype``, ``act``'s output is ``module``'s, bit for bit, and its gradients are
+    within the 8-bit bound of float64 ones."""
+    x, g = torch.randn(shape, dtype=dtype, device="cuda"), torch.randn(shape, device="cuda")
     with torch.autocast("cuda", dtype=dtype):
         y, gx, gp = _run(act, x, g)
-        expected = ln(x)
-    assert norm_ops._autocast_layer_norm_policy("cuda") == "fp32"
+        expected = module(x)
     assert y.dtype == expected.dtype and torch.equal(y, expected)
-    rx, rp = _grads_f64(ln, x, g)
-    _check_grads(f"LN cuda autocast {dtype} {context}", gx, gp, rx, rp, SQNR_MIN_BF16_8)
+    rx, rp = _grads_f64(module, x, g)
+    _check_grads(tag, gx, gp, rx, rp, SQNR_MIN_BF16_8)
 
 
 @pytest.mark.cuda
@@ -400,15 +407,8 @@ def test_batch_norm_under_cuda_autocast(dtype):
     that op; gradients against float64."""
     torch.manual_seed(5)
     bn = _randomize(nn.BatchNorm2d(16)).cuda()
-    act = _act(bn, ActBatchNormMixin)
-    x, g = torch.randn(8, 16, 12, 12, dtype=dtype, device="cuda"), torch.randn(8, 16, 12, 12, device="cuda")
-    with torch.autocast("cuda", dtype=dtype):
-        y, gx, gp = _run(act, x, g)
-        expected = bn(x)
+    _check_under_cuda_autocast(bn, _act(bn, ActBatchNormMixin), (8, 16, 12, 12), dtype, f"BN cuda autocast {dtype}")
     assert norm_ops._autocast_batch_norm_policy("cuda") == "none"
-    assert y.dtype == expected.dtype and torch.equal(y, expected)
-    rx, rp = _grads_f64(bn, x, g)
-    _check_grads(f"BN cuda autocast {dtype}", gx, gp, rx, rp, SQNR_MIN_BF16_8)
 
 
 def test_layer_norm_functional_errors():
