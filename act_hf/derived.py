@@ -106,7 +106,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .compress import PackedTensor, dequantize, pack_bits, unpack_bits
+from .compress import PackedTensor, dequantize, pack_bits, unpack_mask
 from .context import store
 from .regions import current_region, region_is_open
 
@@ -237,14 +237,14 @@ class RectifiedAffine:
         shortcuts is summed into the innermost one's tensor, so besides it only one decoded term and the 1-byte
         mask are alive at a time, however long the chain."""
         values = _sum_of(self.terms, self.dtype)
-        keep = unpack_bits(self.mask, 1, values.numel()).view(torch.bool).view(values.shape)  # 0 / 1 bytes as bool
+        keep = unpack_mask(self.mask, values.shape)
         if self.negative_slope:
             values = torch.where(keep, values, values * self.negative_slope)
         else:
             values.mul_(keep)
         if self.clamp is not None:  # the clipped elements: hi where u, else lo
             lo, hi = self.clamp
-            upper = unpack_bits(self.upper, 1, values.numel()).view(torch.bool).view(values.shape)
+            upper = unpack_mask(self.upper, values.shape)
             if lo:
                 values.masked_fill_(~(keep | upper), lo)
             values.masked_fill_(upper, hi)

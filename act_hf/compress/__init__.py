@@ -1,6 +1,6 @@
 """Tensor -> packed context -> tensor: per-group stochastic quantization and bit packing."""
 
-from .bits import pack_bits, unpack_bits
+from .bits import pack_bits, unpack_bits, unpack_mask
 from .packed import PackedSpec, PackedTensor
 from .quantizer import (
     CHANNEL_SCALE_MIN_ROWS,
@@ -28,4 +28,5 @@ __all__ = [
     "pack_bits",
     "quantize",
     "unpack_bits",
+    "unpack_mask",
 ]

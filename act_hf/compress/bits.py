@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import ActHFValueError
 from ..ops import _library
 from .quantizer import check_bits
 
-__all__ = ["pack_bits", "unpack_bits"]
+__all__ = ["pack_bits", "unpack_bits", "unpack_mask"]
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -32,3 +34,9 @@ def unpack_bits(payload: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if payload.dtype != torch.uint8:
         raise ActHFValueError(f"payload must be a uint8 tensor, got dtype {payload.dtype}")
     return _library.run(_library.unpack_bits, payload, bits, numel)
+
+
+def unpack_mask(payload: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The boolean mask of ``shape`` that ``pack_bits(mask, 1)`` packed: a view of the unpacked 0/1 bytes as
+    ``bool`` (no copy)."""
+    return unpack_bits(payload, 1, math.prod(shape)).view(torch.bool).view(shape)

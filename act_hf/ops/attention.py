@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..compress import dequantize, pack_bits, unpack_bits
+from ..compress import dequantize, pack_bits, unpack_mask
 from ..context import store
 from ..errors import ActHFTypeError, ActHFValueError
 from ._saving import (
@@ -101,7 +101,6 @@ __all__ = [
     "pack_keep_mask",
     "repeat_kv",
     "role_settings",
-    "unpack_keep_mask",
 ]
 
 
@@ -130,11 +129,6 @@ def pack_keep_mask(attn_after_dropout: Tensor, settings: OpSettings) -> Tensor:
     payload = pack_bits(attn_after_dropout != 0, 1)
     store.register((payload,), slot=f"{settings.slot}:dropout_mask", original_nbytes=attn_after_dropout.numel())
     return payload
-
-
-def unpack_keep_mask(payload: Tensor, shape: torch.Size) -> Tensor:
-    """The boolean keep mask of ``shape`` that :func:`pack_keep_mask` packed."""
-    return unpack_bits(payload, 1, math.prod(shape)).view(shape).view(torch.bool)  # 0 / 1 bytes as bool
 
 
 def add_window_mask(scores: Tensor, window_mask: Tensor) -> Tensor:
@@ -478,7 +472,7 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         scaling, dropout_p, n_rep = ctx.args
         need = ctx.needs_input_grad
         q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
-        keep = unpack_keep_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
+        keep = unpack_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
 
         def recompute(qc, kc, vc, m, e, start, end):  # attention of items [start, end), keep mask sliced to them
             return math_attention(qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), (m,),

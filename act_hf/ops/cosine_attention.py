@@ -48,10 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compress import dequantize
+from ..compress import dequantize, unpack_mask
 from ..errors import ActHFTypeError, ActHFValueError
 from ._saving import OpSettings, load_context, save_context
-from .attention import add_window_mask, compress_role, grads_of, math_attention, pack_keep_mask, unpack_keep_mask
+from .attention import add_window_mask, compress_role, grads_of, math_attention, pack_keep_mask
 
 __all__ = ["NORMALIZE_EPS", "ActCosineAttentionFunction", "act_cosine_attention", "swin_v2_scale_and_bias"]
 
@@ -128,7 +128,7 @@ class ActCosineAttentionFunction(torch.autograd.Function):
         q_unit, k_unit = dequantize(packed_q, compute), dequantize(packed_k, compute)
         # only dv wanted: v's values do not enter it, only its shape
         v = dequantize(packed_v, compute) if packed_v is not None else q_unit.new_zeros(v_shape)
-        keep = unpack_keep_mask(keep_payload, w_shape) if keep_payload is not None else None
+        keep = unpack_mask(keep_payload, w_shape) if keep_payload is not None else None
         leaf = lambda t, wanted: t.detach().requires_grad_(True) if t is not None and wanted else t
         with torch.enable_grad():
             leaves = [leaf(q_unit, need[0]), leaf(k_unit, need[1]), leaf(v, need[2]), leaf(scale, need[3]),

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..compress import unpack_bits
+from ..compress import unpack_mask
 from ..errors import ActHFValueError
 from ._saving import OpSettings
 from .activation import _inplace_would_fail, _pack_codes
@@ -83,7 +83,7 @@ class ActDropoutFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         (payload,) = ctx.saved_tensors
-        mask = unpack_bits(payload, 1, grad_out.numel()).view(ctx.shape).view(torch.bool)  # 0/1 bytes: no copy
+        mask = unpack_mask(payload, ctx.shape)
         p = ctx.p
         if ctx.fused:
             grad = torch.ops.aten.native_dropout_backward(grad_out, mask, 1.0 / (1.0 - p))

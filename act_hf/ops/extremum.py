@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..compress import pack_bits, unpack_bits
+from ..compress import pack_bits, unpack_bits, unpack_mask
 from ..context import store
 from ..errors import ActHFValueError
 
@@ -90,7 +90,7 @@ class ActExtremumFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (payload,) = ctx.saved_tensors
         shape, dims, keepdim = ctx.meta
-        mask = unpack_bits(payload, 1, math.prod(shape)).view(shape).view(torch.bool)  # 0 / 1 bytes as bool
+        mask = unpack_mask(payload, shape)
         if dims is None:
             return grad.new_zeros(shape).masked_fill_(mask, grad / mask.sum()), None, None, None, None
         grad = _restore_dims(grad, dims, keepdim)
@@ -260,7 +260,7 @@ class ActClampFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         (payload,) = ctx.saved_tensors
-        passed = unpack_bits(payload, 1, math.prod(ctx.shape)).view(ctx.shape).view(torch.bool)  # 0 / 1 bytes
+        passed = unpack_mask(payload, ctx.shape)
         return torch.where(passed, grad, grad.new_zeros(())), None, None, None
 
 

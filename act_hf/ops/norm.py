@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..compress import PackedTensor, dequantize, dequantize_with_factors, unpack_bits
+from ..compress import PackedTensor, dequantize, dequantize_with_factors, unpack_mask
 from ..context import store
 from ..derived import note_pending
 from ..errors import ActHFValueError
@@ -656,7 +656,7 @@ class ActBatchNormActFunction(torch.autograd.Function):
         stats = (1, c) + (1,) * (len(shape) - 2)
         g = grad_out
         if mask is not None:
-            pos = unpack_bits(mask, 1, math.prod(shape)).view(torch.bool).view(shape)
+            pos = unpack_mask(mask, shape)
         if activation == "leaky_relu":
             g = torch.where(pos, g, g * param)
         if packed is None:  # bias gradient only
