@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._constants import reused
 from .errors import ActHFValueError
 
 logger = logging.getLogger(__name__)
@@ -331,19 +332,12 @@ def encode(x: torch.Tensor, table: DerivativeTable) -> torch.Tensor:
     """
     cdtype = _compute_dtype(x.dtype)
     if x.dtype in (torch.float16, torch.bfloat16):
-        bounds = _constant(_rounded_up, x, table.boundaries, x.dtype)
+        bounds = reused(_rounded_up, x, table.boundaries, x.device, x.dtype)
         codes = torch.bucketize(x.contiguous(), bounds, right=True, out_int32=True)
     else:
-        bounds = _constant(_cached_tensor, x, table.boundaries, cdtype)
+        bounds = reused(_cached_tensor, x, table.boundaries, x.device, cdtype)
         codes = torch.bucketize(x.to(cdtype).contiguous(), bounds, right=True, out_int32=True)
     return codes.to(torch.uint8)
-
-
-def _constant(cached, like: torch.Tensor, values: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``cached(values, like.device, dtype)``, a table tensor kept across calls, when ``like`` is a plain tensor;
-    made anew (``cached.__wrapped__``) for a fake or traced one, which must not be kept."""
-    plain = type(like) is torch.Tensor and not torch.compiler.is_compiling()
-    return (cached if plain else cached.__wrapped__)(values, like.device, dtype)
 
 
 @functools.lru_cache(maxsize=256)
@@ -372,7 +366,7 @@ def decode(codes: torch.Tensor, table: DerivativeTable, dtype: torch.dtype) -> t
     Returns:
         Tensor of the same shape and device as ``codes``.
     """
-    vals = _constant(_cached_tensor, codes, table.values, dtype)
+    vals = reused(_cached_tensor, codes, table.values, codes.device, dtype)
     flat = codes.reshape(-1).to(torch.int32)
     return vals.index_select(0, flat).reshape(codes.shape)
 

@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from .._constants import reused
 from ..errors import ActHFTypeError, ActHFValueError
 from ..ops import _library
 from .packed import PackedSpec, PackedTensor
@@ -143,9 +144,7 @@ def _powers_of_two(shifts: torch.Tensor, dtype: torch.dtype, *, negate: bool = F
     """``2**shifts`` (``2**-shifts`` with ``negate``) in ``dtype``, looked up in a table of the exact powers (two
     device ops for stored ``int8`` shifts, one for ``int32``)."""
     index = shifts if shifts.dtype in (torch.int32, torch.int64) else shifts.to(torch.int32)
-    # kept across calls only when made for plain tensors, never as a fake or traced one
-    table = _cached_power_table if type(shifts) is torch.Tensor and not torch.compiler.is_compiling() else _power_table
-    return table(shifts.device, dtype, negate).index_select(0, index)
+    return reused(_cached_power_table, shifts, shifts.device, dtype, negate).index_select(0, index)
 
 
 def _power_table(device: torch.device, dtype: torch.dtype, negate: bool) -> torch.Tensor:

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._constants import reused
 from ..compress import PackedTensor, dequantize, dequantize_with_factors, unpack_mask
 from ..context import store
 from ..derived import note_pending
@@ -147,8 +148,7 @@ def _unit_statistics(rows: int, like: Tensor) -> tuple[Tensor, Tensor]:
     """``(zeros, ones)`` of shape ``(rows, 1)`` in fp32 on ``like``'s device: the mean and rstd of an input already
     normalized, made once per row count and device for plain tensors (aten's backward only reads them; a fake
     or traced ``like`` gets new ones)."""
-    plain = type(like) is Tensor and not torch.compiler.is_compiling()
-    return (_cached_unit_statistics if plain else _make_unit_statistics)(rows, like.device)
+    return reused(_cached_unit_statistics, like, rows, like.device)
 
 
 def _make_unit_statistics(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
