@@ -62,7 +62,9 @@ class _Entry:
         return None if self.source() is None or x._version != self.version else self.spec
 
     def alive(self) -> bool:
-        return self.source() is not None and all(r() is not None for r in self.tensors)
+        """Whether the entry can still be asked: while its source lives, its form is needed even after the copy
+        was freed (see :meth:`ContextStore.compress`)."""
+        return self.source() is not None
 
 
 class Probe:
@@ -140,7 +142,8 @@ class Probe:
 class ContextStore:
     """Compresses each distinct tensor once per (bits, group size) and remembers per-slot bits.
 
-    Thread-local entries (each thread runs its own forward); the per-slot bits are shared.
+    The entries are shared by all threads: a checkpoint's recomputation runs in the thread that runs backward
+    (on CUDA, autograd's device thread), and must find the entries the forward made in its own.
 
     Attributes:
         force_bits: when set, every slot is quantized at this width (the allocator's near-exact reference).
@@ -150,20 +153,14 @@ class ContextStore:
     """
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._entries: dict[tuple, _Entry] = {}
+        self._inserts = 0
+        self._lock = threading.Lock()  # inserts and purges; a lookup is one dict read
         self.force_bits: int | None = None
         self.uncheckpointed = False
         self.swap = HostSwap()
         self._trackers: list[SavedTracker] = []
         self._probe: Probe | None = None
-
-    @property
-    def _entries(self) -> dict[tuple, _Entry]:
-        entries = getattr(self._local, "entries", None)
-        if entries is None:
-            entries = self._local.entries = {}
-            self._local.inserts = 0
-        return entries
 
     def bits_for(self, slot: str, default: int, slot_bits: Mapping[str, int] | None = None) -> int:
         """Bits of ``slot``: those in ``slot_bits`` (an adaptive model's table, ``model.act_hf_slot_bits``, which
@@ -205,10 +202,12 @@ class ContextStore:
                 packed = self.swap.offload(packed)
                 for tracker in self._trackers:
                     tracker._host.update(t.untyped_storage().data_ptr() for t in packed.tensors)
-            entries[key] = _Entry(weakref.ref(x), x._version, tuple(weakref.ref(t) for t in packed.tensors),
-                                  packed.spec)
-            self._local.inserts += 1
-            if self._local.inserts % _PURGE_EVERY == 0:
+            made = _Entry(weakref.ref(x), x._version, tuple(weakref.ref(t) for t in packed.tensors), packed.spec)
+            with self._lock:
+                entries[key] = made
+                self._inserts += 1
+                purge = self._inserts % _PURGE_EVERY == 0
+            if purge:
                 self._purge()
             self.register(packed.tensors, slot=slot, original_nbytes=packed.spec.numel * x.dtype.itemsize)
             if self._probe is not None:
@@ -259,13 +258,16 @@ class ContextStore:
             tracker._label(tensors, slot, original_nbytes)
 
     def _purge(self) -> None:
-        entries = self._entries
-        for key in [k for k, e in entries.items() if not e.alive()]:
-            del entries[key]
+        """Drop the entries whose source died."""
+        with self._lock:
+            entries = self._entries
+            for key in [k for k, e in entries.items() if not e.alive()]:
+                del entries[key]
 
     def clear(self) -> None:
-        """Forget all entries of this thread (packed tensors already saved by autograd are unaffected)."""
-        self._entries.clear()
+        """Forget all entries (packed tensors already saved by autograd are unaffected)."""
+        with self._lock:
+            self._entries.clear()
 
     def __len__(self) -> int:
         self._purge()

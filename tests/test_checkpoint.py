@@ -16,7 +16,7 @@ from torch import nn
 import act_hf
 from act_hf.checkpoint import checkpoint, enable_hf_checkpointing
 from act_hf.compress import dequantize, quantize
-from tests.patches.models import bert, llama
+from tests.patches.models import _text_inputs, bert, llama
 from tests.utils import assert_grads_match
 
 torch_checkpoint = torch.utils.checkpoint.checkpoint
@@ -182,6 +182,48 @@ def test_hf_checkpointing_keeps_packed_layer_inputs(order, api):
     assert isinstance(func, functools.partial) and func.func is torch_checkpoint
     assert func.keywords == {"use_reentrant": False}
     assert "_set_gradient_checkpointing" not in model.__dict__
+
+
+@pytest.mark.parametrize("how", ["backward in another thread", "entries purged at every insert"])
+def test_exact_checkpointed_layers_save_alike_in_both_passes(how, monkeypatch):
+    """HF checkpointing with exact layer inputs: layer 1's Q, K and V linears read layer 0's last LayerNorm
+    output, which that LayerNorm packed channel scaled; the checkpoint's forward drops the copy, so both passes
+    must pack it again in that form. The recomputation runs where backward runs (on CUDA, autograd's device
+    thread, emulated here by a thread) and after the store has purged dead entries many times."""
+    import threading
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    model, _ = bert()
+    model.train()
+    # 128 rows: LayerNorm outputs are channel scaled (at least CHANNEL_SCALE_MIN_ROWS)
+    inputs = _text_inputs(99, batch=4, seq=32) | {"labels": torch.tensor([0, 1, 1, 0])}
+    reference = copy.deepcopy(model)
+    act_hf.patch(reference, bits=8)
+    enable_hf_checkpointing(model)
+    act_hf.patch(model, bits=8)
+    if how == "entries purged at every insert":
+        monkeypatch.setattr(act_hf.context, "_PURGE_EVERY", 1)
+    ref_loss, _ = _step(reference, inputs)
+    model.zero_grad()
+    loss = model(**inputs).loss
+    errors = []
+
+    def backward():
+        try:
+            loss.backward()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+
+    if how == "backward in another thread":
+        worker = threading.Thread(target=backward)
+        worker.start()
+        worker.join()
+    else:
+        backward()
+    if errors:
+        raise errors[0]
+    assert torch.equal(loss.detach(), ref_loss)
+    assert_grads_match(reference, model, cos=0.999)
 
 
 def test_enable_hf_checkpointing_uses_the_current_method_with_torch_non_reentrant_checkpoint():

@@ -84,14 +84,22 @@ def test_views_with_different_layout_are_not_confused():
     assert saved.num_tensors == 6
 
 
-def test_entries_die_with_the_graph():
+def test_entries_hold_no_copy_and_die_with_their_source():
+    """The packed copy dies with the graph; the entry (weak references and the copy's form) lives while its
+    source does, for a checkpoint's recomputation (tests/test_checkpoint.py), and dies with it."""
     store.clear()  # only this test's entries
     a, b, _ = _three_linears()
     x = torch.randn(8, 64)
     y = a(x) + b(x)
-    assert len(store) >= 1
+    (entry,) = store._entries.values()
+    copy = entry.tensors[0]
+    assert copy() is not None
     y.sum().backward()
     del y
+    gc.collect()
+    assert copy() is None
+    assert len(store) == 1
+    del x
     gc.collect()
     assert len(store) == 0
 
