@@ -120,8 +120,8 @@ _AUTOCAST_LAYER_NORM: dict[tuple[str, torch.dtype], str] = {}
 
 def _autocast_layer_norm_policy(device_type: str) -> str:
     """What autocast on ``device_type``, at its current dtype, does to ``F.layer_norm``: ``"fp32"`` (casts the
-    inputs to fp32, CUDA's policy), ``"none"`` (runs it as called, the CPU's) or ``"other"``; told by the output
-    dtypes of a low-precision and an fp32 probe, asked once per device type and dtype."""
+    inputs to fp32), ``"none"`` (runs it as called: the CPU's policy, and CUDA's in torch 2.11) or ``"other"``;
+    told by the output dtypes of a low-precision and an fp32 probe, asked once per device type and dtype."""
     key = (device_type, torch.get_autocast_dtype(device_type))
     policy = _AUTOCAST_LAYER_NORM.get(key)
     if policy is None:

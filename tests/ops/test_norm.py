@@ -379,12 +379,13 @@ def test_autocast_layer_norm_policy_of_the_cpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("context", ["output", "input"])
 def test_layer_norm_under_cuda_autocast(dtype, context):
-    """CUDA autocast's fp32 policy: the output is F.layer_norm's, bit for bit; gradients against float64."""
+    """Under CUDA autocast the output is F.layer_norm's, bit for bit, by a native path (not the fallback for an
+    unknown policy); gradients against float64. torch 2.11 on an H100 runs layer_norm as called there."""
     torch.manual_seed(4)
     ln = _randomize(nn.LayerNorm(256)).cuda()
     _check_under_cuda_autocast(ln, _act(ln, ActLayerNormMixin, act_norm_context=context), (128, 256), dtype,
                                f"LN cuda autocast {dtype} {context}")
-    assert norm_ops._autocast_layer_norm_policy("cuda") == "fp32"
+    assert norm_ops._autocast_layer_norm_policy("cuda") in ("fp32", "none")
 
 
 def _check_under_cuda_autocast(module: nn.Module, act: nn.Module, shape: tuple[int, ...], dtype: torch.dtype,
