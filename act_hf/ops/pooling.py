@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 from ..compress import unpack_bits
 from ..errors import ActHFValueError
 from ._saving import OpSettings, owned_output
-from .activation import _pack_codes
+from .activation import _pack_codes, _spans, chunk_elements
 
 __all__ = ["MAX_WINDOW", "ActAvgPoolFunction", "ActMaxPoolFunction", "act_avg_pool", "act_max_pool", "act_max_pool1d",
            "act_max_pool2d", "act_max_pool3d", "window_bits"]
@@ -81,32 +81,67 @@ def _window_starts(out_sizes, stride, padding, device) -> list[Tensor]:
     return starts
 
 
+def _row_spans(t: Tensor):
+    """``(start, stop)`` ranges of ``t``'s first dim whose slices hold about :func:`chunk_elements` elements (a
+    slice of the first dim is a view in any memory layout)."""
+    per_row = max(1, math.prod(t.shape[1:]))
+    return _spans(t.shape[0], max(1, chunk_elements(t.device) // per_row))
+
+
+def _index_dtype(in_sizes) -> torch.dtype:
+    """int32 where every flat index into an input plane fits it, else int64."""
+    return torch.int32 if math.prod(in_sizes) < 2**31 else torch.int64
+
+
 def _indices_to_codes(indices: Tensor, in_sizes, kernel, stride, padding, dilation) -> Tensor:
-    """PyTorch's flat per-plane argmax indices -> the position of the argmax inside its window (``uint8``)."""
-    starts = _window_starts(indices.shape[-len(in_sizes):], stride, padding, indices.device)
-    rest = indices
-    code = torch.zeros_like(indices)
-    weight = 1
-    for d in reversed(range(len(in_sizes))):
-        coord = rest % in_sizes[d]
-        rest = rest // in_sizes[d]
-        code += (coord - starts[d]) // dilation[d] * weight
-        weight *= kernel[d]
-    return code.to(torch.uint8)
+    """PyTorch's flat per-plane argmax indices -> the position of the argmax inside its window (``uint8``,
+    contiguous), computed over slices of the first dim in int32 where it fits: a few temporaries of a slice's
+    size, not five full-size int64 tensors (they set resnet50's peak on an H100 at 3 bits)."""
+    nd = len(in_sizes)
+    dtype = _index_dtype(in_sizes)
+    starts = [s.to(dtype) for s in _window_starts(indices.shape[-nd:], stride, padding, indices.device)]
+    codes = torch.empty(indices.shape, dtype=torch.uint8, device=indices.device)
+    for start, stop in _row_spans(indices):
+        rest = indices[start:stop].to(dtype, copy=True)
+        code, weight = None, 1
+        for d in reversed(range(nd)):
+            coord = rest.remainder(in_sizes[d])
+            if d:
+                rest.div_(in_sizes[d], rounding_mode="floor")
+            coord.sub_(starts[d])
+            if dilation[d] != 1:
+                coord.div_(dilation[d], rounding_mode="floor")
+            if weight != 1:
+                coord.mul_(weight)
+            code = coord if code is None else code.add_(coord)
+            weight *= kernel[d]
+        codes[start:stop] = code
+    return codes
 
 
 def _codes_to_indices(code: Tensor, in_sizes, kernel, stride, padding, dilation) -> Tensor:
-    """Inverse of :func:`_indices_to_codes`: flat ``int64`` indices into each input plane."""
-    starts = _window_starts(code.shape[-len(in_sizes):], stride, padding, code.device)
-    rest = code.to(torch.int64)
-    index = torch.zeros_like(rest)
-    plane = 1
-    for d in reversed(range(len(in_sizes))):
-        tap = rest % kernel[d]
-        rest = rest // kernel[d]
-        index += (starts[d] + tap * dilation[d]) * plane
-        plane *= in_sizes[d]
-    return index
+    """Inverse of :func:`_indices_to_codes`: flat ``int64`` indices into each input plane (the dtype
+    ``max_pool*_with_indices_backward`` takes), computed over slices of the first dim like it."""
+    nd = len(in_sizes)
+    dtype = _index_dtype(in_sizes)
+    starts = [s.to(dtype) for s in _window_starts(code.shape[-nd:], stride, padding, code.device)]
+    indices = torch.empty(code.shape, dtype=torch.int64, device=code.device)
+    for start, stop in _row_spans(code):
+        rest = code[start:stop].to(dtype)
+        index, plane = None, 1
+        for d in reversed(range(nd)):
+            tap = rest.remainder(kernel[d])
+            if d:
+                rest.div_(kernel[d], rounding_mode="floor")
+            if dilation[d] != 1:
+                tap.mul_(dilation[d])
+            tap.add_(starts[d])
+            if plane != 1:
+                tap.mul_(plane)
+            index = tap if index is None else index.add_(tap)
+            plane *= in_sizes[d]
+        indices[start:stop] = index
+    return indices
 
 
 class ActMaxPoolFunction(torch.autograd.Function):

@@ -77,6 +77,17 @@ def test_ties_nan_inf(cfg):
     _check(cfg, x.requires_grad_())
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"{c[0]}d-{i}" for i, c in enumerate(CONFIGS)])
+def test_positions_converted_slice_by_slice(cfg, monkeypatch):
+    """With slices of one row (and of part of the first dim), the window positions and the gradient are those
+    of a single pass: exact."""
+    shape = cfg[1]
+    monkeypatch.setattr("act_hf.ops.pooling.chunk_elements", lambda device: math.prod(shape[1:]) * 2 - 1)
+    _check(cfg, torch.randn(shape).requires_grad_())
+    monkeypatch.setattr("act_hf.ops.pooling.chunk_elements", lambda device: 1)
+    _check(cfg, torch.randn(shape).requires_grad_())
+
+
 def test_channels_last():
     x = torch.randn(2, 8, 10, 9).to(memory_format=torch.channels_last).requires_grad_()
     _check((2, x.shape, 3, 2, 1, 1, True), x)
