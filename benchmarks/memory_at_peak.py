@@ -4,11 +4,15 @@ The per-sample peak of a patched step is its saved context *plus* the transient 
 peak falls in (the first GPU run: swin-tiny at 3 bits peaked at 19.9 MiB a sample above resident memory against
 9.1 MiB of saved context). This names the rest. One forward and backward runs under ``torch.profiler`` with
 ``profile_memory`` and Python stacks; every allocation and free of the model's device is replayed in order, the
-peak of the running total is found, and the blocks alive at that moment are summed by **site**: the innermost
-frame in act_hf, timm or transformers (or, for a C++ autograd node, the node) together with the aten op that
-allocated the block. Run at two batch sizes, a site's bytes at the larger minus those at the smaller, over the
-difference of batches, is its share of the per-sample peak; what does not grow with the batch (autocast's cached
-bf16 weights, parameter gradients) drops out.
+highest point of the running total in forward and in backward is found, and the blocks alive at that moment are
+summed by **site**: the innermost frame in act_hf, timm or transformers (or, for a C++ autograd node, the node)
+together with the aten op that allocated the block. Run at two batch sizes, a phase's highest point at the larger
+minus that at the smaller, over the difference of batches, is its per-sample growth, and the phase of the larger
+batch's peak is broken down by site the same way, at the same moment of both runs; what does not grow with the
+batch (autocast's cached bf16 weights, parameter gradients) drops out. (The H100 run of swin-tiny peaked in
+backward at batch 16 and in forward at 32, and comparing the two peaks mixed two moments of the step.) Growth
+between small batches overstates what is done in chunks of a fixed size once the batch is large (attention's
+recomputation in backward).
 
 The same code reads CPU allocations (here) and CUDA ones (on a GPU the caching allocator reports each block it
 hands out and takes back; its reserved-but-free memory, fragmentation, is not counted)::
@@ -83,13 +87,23 @@ def _allocations(prof, device: torch.device) -> tuple[list[tuple], int]:
 
 def peak_sites(events, backward_from_ns: int) -> dict:
     """The running total's peak over ``events`` (bytes above the first event), the phase it fell in, and the
-    bytes alive then by :func:`_site`."""
-    total = peak = 0
-    at = -1
-    for i, (_, _, size, _, _) in enumerate(events):
+    bytes alive then by :func:`_site`; under ``phases``, the same for the highest point of each phase
+    (``forward``: before ``backward_from_ns``), so that two runs can be compared at the same moment of the
+    step even when their overall peaks fall in different phases."""
+    total = 0
+    best = {"forward": (0, -1), "backward": (0, -1)}  # phase -> (peak, index of the event that reached it)
+    for i, (time_ns, _, size, _, _) in enumerate(events):
         total += size
-        if total > peak:
-            peak, at = total, i
+        phase = "backward" if time_ns >= backward_from_ns else "forward"
+        if total > best[phase][0]:
+            best[phase] = (total, i)
+    phases = {phase: {"peak": peak, "sites": _alive_at(events, at)} for phase, (peak, at) in best.items()}
+    phase = max(phases, key=lambda p: (phases[p]["peak"], p == "forward"))
+    return {"peak": phases[phase]["peak"], "phase": phase, "sites": phases[phase]["sites"], "phases": phases}
+
+
+def _alive_at(events, at: int) -> dict[str, int]:
+    """Bytes by :func:`_site` of the blocks alive just after ``events[at]`` (none for ``at`` -1)."""
     live: dict[int, tuple[int, tuple]] = {}
     for _, _, size, ptr, stack in events[: at + 1]:
         if size > 0:
@@ -99,8 +113,7 @@ def peak_sites(events, backward_from_ns: int) -> dict:
     sites: dict[str, int] = defaultdict(int)
     for size, stack in live.values():
         sites[_site(stack)] += size
-    phase = "backward" if at >= 0 and events[at][0] >= backward_from_ns else "forward"
-    return {"peak": peak, "phase": phase, "sites": dict(sites)}
+    return dict(sites)
 
 
 def profile_peak(forward_loss: Callable[[], torch.Tensor], device: torch.device) -> dict:
@@ -170,24 +183,31 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode != 0:
             raise SystemExit(f"batch {batch}: {proc.stderr.strip()[-2000:]}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    small, large = runs
     mib = 2**20 * (b2 - b1)
-    names = set(small["sites"]) | set(large["sites"])
-    rows = sorted(({"site": s, "mib_per_sample": (large["sites"].get(s, 0) - small["sites"].get(s, 0)) / mib,
-                    "bytes": [small["sites"].get(s, 0), large["sites"].get(s, 0)]} for s in names),
+    # per phase, so that the slopes compare the same moment of the step at both batches
+    slopes = {phase: (runs[1]["phases"][phase]["peak"] - runs[0]["phases"][phase]["peak"]) / mib
+              for phase in ("forward", "backward")}
+    # the phase of the larger batch's peak (a slope between small batches can mislead: backward's recomputation
+    # works in chunks of a fixed size once the batch is large enough)
+    phase = runs[1]["phase"]
+    small, large = (run["phases"][phase]["sites"] for run in runs)
+    rows = sorted(({"site": s, "mib_per_sample": (large.get(s, 0) - small.get(s, 0)) / mib,
+                    "bytes": [small.get(s, 0), large.get(s, 0)]} for s in set(small) | set(large)),
                   key=lambda r: -abs(r["mib_per_sample"]))
     meta = _meta(device) | {"model": args.model, "setting": args.setting, "batches": [b1, b2], "dtype": args.dtype,
                             "seq": args.seq}
-    result = {"meta": meta, "peak_mib_per_sample": (large["peak"] - small["peak"]) / mib,
-              "phases": [small["phase"], large["phase"]], "peaks": [small["peak"], large["peak"]], "sites": rows}
+    result = {"meta": meta, "peak_mib_per_sample": slopes[phase], "phase": phase,
+              "phase_peaks_mib_per_sample": slopes, "overall_peak_phases": [run["phase"] for run in runs],
+              "peaks": [run["peak"] for run in runs], "sites": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"memory_at_peak_{args.model}_{args.setting}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     shown = rows[: args.rows]
     lines = [(f"{args.model}, {args.setting}, {args.dtype}, batches {b1} and {b2} on {meta['device']} (torch "
-             f"{meta['torch']}, act_hf @ {meta['commit']}): peak {result['peak_mib_per_sample']:.2f} MiB a sample "
-             f"above the step's start, in {small['phase']} / {large['phase']}. Alive at the peak, by site (the "
-             f"{len(shown)} largest of {len(rows)}):"), "",
+             f"{meta['torch']}, act_hf @ {meta['commit']}): the highest point of forward grows by "
+             f"{slopes['forward']:.2f} MiB a sample above the step's start, that of backward by "
+             f"{slopes['backward']:.2f} (each run's overall peak fell in {runs[0]['phase']} / {runs[1]['phase']}). "
+             f"Alive at the highest point of {phase}, by site (the {len(shown)} largest of {len(rows)}):"), "",
              "| site (innermost frame or autograd node, allocating op) | MiB per sample | bytes at each batch |",
              "|---|---|---|"]
     lines += [f"| `{r['site']}` | {r['mib_per_sample']:.3f} | {r['bytes'][0]:,} / {r['bytes'][1]:,} |" for r in shown]
@@ -203,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ax.barh([r["site"][:70] for r in top], [r["mib_per_sample"] for r in top])
     ax.set_xlabel("MiB per sample alive at the peak")
     ax.set_title(f"{args.model} {args.setting} ({args.dtype}, {args.device}): "
-                 f"peak {result['peak_mib_per_sample']:.2f} MiB/sample", fontsize=9)
+                 f"{phase} peak {result['peak_mib_per_sample']:.2f} MiB/sample", fontsize=9)
     ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=120)

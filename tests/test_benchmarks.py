@@ -339,12 +339,14 @@ memory_at_peak = _load("memory_at_peak")
 
 def test_peak_sites_replays_allocations_in_order():
     """Two blocks alive together at the peak, one freed before a smaller later one; a free of a block from
-    before the step lowers the total; the phase is the peak's."""
+    before the step lowers the total; the phase is the peak's; each phase's own highest point is there too."""
     a, b, c = ("x.py", "/act_hf/ops/norm.py(1): f", "op:aten::empty"), ("/timm/m.py(2): g", "op:aten::mm"), ()
     events = [(0, 0, 100, 1, a), (1, 1, 50, 2, b), (2, 2, -100, 1, a), (3, 3, 30, 3, c), (4, 4, -40, 9, c)]
     out = memory_at_peak.peak_sites(events, backward_from_ns=2)
-    assert out == {"peak": 150, "phase": "forward", "sites": {"norm.py(1): f | aten::empty": 100,
-                                                              "m.py(2): g | aten::mm": 50}}
+    forward = {"norm.py(1): f | aten::empty": 100, "m.py(2): g | aten::mm": 50}
+    assert out == {"peak": 150, "phase": "forward", "sites": forward,
+                   "phases": {"forward": {"peak": 150, "sites": forward},
+                              "backward": {"peak": 80, "sites": {"m.py(2): g | aten::mm": 50, "- | -": 30}}}}
     assert memory_at_peak.peak_sites(events + [(5, 5, 200, 4, c)], backward_from_ns=2)["phase"] == "backward"
 
 
