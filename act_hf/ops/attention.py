@@ -463,11 +463,15 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         ctx.v_shape = v.shape
         ctx.args = (scaling, dropout_p if dropped else 0.0, n_rep)
         ctx.mark_non_differentiable(w)
+        # no zeros for the weights' gradient: autograd would fill an (B, H, L, S) tensor for every backward
+        ctx.set_materialize_grads(False)
         return out, w
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: Tensor, _grad_weights: Tensor | None):
+    def backward(ctx, grad_out: Tensor | None, _grad_weights: Tensor | None):
+        if grad_out is None:  # the output took no part in the loss
+            return (None,) * 12
         pq, pk, pv, mask, extra, keep_payload = load_context(ctx)
         scaling, dropout_p, n_rep = ctx.args
         need = ctx.needs_input_grad

@@ -115,11 +115,15 @@ class ActCosineAttentionFunction(torch.autograd.Function):
         ctx.dtype = q.dtype
         ctx.args = (window_mask_adds, dropout_p if dropped else 0.0)
         ctx.mark_non_differentiable(w)
+        # no zeros for the weights' gradient: autograd would fill an (B, H, L, S) tensor for every backward
+        ctx.set_materialize_grads(False)
         return out, w
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: Tensor, _grad_weights: Tensor | None):
+    def backward(ctx, grad_out: Tensor | None, _grad_weights: Tensor | None):
+        if grad_out is None:  # the output took no part in the loss
+            return (None,) * 10
         packed_q, packed_k, packed_v, q_norm, k_norm, scale, bias, mask, keep_payload = load_context(ctx)
         window_mask_adds, dropout_p = ctx.args
         v_shape, w_shape = ctx.shapes
