@@ -60,6 +60,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import fewbit
+from .._chunks import chunk_elements, spans
 from ..compress import dequantize, pack_bits, unpack_bits
 from ..context import store
 from ..derived import affine_of, note_pending
@@ -130,19 +131,6 @@ def _pack_codes(codes: Tensor, bits: int, slot: str, original_nbytes: int) -> Te
     return payload
 
 
-def chunk_elements(device: torch.device) -> int:
-    """Elements an elementwise pass over packed codes handles at once (a multiple of 8, so every chunk starts on a
-    byte of the packed stream at any width): on the CPU the size of its kernels' chunks, on an accelerator large
-    enough that launches stay few while the full-width temporaries (fp32 copy, int32 indices, decoded values,
-    up to 13 bytes per element) stay bounded at tens of MiB whatever the batch."""
-    return 1 << 22 if device.type != "cpu" else 1 << 18
-
-
-def _spans(numel: int, step: int):
-    """``(start, stop)`` element ranges of at most ``step`` elements covering ``range(numel)``."""
-    return ((start, min(numel, start + step)) for start in range(0, numel, step))
-
-
 def _pack_chunked(encode: Callable[[Tensor], Tensor], x: Tensor, bits: int) -> Tensor:
     """``pack_bits(encode(x), bits)`` for an elementwise ``encode``, ``x`` in its logical (row-major) order,
     computed chunk by chunk (:func:`chunk_elements`) when ``x`` is contiguous: the same bytes, without the
@@ -152,7 +140,7 @@ def _pack_chunked(encode: Callable[[Tensor], Tensor], x: Tensor, bits: int) -> T
         return pack_bits(encode(x), bits)
     flat = x.view(-1)
     payload = torch.empty(math.ceil(numel * bits / 8), dtype=torch.uint8, device=x.device)
-    for start, stop in _spans(numel, step):
+    for start, stop in spans(numel, step):
         payload[start * bits // 8:math.ceil(stop * bits / 8)] = pack_bits(encode(flat[start:stop]), bits)
     return payload
 
@@ -315,7 +303,7 @@ class ActivationSpec:
             return self.grad_input(grad, unpack_bits(payload, bits, numel).view(grad.shape), bits)
         out = torch.empty_like(grad)
         flat_grad, flat_out = grad.view(-1), out.view(-1)
-        for start, stop in _spans(numel, step):
+        for start, stop in spans(numel, step):
             codes = unpack_bits(payload[start * bits // 8:math.ceil(stop * bits / 8)], bits, stop - start)
             self.grad_input(flat_grad[start:stop], codes, bits, out=flat_out[start:stop])
         return out

@@ -35,10 +35,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._chunks import chunk_elements, row_spans
 from ..compress import unpack_bits
 from ..errors import ActHFValueError
 from ._saving import OpSettings, owned_output
-from .activation import _pack_codes, _spans, chunk_elements
+from .activation import _pack_codes
 
 __all__ = ["MAX_WINDOW", "ActAvgPoolFunction", "ActMaxPoolFunction", "act_avg_pool", "act_max_pool", "act_max_pool1d",
            "act_max_pool2d", "act_max_pool3d", "window_bits"]
@@ -81,13 +82,6 @@ def _window_starts(out_sizes, stride, padding, device) -> list[Tensor]:
     return starts
 
 
-def _row_spans(t: Tensor):
-    """``(start, stop)`` ranges of ``t``'s first dim whose slices hold about :func:`chunk_elements` elements (a
-    slice of the first dim is a view in any memory layout)."""
-    per_row = max(1, math.prod(t.shape[1:]))
-    return _spans(t.shape[0], max(1, chunk_elements(t.device) // per_row))
-
-
 def _index_dtype(in_sizes) -> torch.dtype:
     """int32 where every flat index into an input plane fits it, else int64."""
     return torch.int32 if math.prod(in_sizes) < 2**31 else torch.int64
@@ -103,7 +97,7 @@ def _recode_by_slices(src: Tensor, out_dtype: torch.dtype, in_sizes, stride, pad
     dtype = _index_dtype(in_sizes)
     starts = [s.to(dtype) for s in _window_starts(src.shape[-nd:], stride, padding, src.device)]
     out = torch.empty(src.shape, dtype=out_dtype, device=src.device)
-    for start, stop in _row_spans(src):
+    for start, stop in row_spans(src, chunk_elements(src.device)):
         rest = src[start:stop].to(dtype, copy=True)
         total = None
         for d in reversed(range(nd)):

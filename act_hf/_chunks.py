@@ -1,0 +1,29 @@
+"""How large a slice an elementwise pass over a full-size tensor works on, to keep its temporaries bounded."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["chunk_elements", "row_spans", "spans"]
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements an elementwise pass over packed codes handles at once (a multiple of 8, so every chunk starts on a
+    byte of the packed stream at any width): on the CPU the size of its kernels' chunks, on an accelerator large
+    enough that launches stay few while the full-width temporaries (fp32 copy, int32 indices, decoded values,
+    up to 13 bytes per element) stay bounded at tens of MiB whatever the batch."""
+    return 1 << 22 if device.type != "cpu" else 1 << 18
+
+
+def spans(numel: int, step: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` element ranges of at most ``step`` elements covering ``range(numel)``."""
+    return ((start, min(numel, start + step)) for start in range(0, numel, step))
+
+
+def row_spans(t: torch.Tensor, elements: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` ranges of ``t``'s first dim whose slices hold about ``elements`` elements, at least one
+    row each (a slice of the first dim is a view in any memory layout)."""
+    per_row = max(1, t[0].numel()) if t.shape[0] else 1
+    return spans(t.shape[0], max(1, elements // per_row))
