@@ -106,6 +106,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._chunks import in_place
 from .compress import PackedTensor, dequantize, pack_bits, unpack_mask
 from .context import store
 from .regions import current_region, region_is_open
@@ -156,14 +157,15 @@ class AffineTerm:
         if values is None:
             values = decoded
             if weight is not None:
-                values.mul_(weight)
+                in_place(values, Tensor.mul_, weight)
         elif weight is not None:
-            values.addcmul_(decoded, weight)
+            in_place(values, Tensor.addcmul_, decoded, weight)
         else:
-            values.add_(decoded)
+            in_place(values, Tensor.add_, decoded)
         if bias is not None:
-            values.add_(bias)
+            in_place(values, Tensor.add_, bias)
         return values
+
 
 
 def _sum_of(terms, dtype: torch.dtype) -> Tensor:

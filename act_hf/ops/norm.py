@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._chunks import in_place
 from .._constants import reused
 from ..compress import PackedTensor, dequantize, dequantize_with_factors, unpack_mask
 from ..context import store
@@ -522,7 +523,7 @@ def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | No
         grad_out, x_hat, weight, None, None, torch.zeros(c, device=x_hat.device),
         torch.ones(c, device=x_hat.device), True, 0.0, mask)
     if grad_x is not None:
-        grad_x.mul_(invstd.float().view((1, c) + (1,) * (x_hat.dim() - 2)))
+        in_place(grad_x, Tensor.mul_, invstd.float().view((1, c) + (1,) * (x_hat.dim() - 2)))
     return grad_x, grad_w, grad_b
 
 
