@@ -10,7 +10,7 @@ __all__ = ["chunk_elements", "in_place", "row_spans", "spans"]
 
 
 def chunk_elements(device: torch.device) -> int:
-    """Elements an elementwise pass over packed codes handles at once (a multiple of 8, so every chunk starts on a
+    """Elements an elementwise pass handles at once (a multiple of 8, so over packed codes every chunk starts on a
     byte of the packed stream at any width): on the CPU the size of its kernels' chunks, on an accelerator large
     enough that launches stay few while the full-width temporaries (fp32 copy, int32 indices, decoded values,
     up to 13 bytes per element) stay bounded at tens of MiB whatever the batch."""

@@ -167,7 +167,6 @@ class AffineTerm:
         return values
 
 
-
 def _sum_of(terms, dtype: torch.dtype) -> Tensor:
     """The sum of derived ``terms`` as a new tensor of ``dtype``, nested contexts first (their new tensor is the
     sum's: one decoded term more alive at a time, however long a chain of shortcuts)."""

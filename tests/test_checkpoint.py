@@ -6,6 +6,7 @@ import copy
 import functools
 import logging
 import math
+import threading
 import warnings
 
 import pytest
@@ -190,8 +191,6 @@ def test_exact_checkpointed_layers_save_alike_in_both_passes(how, monkeypatch):
     output, which that LayerNorm packed channel scaled; the checkpoint's forward drops the copy, so both passes
     must pack it again in that form. The recomputation runs where backward runs (on CUDA, autograd's device
     thread, emulated here by a thread) and after the store has purged dead entries many times."""
-    import threading
-
     warnings.filterwarnings("ignore", category=FutureWarning)
     model, _ = bert()
     model.train()
