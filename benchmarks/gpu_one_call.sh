@@ -6,9 +6,9 @@
 #
 # Order (the H100 run at 6ae3a1f measured speed, profile, kernel throughput and the model sweep; what it left
 # open comes first): the CUDA tests alone on the GPU (they check the fixes since: checkpointed exact layer
-# inputs, the max pool's slices, the kernel argument errors), then speed and the largest batches with the
-# allocator's expandable segments (fragmentation took 3.2 of swin-tiny's 16 GiB), beside what is alive at
-# resnet50's peak; a profile and kernel throughput last, if time is left.
+# inputs, the max pool's slices, the kernel argument errors), which C++ errors crash the process, then speed
+# and the largest batches with the allocator's expandable segments (fragmentation took 3.2 of swin-tiny's
+# 16 GiB), beside what is alive at resnet50's peak; a profile last, if time is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -32,6 +32,10 @@ part "cuda tests, alone on the GPU"
   timeout $(lim 330) "$PY" -m pytest -q -m cuda tests --ignore=tests/compress/test_kernels_cuda.py \
     -p no:cacheprovider -rfEs --durations=5 ) >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
+
+part "which C++ errors crash here (a tiny CPU-only extension; errors out of act_hf_C segfaulted on the H100)"
+timeout 90 "$PY" benchmarks/probe_extension_errors.py >"$W/probe.log" 2>&1
+echo "probe exit $?"; tail -n 4 "$W/probe.log"; bundle
 
 total_gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1 | awk '{print int($1/1024)}')
 parallel=$(( (total_gib - 20) / 17 )); (( parallel > 4 )) && parallel=4; (( parallel < 1 )) && parallel=1

@@ -384,3 +384,18 @@ def test_memory_at_peak_sites_and_arguments():
         memory_at_peak.main(["--setting", "bits9"])
     with pytest.raises(SystemExit, match="checkpointing"):
         memory_at_peak.measure("resnet50", "ckpt", 2, torch.device("cpu"), "bf16", 128)
+
+
+probe_extension_errors = _load("probe_extension_errors")
+
+
+def test_probe_of_extension_errors_reports_how_each_case_ended(tmp_path, capsys):
+    """Built here (CPU only), every error raises into Python and the caught one comes back as a value; the probe
+    tells that apart from a crash in a subprocess (how it runs on a GPU machine where errors crashed)."""
+    assert probe_extension_errors.main(["--build-dir", str(tmp_path / "build")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["std_error: raised: RuntimeError std_error raised",
+                     "torch_check: raised: RuntimeError torch_check raised",
+                     "value_error: raised: ValueError value_error raised",
+                     "caught: returned: caught raised"]
+    assert probe_extension_errors.run_case("no_such_case", tmp_path / "build").startswith("raised: AttributeError")
