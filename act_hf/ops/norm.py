@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -116,21 +117,27 @@ def _autocast_on(x: Tensor) -> bool:
     return torch.is_autocast_enabled(x.device.type)
 
 
+def _autocast_policy(cache: dict[tuple[str, torch.dtype], str], probe: Callable[[Tensor], Tensor],
+                     device_type: str) -> str:
+    """What autocast on ``device_type``, at its current dtype, does to the op ``probe`` calls: ``"fp32"`` (casts
+    the inputs to fp32), ``"none"`` (runs it as called) or ``"other"``; told by the output dtypes of a
+    low-precision and an fp32 probe, asked once per device type and dtype (kept in ``cache``)."""
+    key = (device_type, torch.get_autocast_dtype(device_type))
+    policy = cache.get(key)
+    if policy is None:
+        low, full = (probe(torch.ones(2, 2, dtype=dtype, device=device_type)).dtype
+                     for dtype in (key[1], torch.float32))
+        policy = {(torch.float32, torch.float32): "fp32", (key[1], torch.float32): "none"}.get((low, full), "other")
+        cache[key] = policy
+    return policy
+
+
 _AUTOCAST_LAYER_NORM: dict[tuple[str, torch.dtype], str] = {}
 
 
 def _autocast_layer_norm_policy(device_type: str) -> str:
-    """What autocast on ``device_type``, at its current dtype, does to ``F.layer_norm``: ``"fp32"`` (casts the
-    inputs to fp32), ``"none"`` (runs it as called: the CPU's policy, and CUDA's in torch 2.11) or ``"other"``;
-    told by the output dtypes of a low-precision and an fp32 probe, asked once per device type and dtype."""
-    key = (device_type, torch.get_autocast_dtype(device_type))
-    policy = _AUTOCAST_LAYER_NORM.get(key)
-    if policy is None:
-        low, full = (F.layer_norm(torch.ones(1, 2, dtype=dtype, device=device_type), (2,)).dtype
-                     for dtype in (key[1], torch.float32))
-        policy = {(torch.float32, torch.float32): "fp32", (key[1], torch.float32): "none"}.get((low, full), "other")
-        _AUTOCAST_LAYER_NORM[key] = policy
-    return policy
+    """:func:`_autocast_policy` of ``F.layer_norm``: ``"none"`` on the CPU, and on CUDA in torch 2.11."""
+    return _autocast_policy(_AUTOCAST_LAYER_NORM, lambda t: F.layer_norm(t, (2,)), device_type)
 
 
 def _rows(shape: torch.Size, k: int) -> tuple[int, int]:
@@ -470,21 +477,12 @@ def act_rms_norm(x: Tensor, weight: Tensor | None, eps: float | None, settings: 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _autocast_batch_norm_policy(device_type: str) -> str:
-    """What autocast on ``device_type``, at its current dtype, does to ``F.batch_norm``: ``"none"`` (runs it as
-    called: CUDA's and the CPU's policy) or ``"other"``; asked once per device type and dtype, as
-    :func:`_autocast_layer_norm_policy`."""
-    key = (device_type, torch.get_autocast_dtype(device_type))
-    policy = _AUTOCAST_BATCH_NORM.get(key)
-    if policy is None:
-        low, full = (F.batch_norm(torch.ones(2, 1, dtype=dtype, device=device_type), None, None, training=True).dtype
-                     for dtype in (key[1], torch.float32))
-        policy = "none" if (low, full) == (key[1], torch.float32) else "other"
-        _AUTOCAST_BATCH_NORM[key] = policy
-    return policy
-
-
 _AUTOCAST_BATCH_NORM: dict[tuple[str, torch.dtype], str] = {}
+
+
+def _autocast_batch_norm_policy(device_type: str) -> str:
+    """:func:`_autocast_policy` of ``F.batch_norm``: ``"none"`` on the CPU and on CUDA."""
+    return _autocast_policy(_AUTOCAST_BATCH_NORM, lambda t: F.batch_norm(t, None, None, training=True), device_type)
 
 
 def _bn_forward(x: Tensor, weight, bias, running_mean, running_var, momentum: float, eps: float):
