@@ -71,14 +71,15 @@ def _tuple(value, nd: int, name: str) -> tuple[int, ...]:
     return out
 
 
-def _window_starts(out_sizes, stride, padding, device) -> list[Tensor]:
-    """Per spatial dim, ``o * stride - padding`` shaped to broadcast against the output's spatial dims."""
+def _window_starts(out_sizes, stride, padding, device, dtype: torch.dtype) -> list[Tensor]:
+    """Per spatial dim, ``o * stride - padding`` (``dtype``) shaped to broadcast against the output's spatial
+    dims."""
     nd = len(out_sizes)
     starts = []
     for d in range(nd):
         view = [1] * nd
         view[d] = out_sizes[d]
-        starts.append((torch.arange(out_sizes[d], device=device) * stride[d] - padding[d]).view(view))
+        starts.append((torch.arange(out_sizes[d], device=device, dtype=dtype) * stride[d] - padding[d]).view(view))
     return starts
 
 
@@ -95,7 +96,7 @@ def _recode_by_slices(src: Tensor, out_dtype: torch.dtype, in_sizes, stride, pad
     slice's size, not full-size int64 tensors."""
     nd = len(in_sizes)
     dtype = _index_dtype(in_sizes)
-    starts = [s.to(dtype) for s in _window_starts(src.shape[-nd:], stride, padding, src.device)]
+    starts = _window_starts(src.shape[-nd:], stride, padding, src.device, dtype)
     out = torch.empty(src.shape, dtype=out_dtype, device=src.device)
     for start, stop in row_spans(src, chunk_elements(src.device)):
         rest = src[start:stop].to(dtype, copy=True)
