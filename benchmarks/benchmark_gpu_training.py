@@ -4,9 +4,12 @@ For each model and setting it measures, with real optimizer steps (AdamW, bf16 a
 
 1. peak memory and samples/s at one equal batch (``--batch``); speed is reported against ``unpatched``;
 2. the largest batch that trains under a memory cap (``--cap``, applied with
-   ``torch.cuda.set_per_process_memory_fraction``), found by growing from a projection of step 1 and then
-   bisecting to ``--resolution``; ``--parallel N`` runs N of these trials at once on one GPU (each capped, so a
-   GPU of at least N x the cap answers as N GPUs would), the speed trials of steps 1 and 3 always alone;
+   ``torch.cuda.set_per_process_memory_fraction``), found by growing from a projection of step 1 (jumping to
+   where the line through the two largest fitting peaks meets the cap) and then bisecting to ``--resolution``;
+   ``--parallel N`` runs N of these trials at once on one GPU (each capped, so a GPU of at least N x the cap
+   answers as N GPUs would), the speed trials of steps 1 and 3 always alone. ``--targets bits3=4.5`` with
+   ``--unpatched-max bert-large=91`` starts bits3's search at the target batch, ceil(4.5 x 91) = 410, and reports
+   whether it fits as soon as that one trial returns: the issue's targets in one trial per row;
 3. samples/s against batch size up to that largest batch (ActNN's Fig. 1, GACT's Fig. 4).
 
 Every measurement is a *trial* run in its own subprocess, so that an out-of-memory never poisons the caching
@@ -27,6 +30,9 @@ Examples (the issue's targets: bert-large, swin-tiny, resnet50 under 16 GiB; CB1
         --settings unpatched bits3 bits2 --cap 16GiB
     python benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched ckpt ckpt+bits3 \\
         ckpt4+bits3 swap+bits3 --cap 16GiB --no-curve --out benchmarks/results/ckpt_swap
+    python benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 --settings bits3 bits2 \\
+        bert-large:ckpt4+bits3 --cap 16GiB --no-speed --no-curve --targets bits3=4.5 bits2=6.5 ckpt4+bits3=20 \\
+        --unpatched-max bert-large=91 swin-tiny=233 resnet50=374
 
 Writes ``gpu_training.json``, ``gpu_training.md`` and ``gpu_training.png`` under ``--out``. On a CPU
 (``--device cpu``) it measures samples/s only: there is no cap to search under.
@@ -236,11 +242,16 @@ def _exception_text(stderr: str, limit: int = 4000) -> str:
 
 
 def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 16, growth: float = 1.5,
-                  resolution: float = 0.02) -> tuple[int, int | None]:
+                  resolution: float = 0.02,
+                  propose: Callable[[int, int | None], int | None] | None = None) -> tuple[int, int | None]:
     """The largest batch for which ``fits`` holds, assuming it holds below some threshold and fails above it.
 
     Grows by ``growth`` from ``start`` while it fits (or shrinks by it while it does not), then bisects until the
     gap between the largest fitting and the smallest failing batch is at most ``max(1, resolution * fitting)``.
+    ``propose(fitting, failing)``, when given, may name the next batch to try instead of a growth, shrink or
+    bisection step (a projection from the peaks measured so far: ``failing`` is ``None`` while growing,
+    ``fitting`` 0 while shrinking); an answer outside the open interval between them, one already tried, or
+    ``None`` takes the step instead. Every trial narrows the interval, so the search ends whatever it proposes.
 
     Returns:
         ``(fitting, failing)``: the largest batch seen to fit (0 if even batch 1 fails) and the smallest seen to
@@ -257,12 +268,17 @@ def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 
             seen[b] = fits(b)
         return seen[b]
 
+    def proposed(lo: int, hi: int | None, step: int) -> int:
+        b = propose(lo, hi) if propose is not None else None
+        upper = limit if hi is None else hi - 1
+        return b if b is not None and lo < b <= upper and b not in seen else step
+
     lo, hi = 0, None
     b = min(start, limit)
     if check(b):
         lo = b
         while hi is None and lo < limit:
-            b = min(limit, max(lo + 1, int(lo * growth)))
+            b = proposed(lo, None, min(limit, max(lo + 1, int(lo * growth))))
             if check(b):
                 lo = b
             else:
@@ -270,18 +286,49 @@ def largest_batch(fits: Callable[[int], bool], start: int, *, limit: int = 1 << 
     else:
         hi = b
         while lo == 0 and hi > 1:
-            b = min(hi - 1, int(hi / growth))
+            b = proposed(0, hi, min(hi - 1, int(hi / growth)))
             if check(b):
                 lo = b
             else:
                 hi = b
     while hi is not None and hi - lo > max(1, int(resolution * lo)):
-        mid = (lo + hi) // 2
-        if check(mid):
-            lo = mid
+        b = proposed(lo, hi, (lo + hi) // 2)
+        if check(b):
+            lo = b
         else:
-            hi = mid
+            hi = b
     return lo, hi
+
+
+def secant_batch(points: dict[int, int], cap: int, *, resident: int | None = None) -> int | None:
+    """The batch at which the line through the two largest ``points`` (batch -> measured peak bytes) reaches 99%
+    of ``cap``; with one point, the line from ``resident`` (the memory held between steps: weights, gradients,
+    optimizer states) at batch 0 through it. ``None`` without enough points or with a peak that does not grow.
+    Peaks grow about linearly with the batch once the per-sample part dominates, so this lands near the
+    threshold in a step or two (1.1x growth from a projection took 8-12 trials on the H100)."""
+    known = sorted(points.items())
+    if len(known) < 2 and resident is not None:
+        known.insert(0, (0, resident))
+    if len(known) < 2:
+        return None
+    (b1, p1), (b2, p2) = known[-2:]
+    if p2 <= p1:
+        return None
+    return int(b2 + (0.99 * cap - p2) / ((p2 - p1) / (b2 - b1)))
+
+
+def bracketed_guess(guess: int | None, lo: int, hi: int | None, resolution: float, *,
+                    most_growth: float = 4.0) -> int | None:
+    """What to try after ``lo`` fit (and ``hi`` failed, unless ``None``) given a projected threshold ``guess``:
+    ``guess`` itself (while growing, at most ``most_growth`` times ``lo``), or when it is not above ``lo`` the
+    smallest batch whose failure would end the search (``lo`` plus the resolution); ``None`` (bisect or grow
+    instead) without a guess or when ``hi`` has already failed at or below it, which shows the projection too
+    high."""
+    if guess is None or (hi is not None and guess >= hi):
+        return None
+    if hi is None:
+        guess = int(min(guess, most_growth * lo))
+    return max(guess, lo + max(1, int(resolution * lo)))
 
 
 def _curve_batches(largest: int, equal: int) -> list[int]:
@@ -312,20 +359,31 @@ def _search_start(equal: dict, batch: int, cap: int) -> tuple[int, float]:
     return batch, 1.5
 
 
+def _peak(result: dict) -> int | None:
+    """What a trial's peak counts against the cap: the allocator's reserved bytes (what an out-of-memory is decided
+    on), else the allocated peak."""
+    return result.get("reserved_bytes") or result.get("peak_bytes")
+
+
 def measure(models: list[str], settings: list[str], args: argparse.Namespace,
             report: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
-    """Rows for every model and setting: equal-batch speed and peak, and (with a cap) the largest batch and the
-    curve. ``report`` gets the rows after every phase, so an interrupted run keeps what it measured.
+    """Rows for every model and setting: equal-batch speed and peak (unless ``args.speed`` is false), and (with a
+    cap) the largest batch and the curve. ``report`` gets the rows after every phase, so an interrupted run keeps
+    what it measured.
 
     The equal-batch trials and the curves run one at a time (their samples/s see the GPU alone); the
     largest-batch searches only ask whether a batch fits, so ``args.parallel`` of their trials share the GPU,
-    each capped at ``args.cap``.
+    each capped at ``args.cap``. A setting with a target ratio (``args.targets``: setting -> ratio) for a model
+    with a known unpatched largest batch ``U`` (``args.unpatched_max``: model -> U) starts its search at
+    ``ceil(ratio * U)``, and the row records at once whether that batch fits (``row["target"]``). While a search
+    grows, it jumps to where the line through its two largest fitting peaks meets the cap (:func:`secant_batch`).
     """
     base = {"seq": args.seq, "image_size": args.image_size, "dtype": args.dtype, "device": args.device,
             "steps": args.steps, "warmup": args.warmup, "attention_dropout": args.attention_dropout,
             "checkpoint_debug": args.checkpoint_debug}
+    targets, unpatched_max = getattr(args, "targets", None) or {}, getattr(args, "unpatched_max", None) or {}
     rows = [{"model": model, "setting": name} for model in models for name in _settings_of(model, settings)]
-    for row in rows:
+    for row in rows if getattr(args, "speed", True) else ():
         row["equal_batch"] = run_in_subprocess(Trial(row["model"], row["setting"], args.batch, cap_bytes=args.cap,
                                                      **base))
         _progress(row["model"], row["setting"], f"batch {args.batch}", row["equal_batch"])
@@ -337,6 +395,15 @@ def measure(models: list[str], settings: list[str], args: argparse.Namespace,
 
         def search(row: dict) -> None:
             model, name = row["model"], row["setting"]
+            equal = row.get("equal_batch", {})
+            start, growth = _search_start(equal, args.batch, args.cap)
+            target = None
+            if name in targets and model in unpatched_max:
+                target = math.ceil(targets[name] * unpatched_max[model])
+                row["target"] = {"ratio": targets[name], "unpatched": unpatched_max[model], "batch": target,
+                                 "fits": None}
+            points = {args.batch: _peak(equal)} if not equal.get("oom") and _peak(equal) else {}
+            resident = [equal.get("resident_bytes")]
 
             def fits(b: int) -> bool:
                 with slots:
@@ -344,12 +411,22 @@ def measure(models: list[str], settings: list[str], args: argparse.Namespace,
                 _progress(model, name, f"fits batch {b}", result)
                 if "error" in result:
                     raise RuntimeError(f"{model} {name} batch {b}: {result['error']}")
+                if not result["oom"] and _peak(result):
+                    points[b], resident[0] = _peak(result), result.get("resident_bytes")
+                if b == target:
+                    with reporting:
+                        row["target"]["fits"] = not result["oom"]
+                        report(rows)
                 return not result["oom"]
 
-            start, growth = _search_start(row["equal_batch"], args.batch, args.cap)
+            def propose(lo: int, hi: int | None) -> int | None:
+                if lo == 0:  # a target that failed: the projection from the equal batch next
+                    return start if start < hi else None
+                return bracketed_guess(secant_batch(points, args.cap, resident=resident[0]), lo, hi, args.resolution)
+
             try:
-                row["max_batch"], row["first_failing_batch"] = largest_batch(fits, start, growth=growth,
-                                                                             resolution=args.resolution)
+                row["max_batch"], row["first_failing_batch"] = largest_batch(
+                    fits, target or start, growth=growth, resolution=args.resolution, propose=propose)
             except RuntimeError as e:  # a crashing trial is a result of its row; the other searches go on
                 row["search_error"] = str(e)
             with reporting:
@@ -395,31 +472,47 @@ def _cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _target_cell(target: dict | None) -> str:
+    """``4.5x of 91 = 410: fits`` (or ``: OOM``, or ``: not answered`` when the run ended before the trial)."""
+    if target is None:
+        return "-"
+    answer = {True: "fits", False: "OOM", None: "not answered"}[target["fits"]]
+    return f"{target['ratio']:g}x of {target['unpatched']} = {target['batch']}: {answer}"
+
+
 def write_results(rows: list[dict], meta: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_training.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     cap = f"under {format_bytes(meta['cap_bytes'])}" if meta["cap_bytes"] else "(no cap)"
+    with_targets = any("target" in r for r in rows)
     lines = [
         (f"Training steps (AdamW, {meta['dtype']} autocast; text seq {meta['seq']}, images {meta['image_size']}px), "
-        f"equal batch {meta['batch']}, {meta['steps']} timed steps after {meta['warmup']} warm-up; largest batch "
+        + (f"equal batch {meta['batch']}, {meta['steps']} timed steps after {meta['warmup']} warm-up; "
+           if meta.get("speed", True) else "no equal-batch speed trials; ")
+        + f"largest batch "
         f"{cap}, searched in subprocesses to {meta['resolution']:.0%}. {meta['device']}, torch {meta['torch']}, "
         f"transformers {meta['transformers']}, timm {meta['timm']}, act_hf {meta['act_hf']} @ {meta['commit']}."
         + ("" if meta.get("attention_dropout") is None else
            f" HF attention-probability dropout {meta['attention_dropout']:g}.")
         + (f" PYTORCH_CUDA_ALLOC_CONF={meta['alloc_conf']}." if meta.get("alloc_conf") else "")),
         "",
-        "| model | setting | peak @ equal batch | samples/s | speed vs unpatched | largest batch | vs unpatched |",
-        "|---|---|---|---|---|---|---|",
+        "| model | setting | peak @ equal batch | samples/s | speed vs unpatched | largest batch | vs unpatched |"
+        + (" target batch |" if with_targets else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if with_targets else ""),
     ]
-    for r in (r for r in rows if "equal_batch" in r):
-        eq = r["equal_batch"]
-        peak = "OOM" if eq.get("oom") else (eq.get("error", "") and "error") or format_bytes(eq.get("peak_bytes"))
+    for r in (r for r in rows if "equal_batch" in r or "max_batch" in r or "target" in r or "search_error" in r):
+        eq = r.get("equal_batch", {})
+        peak = "OOM" if eq.get("oom") else "error" if eq.get("error") else \
+            format_bytes(eq["peak_bytes"]) if eq.get("peak_bytes") else "-"
         largest = "error" if r.get("search_error") else _cell(r.get("max_batch"), "d")
         if r.get("first_failing_batch"):
             largest += f" (fails at {r['first_failing_batch']})"
-        lines.append(f"| {r['model']} | {r['setting']} | {peak} | {_cell(eq.get('samples_per_s'), '.1f')} | "
-                     f"{_cell(r.get('speed_vs_unpatched'), '.3f')} | {largest} | "
-                     f"{_cell(r.get('max_batch_vs_unpatched'), '.2f')} |")
+        line = (f"| {r['model']} | {r['setting']} | {peak} | {_cell(eq.get('samples_per_s'), '.1f')} | "
+                f"{_cell(r.get('speed_vs_unpatched'), '.3f')} | {largest} | "
+                f"{_cell(r.get('max_batch_vs_unpatched'), '.2f')} |")
+        if with_targets:
+            line += f" {_target_cell(r.get('target'))} |"
+        lines.append(line)
     (out / "gpu_training.md").write_text("\n".join(lines) + "\n")
     curves = [r for r in rows if r.get("curve")]
     if not curves:
@@ -447,6 +540,34 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
     fig.savefig(out / "gpu_training.png", dpi=120)
 
 
+def _known_setting(name: str) -> None:
+    try:
+        parse_setting(name)
+    except SystemExit as e:
+        raise SystemExit(str(e).replace("--settings", "--targets", 1)) from None
+
+
+def _known_model(name: str) -> None:
+    if name not in MODELS:
+        raise SystemExit(f"--unpatched-max: unknown model {name!r}; allowed: {', '.join(MODELS)}")
+
+
+def _pairs(parser: argparse.ArgumentParser, flag: str, words: list[str], kind: type,
+           check_key: Callable[[str], object]) -> dict:
+    """``KEY=VALUE`` words as a dict, each key checked by ``check_key`` and each value read as ``kind``."""
+    out = {}
+    for word in words:
+        key, sep, value = word.rpartition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[key] = kind(value)
+        except ValueError:
+            parser.error(f"{flag}: expected KEY={kind.__name__.upper()}, got {word!r}")
+        check_key(key)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["bert-large", "swin-tiny", "resnet50"], choices=list(MODELS))
@@ -459,6 +580,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resolution", type=float, default=0.02, help="relative precision of the search")
     parser.add_argument("--no-search", dest="search", action="store_false", help="skip the largest-batch search")
     parser.add_argument("--no-curve", dest="curve", action="store_false", help="skip the throughput curve")
+    parser.add_argument("--no-speed", dest="speed", action="store_false",
+                        help="skip the equal-batch speed trials (the searches then start without their projection)")
+    parser.add_argument("--targets", nargs="+", default=[], metavar="SETTING=RATIO",
+                        help="start the search of SETTING at RATIO times the model's unpatched largest batch (from "
+                             "--unpatched-max) and report whether that batch fits, e.g. bits3=4.5 bits2=6.5 "
+                             "ckpt4+bits3=20 (the issue's targets)")
+    parser.add_argument("--unpatched-max", nargs="+", default=[], metavar="MODEL=BATCH",
+                        help="the unpatched largest batch under --cap that --targets multiply, e.g. bert-large=91 "
+                             "swin-tiny=233 resnet50=374 (ENVIRONMENT.md's H100 figures at 16 GiB)")
     parser.add_argument("--parallel", type=int, default=1, metavar="N",
                         help="largest-batch trials sharing the GPU at once (each under --cap; default 1). Speed "
                              "trials always run alone")
@@ -493,11 +623,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batch, --steps and --parallel must be >= 1, --warmup >= 0")
     if args.cap and not args.device.startswith("cuda"):
         parser.error(f"--cap needs a CUDA device (--device is {args.device!r})")
+    args.targets = _pairs(parser, "--targets", args.targets, float, _known_setting)
+    args.unpatched_max = _pairs(parser, "--unpatched-max", args.unpatched_max, int, _known_model)
+    if args.targets and not (args.cap and args.search):
+        parser.error("--targets needs --cap and the search (they start it)")
+    if any(ratio <= 0 for ratio in args.targets.values()) or any(b < 1 for b in args.unpatched_max.values()):
+        parser.error("--targets ratios must be > 0 and --unpatched-max batches >= 1")
     if args.alloc_conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf  # the trials' subprocesses inherit it
     meta = _meta(torch.device(args.device)) | {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")} | {
         key: getattr(args, key) for key in ("batch", "steps", "warmup", "seq", "image_size", "dtype", "resolution",
-                                            "attention_dropout", "parallel")
+                                            "attention_dropout", "parallel", "speed", "targets", "unpatched_max")
     } | {"cap_bytes": args.cap}
     measure(args.models, args.settings, args, report=lambda rows: write_results(rows, meta, args.out))
     print((args.out / "gpu_training.md").read_text())

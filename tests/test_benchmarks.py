@@ -91,6 +91,66 @@ def test_largest_batch_with_a_close_projection_grows_slowly(threshold):
         gpu_training.largest_batch(fits, 8, growth=1.0)
 
 
+@pytest.mark.parametrize("threshold", [300, 586, 2300])
+def test_a_secant_proposal_lands_near_the_threshold_in_few_trials(threshold):
+    """Peaks linear in the batch above a fixed part, as the H100 measured for bert-large (5.44 GB resident,
+    20 MB a sample): from the equal batch and one fitting trial the secant jumps next to the cap."""
+    cap, resident = 17_179_869_184, 5_440_000_000
+    per_sample = (0.99 * cap - resident) / (threshold + 0.5)
+    points = {32: int(resident + 1.3e9 + per_sample * 32)}  # the equal batch carries fixed transients too
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        if b > threshold:
+            return False
+        points[b] = int(resident + per_sample * b)
+        return True
+
+    found, failing = gpu_training.largest_batch(
+        fits, 271, growth=1.1, resolution=0.04,
+        propose=lambda lo, hi: gpu_training.bracketed_guess(gpu_training.secant_batch(points, cap), lo, hi, 0.04))
+    assert found <= threshold < failing and failing - found <= max(1, 0.04 * found)
+    assert len(calls) <= 5  # 1.1x growth from 271 took 8-12 trials for bert-large on the H100
+    assert len(calls) == len(set(calls))
+
+
+def test_proposals_outside_the_open_interval_or_already_tried_take_the_step():
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= 100
+
+    assert gpu_training.largest_batch(fits, 10, growth=2.0, resolution=0.0, propose=lambda lo, hi: 5) == (100, 101)
+    assert calls[:4] == [10, 20, 40, 80]  # 5 is below every fitting batch: growth steps
+    calls.clear()
+    assert gpu_training.largest_batch(fits, 400, growth=2.0, resolution=0.0,
+                                      propose=lambda lo, hi: 400 if hi else None) == (100, 101)
+    assert calls[:3] == [400, 200, 100]  # 400 was tried already: shrink steps
+    calls.clear()
+    assert gpu_training.largest_batch(fits, 400, growth=2.0, resolution=0.0,
+                                      propose=lambda lo, hi: 60 if hi else None) == (100, 101)
+    assert calls[:2] == [400, 60]
+
+
+def test_bracketed_guess():
+    assert gpu_training.bracketed_guess(None, 100, None, 0.04) is None
+    assert gpu_training.bracketed_guess(300, 100, None, 0.04) == 300
+    assert gpu_training.bracketed_guess(900, 100, None, 0.04) == 400  # growing: at most 4x
+    assert gpu_training.bracketed_guess(900, 100, 1000, 0.04) == 900  # inside a bracket: as projected
+    assert gpu_training.bracketed_guess(90, 100, None, 0.04) == 104  # at the cap already: probe just above
+    assert gpu_training.bracketed_guess(300, 100, 300, 0.04) is None  # 300 failed: the guess was too high
+
+
+def test_secant_batch():
+    assert gpu_training.secant_batch({}, 1000) is None
+    assert gpu_training.secant_batch({10: 300}, 1000) is None
+    assert gpu_training.secant_batch({10: 300, 20: 300}, 1000) is None  # a peak that does not grow
+    assert gpu_training.secant_batch({5: 900, 10: 200, 20: 300}, 1000) == 89  # 20 + (990 - 300) / 10
+    assert gpu_training.secant_batch({10: 300}, 1000, resident=200) == 79  # from (0, 200): 10 + 690 / 10
+
+
 def test_search_start_projects_from_the_resident_memory():
     gib = 2**30
     equal = {"peak_bytes": 9 * gib, "resident_bytes": 5 * gib}  # 4 GiB for 32 samples above 5 GiB resident
@@ -145,6 +205,50 @@ def test_searches_share_the_gpu_up_to_parallel_and_a_crash_stays_in_its_row(monk
                                       "image_size": 224, "batch": 32, "steps": 1, "warmup": 1, "cap_bytes": 10_000,
                                       "resolution": 0.02}, tmp_path)
     assert "| swin-tiny | bits3 | 1.60 KiB | 9.5 | 0.950 | error | - |" in (tmp_path / "gpu_training.md").read_text()
+
+
+def test_targets_start_the_search_and_are_answered_by_its_first_trial(monkeypatch, tmp_path):
+    """``--targets`` with ``--no-speed``: each row's first trial is ratio x the given unpatched largest batch, and
+    the row says whether it fit before the search goes on (the GPU played by a memory model, as above)."""
+    tried: dict[str, list[int]] = {"bits3": [], "bits2": []}
+
+    def trial_answer(trial):
+        tried[trial.setting].append(trial.batch)
+        peak = 1000 + 20 * trial.batch  # fits up to batch 450 under the cap of 10,000
+        return {"oom": True} if peak > trial.cap_bytes else {"oom": False, "samples_per_s": 1.0,
+                                                                "peak_bytes": peak, "resident_bytes": 1000}
+
+    monkeypatch.setattr(gpu_training, "run_in_subprocess", trial_answer)
+    args = gpu_training.argparse.Namespace(seq=128, image_size=224, dtype="bf16", device="cuda", steps=1, warmup=1,
+                                           attention_dropout=None, checkpoint_debug=False, batch=32, cap=10_000,
+                                           search=True, curve=False, resolution=0.02, parallel=2, speed=False,
+                                           targets={"bits3": 4.5, "bits2": 6.0}, unpatched_max={"bert-large": 91})
+    rows = gpu_training.measure(["bert-large"], ["bits3", "bits2"], args)
+    by = {r["setting"]: r for r in rows}
+    assert all("equal_batch" not in r for r in rows)
+    assert by["bits3"]["target"] == {"ratio": 4.5, "unpatched": 91, "batch": 410, "fits": True}
+    assert by["bits2"]["target"] == {"ratio": 6.0, "unpatched": 91, "batch": 546, "fits": False}
+    assert tried["bits3"][0] == 410 and tried["bits2"][:2] == [546, 32]  # a failed target: the projection next
+    for r in rows:
+        assert r["max_batch"] <= 450 < r["first_failing_batch"] and r["first_failing_batch"] - r["max_batch"] <= 9
+    assert len(tried["bits3"]) <= 4 and len(tried["bits2"]) <= 5, tried
+    gpu_training.write_results(rows, {**gpu_training._meta(torch.device("cpu")), "dtype": "bf16", "seq": 128,
+                                      "image_size": 224, "batch": 32, "steps": 1, "warmup": 1, "cap_bytes": 10_000,
+                                      "resolution": 0.02, "speed": False}, tmp_path)
+    table = (tmp_path / "gpu_training.md").read_text()
+    assert "no equal-batch speed trials" in table
+    assert "| 4.5x of 91 = 410: fits |" in table and "| 6x of 91 = 546: OOM |" in table
+    assert "| bert-large | bits3 | - | - | - |" in table
+
+
+def test_target_arguments_name_the_bad_word():
+    for argv, message in ((["--targets", "bits3"], "--targets: expected KEY=FLOAT"),
+                          (["--targets", "bitsx=2"], "--targets: unknown setting 'bitsx'"),
+                          (["--unpatched-max", "bert-largo=91"], "--unpatched-max: unknown model 'bert-largo'"),
+                          (["--targets", "bits3=4.5"], "--targets needs --cap")):
+        with pytest.raises(SystemExit) as raised:
+            gpu_training.main([*argv, "--device", "cpu"])
+        assert raised.value.code == 2 or message in str(raised.value)
 
 
 def test_settings_can_name_their_model(capsys):
