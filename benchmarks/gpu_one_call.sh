@@ -6,12 +6,12 @@
 #
 # Order: the issue's memory targets answered first, one capped trial per row at ratio x the unpatched largest
 # batch (4.5x at 3 bits, 6.5x at 2 bits, 20x for bert-large with checkpointing; the searches then go on from
-# there while time is left; bert-large ckpt+bits3, which failed on both GPUs before 5ebd83b, is searched without a
-# target), beside the CUDA tests (they check the fixes since the H100 run: checkpointed exact
-# layer inputs, the max pool's slices, the kernel argument errors) and the probe of which C++ errors crash the
-# process; then speed at equal batch with the GPU to itself; resnet50's memory at peak and a profile if time is
-# left. The H100 run at 6ae3a1f grew its searches by 1.1x from a projection and ran out of time before most
-# ended; the model sweep and kernel throughput it measured are left out.
+# there while time is left; bert-large ckpt+bits3, which failed on both GPUs before 5ebd83b, is searched without
+# a target), beside the CUDA tests (they check the fixes since the H100 run: checkpointed exact layer inputs, the
+# max pool's slices, the kernel argument errors) and the probe of which C++ errors crash the process; then speed
+# at equal batch with the GPU to itself; what is alive at the peak of a model that missed its target, and a
+# profile, if time is left. The H100 run at 6ae3a1f grew its searches by 1.1x from a projection and ran out of
+# time before most ended; the model sweep and kernel throughput it measured are left out.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -60,12 +60,16 @@ timeout $(lim 90) "$PY" benchmarks/benchmark_gpu_training.py --models bert-large
   --settings unpatched bits3 --no-search --no-curve --steps 10 --warmup 3 --out "$W/speed" >"$W/speed.log" 2>&1
 echo "speed exit $?"; cat "$W/speed/gpu_training.md" 2>/dev/null; bundle
 
+# what is alive at the peak of the first model whose 3-bit target failed (swin-tiny if none did)
+peak_model=$(grep -E "^\| [a-z0-9-]+ \| bits3 \|.*: OOM \|$" "$W/targets/gpu_training.md" 2>/dev/null | head -n1 \
+  | cut -d'|' -f2 | tr -d ' ')
+peak_model=${peak_model:-swin-tiny}
 if (( $(left) > 80 )); then
-  part "what is alive at resnet50's peak"
+  part "what is alive at $peak_model's peak"
   t=$(lim 30); (( t > 120 )) && t=120
-  timeout $t "$PY" benchmarks/memory_at_peak.py --model resnet50 --setting bits3 --device cuda --batches 16 32 \
-    --out "$W" >"$W/peak_resnet50.log" 2>&1
-  echo "memory at peak resnet50 exit $?"; bundle
+  timeout $t "$PY" benchmarks/memory_at_peak.py --model "$peak_model" --setting bits3 --device cuda \
+    --batches 32 64 --out "$W" >"$W/peak_$peak_model.log" 2>&1
+  echo "memory at peak $peak_model exit $?"; bundle
 fi
 if (( $(left) > 60 )); then
   part profile
