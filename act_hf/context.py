@@ -336,10 +336,13 @@ class SavedTracker:
             compression ratio of the saved context (not counting the sharing act_hf adds).
         host_bytes: packed contexts swapped to pinned host memory (``ActConfig(swap=True)``); they are in
             none of the other counts.
+        largest: the largest single storage counted in ``bytes``: of an unpatched model, its largest saved
+            activation (:mod:`act_hf.estimate` sizes act_hf's transient working set by it).
     """
 
     bytes: int = 0
     host_bytes: int = 0
+    largest: int = 0
     by_slot: dict[str, int] = field(default_factory=dict)
     num_tensors: int = 0
     uncompressed_bytes: int = 0
@@ -372,6 +375,7 @@ class SavedTracker:
         slot, original = self._labels.get(ptr, (f"<uncompressed:{t.dtype}>", nbytes))
         self.uncompressed_bytes += original
         self.bytes += nbytes
+        self.largest = max(self.largest, nbytes)
         self.num_tensors += 1
         self.by_slot[slot] = self.by_slot.get(slot, 0) + nbytes
         return detached

@@ -122,6 +122,10 @@ def test_track_saved_excludes_parameters_and_counts_plain_ops():
     # addmm saves x (10*32 fp32) -> weight excluded; relu saves its output (10*32 fp32)
     assert saved.bytes == 2 * 10 * 32 * 4
     assert saved.by_slot == {"<uncompressed:torch.float32>": saved.bytes}
+    assert saved.largest == 10 * 32 * 4
+    with track_saved(lin) as saved:
+        torch.relu(lin(torch.cat([x, x]))).sum(0).exp()  # the largest: the cat, 20 rows (relu's output too)
+    assert saved.largest == 20 * 32 * 4 and saved.bytes == 2 * 20 * 32 * 4 + 32 * 4
 
 
 def test_track_saved_excludes_autocast_casts_of_weight_views():
