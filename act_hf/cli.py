@@ -27,7 +27,8 @@ def _estimate(args: argparse.Namespace) -> int:
     try:
         est = estimate(args.model, batch=args.batch, seq=args.seq, bits=args.bits, gpu_mem=args.gpu_mem,
                        dtype=args.dtype, device=args.device, optimizer=args.optimizer, task=args.task,
-                       img_size=args.img_size, margin=args.margin, local_files_only=args.offline,
+                       img_size=args.img_size, margin=args.margin, transient_factor=args.transient_factor,
+                       local_files_only=args.offline,
                        checkpointing=args.checkpointing or args.checkpoint_bits is not None,
                        checkpoint_bits=args.checkpoint_bits)
     except ActHFError as e:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimate", help="project training memory and the largest batch under a memory cap, with and without act_hf",
         description="Build MODEL with random weights (a folder with config.json, a timm model name, or a hub id), "
         "measure saved activations unpatched and patched at --bits, and project peak training memory (params + "
-        "grads + optimizer states + saved activations + workspace margin). The projection is a model of memory "
+        "grads + optimizer states + saved activations + transients). The projection is a model of memory "
         "calibrated against measured saved bytes, not a measured peak.")
     p.add_argument("model", help="HF model folder (with config.json), timm model name, or HF hub id (config only)")
     p.add_argument("--batch", type=int, required=True, help="batch size to project for")
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--img-size", type=int, default=None,
                    help="image side for vision models (default: the model's own, 224 for most)")
     p.add_argument("--margin", type=float, default=0.05,
-                   help="workspace margin as a fraction of the unpatched saved activations (default 0.05)")
+                   help="the unpatched column's transients as a fraction of its saved activations (default 0.05)")
+    p.add_argument("--transient-factor", type=float, default=3.0,
+                   help="the act_hf column's transients in units of the largest activation the unpatched model "
+                        "saves (default 3)")
     p.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--checkpointing", action="store_true",

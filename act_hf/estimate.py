@@ -18,16 +18,21 @@ What the projection is, and is not:
       states per trainable parameter; SGD with momentum: one);
     - the bf16 copies of linear/conv weights that autocast keeps alive for backward (bf16 only);
     - the saved activations at the requested batch (measured and fitted as above);
-    - a workspace margin for transient buffers (the working set of the op being computed, allocator
-      fragmentation), by default 5% of the *unpatched* saved activations at that batch, in both columns: the
-      transients are full precision whether or not the saved context is compressed. On an H100 the saved
-      activations of bert-base/bert-large/swin-tiny/resnet50 were 96-99% of the per-sample peak, which is
-      where the 5% comes from.
+    - the transient working set of the op being computed. Unpatched: a margin of 5% of the saved activations
+      (on an H100 those of bert-base/bert-large/swin-tiny/resnet50 were 96-99% of the per-sample peak). With
+      act_hf, whose context is packed while the transients stay full precision: ``transient_factor`` (3) times
+      the largest single activation the *unpatched* model saves, the working set of its largest layer (a
+      decoded input, its gradient, the output's gradient). In the GPU runs (README, "Planning memory") the
+      patched peak stood above the saved context by 2.8 MiB a sample for bert-large at 3 bits and 2.7 MiB with
+      checkpointing and 4-bit layer inputs (H200), and by 4.8 MiB for swin-tiny at 3 bits (H100): 2.8, 2.7 and
+      2.1 times their largest activations (1.00 and 2.30 MiB), where 5% of the unpatched activations is 6.7,
+      6.7 and 3.0 MiB (it had projected swin-tiny's largest batch at 1.6x what fit). 3 errs on the safe side.
 
     Not included: the CUDA context and cuBLAS/cuDNN handles (about 0.3-0.6 GiB outside PyTorch's allocator;
-    give ``gpu_mem`` as the memory PyTorch may allocate, not the card's nominal size), data-loader or
-    evaluation buffers, and the fact that HF Trainer frees gradients before the forward (so the sum is a
-    slight overestimate).
+    give ``gpu_mem`` as the memory PyTorch may allocate, not the card's nominal size), the caching allocator's
+    fragmentation (3.2 GB of swin-tiny's 16 GiB at 3 bits on the H100; ``PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True`` is meant to remove it), data-loader or evaluation buffers, and the fact that HF
+    Trainer frees gradients before the forward (so the sum is a slight overestimate).
 
 Measurement details:
     Attention-probability dropout is set to 0 in the configs built here (HF ``attention_probs_dropout_prob``,
@@ -173,7 +178,7 @@ class SavedFit:
 class Estimate:
     """Projected training memory for one model, batch and bit width, with and without act_hf.
 
-    The peaks are a model of memory (states + saved activations + workspace margin), calibrated against
+    The peaks are a model of memory (states + saved activations + transient working set), calibrated against
     measured saved-activation bytes; they are not measured peaks. See :mod:`act_hf.estimate`.
 
     Attributes:
@@ -190,12 +195,15 @@ class Estimate:
         device: where saved bytes were measured.
         optimizer: ``"adamw"`` or ``"sgd"``.
         gpu_mem: the memory cap in bytes (None: no largest-batch projection).
-        margin: workspace margin as a fraction of the unpatched saved activations.
+        margin: the unpatched column's workspace margin, a fraction of its saved activations.
         num_params, trainable_params: parameter counts (unique tensors).
         param_bytes, grad_bytes, optimizer_bytes, weight_copy_bytes: the batch-independent terms.
         baseline, act_hf: the saved-activation fits, unpatched and patched.
         saved_baseline, saved_act_hf: projected saved activations at ``batch``.
-        workspace: the margin in bytes at ``batch`` (same in both columns).
+        largest: the fit of the largest single activation the unpatched model saves (None: the act_hf column
+            takes the unpatched margin too).
+        transient_factor: the act_hf column's transient working set in units of ``largest``.
+        workspace, workspace_act_hf: the transient working set in bytes at ``batch``, unpatched and act_hf.
         peak_baseline, peak_act_hf: projected peak training memory at ``batch``.
         max_batch_baseline, max_batch_act_hf: the largest batch whose projected peak fits ``gpu_mem`` (0 when
             not even batch 1 fits; None without ``gpu_mem``).
@@ -232,12 +240,16 @@ class Estimate:
     avg_bits: float | None = None
     checkpointing: bool = False
     checkpoint_bits: int | None = None
+    largest: SavedFit | None = None
+    transient_factor: float = 3.0
+    workspace_act_hf: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.saved_baseline = self.baseline.bytes_at(self.batch)
         self.saved_act_hf = self.act_hf.bytes_at(self.batch)
-        self.workspace = self.margin * self.saved_baseline
+        self.workspace = self.transients(self.batch, act_hf=False)
+        self.workspace_act_hf = self.transients(self.batch, act_hf=True)
         self.peak_baseline = self.peak(self.batch, act_hf=False)
         self.peak_act_hf = self.peak(self.batch, act_hf=True)
         if self.gpu_mem is not None:
@@ -254,18 +266,31 @@ class Estimate:
         """Unpatched over act_hf saved bytes per sample."""
         return self.baseline.per_sample / self.act_hf.per_sample if self.act_hf.per_sample > 0 else math.inf
 
+    def _transient_fit(self, act_hf: bool) -> tuple[float, SavedFit]:
+        """``(factor, fit)`` with the transient working set ``factor * fit.bytes_at(batch)``."""
+        if act_hf and self.largest is not None:
+            return self.transient_factor, self.largest
+        return self.margin, self.baseline
+
+    def transients(self, batch: int, *, act_hf: bool) -> float:
+        """Projected transient working set in bytes at ``batch``: the unpatched margin, or with act_hf
+        ``transient_factor`` times the largest unpatched activation."""
+        factor, fit = self._transient_fit(act_hf)
+        return factor * fit.bytes_at(batch)
+
     def peak(self, batch: int, *, act_hf: bool) -> float:
         """Projected peak training memory in bytes at ``batch``."""
         fit = self.act_hf if act_hf else self.baseline
-        return self.state_bytes + fit.bytes_at(batch) + self.margin * self.baseline.bytes_at(batch)
+        return self.state_bytes + fit.bytes_at(batch) + self.transients(batch, act_hf=act_hf)
 
     def max_batch(self, gpu_mem: int, *, act_hf: bool) -> int:
         """The largest batch whose projected peak is at most ``gpu_mem`` bytes (0 if none)."""
         fit = self.act_hf if act_hf else self.baseline
-        slope = fit.per_sample + self.margin * self.baseline.per_sample
+        factor, transient = self._transient_fit(act_hf)
+        slope = fit.per_sample + factor * transient.per_sample
         if slope <= 0:
             raise ActHFValueError("measured no saved activations per sample; cannot project a largest batch")
-        b = max(0, int((gpu_mem - self.state_bytes - fit.fixed - self.margin * self.baseline.fixed) // slope))
+        b = max(0, int((gpu_mem - self.state_bytes - fit.fixed - factor * transient.fixed) // slope))
         while b > 0 and self.peak(b, act_hf=act_hf) > gpu_mem:  # the clamp in bytes_at / rounding
             b -= 1
         while self.peak(b + 1, act_hf=act_hf) <= gpu_mem:
@@ -275,8 +300,9 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         """Every field (fits included) plus ``state_bytes`` and ``ratio``, JSON-serialisable."""
         out = dataclasses.asdict(self)
-        for key in ("baseline", "act_hf"):
-            out[key]["measured"] = {str(k): v for k, v in out[key]["measured"].items()}
+        for key in ("baseline", "act_hf", "largest"):
+            if out[key] is not None:
+                out[key]["measured"] = {str(k): v for k, v in out[key]["measured"].items()}
         out["state_bytes"] = self.state_bytes
         out["ratio"] = self.ratio
         return out
@@ -306,9 +332,10 @@ class Estimate:
         if self.weight_copy_bytes:
             rows.append(("autocast bf16 weight copies", format_bytes(self.weight_copy_bytes),
                          format_bytes(self.weight_copy_bytes), ""))
+        label = f"transients ({self.margin:.0%} of unpatched" + (
+            f"; act_hf {self.transient_factor:g}x largest activation)" if self.largest is not None else ")")
         rows += [
-            (f"workspace margin ({self.margin:.0%} of unpatched)", format_bytes(self.workspace),
-             format_bytes(self.workspace), ""),
+            (label, format_bytes(self.workspace), format_bytes(self.workspace_act_hf), ""),
             (f"projected peak @ batch {self.batch}", format_bytes(self.peak_baseline), format_bytes(self.peak_act_hf),
              ratio(self.peak_baseline, self.peak_act_hf)),
         ]
@@ -525,6 +552,12 @@ def saved_with_checkpointing(model: nn.Module, run: Callable[[], Any], autocast:
     the context of everything outside the checkpointed layers); AM2 adds the context one layer keeps while it
     is recomputed in backward (the first checkpointed layer, re-run on the input it had, uncheckpointed).
     Without checkpointed layers AM2 equals AM1."""
+    am1, am2, _ = _saved_and_largest(model, run, autocast)
+    return am1, am2
+
+
+def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any) -> tuple[int, int, int]:
+    """:func:`saved_with_checkpointing`'s ``(AM1, AM2)`` and the largest single storage saved in either pass."""
     import act_hf
 
     calls: list[tuple[nn.Module, tuple, dict]] = []
@@ -543,7 +576,7 @@ def saved_with_checkpointing(model: nn.Module, run: Callable[[], Any], autocast:
             h.remove()
     del out
     if not calls:
-        return saved.bytes, saved.bytes
+        return saved.bytes, saved.bytes, saved.largest
     module, args, kwargs = calls[0]
     args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
     module.gradient_checkpointing = False
@@ -553,17 +586,18 @@ def saved_with_checkpointing(model: nn.Module, run: Callable[[], Any], autocast:
     finally:
         module.gradient_checkpointing = True
     del out
-    return saved.bytes, saved.bytes + one.bytes
+    return saved.bytes, saved.bytes + one.bytes, max(saved.largest, one.largest)
 
 
 def _saved_bytes(built: _Built, model: nn.Module, batch: int, seq: int, device: torch.device,
-                 dtype: torch.dtype | None) -> int:
-    """Saved bytes of one training-mode forward at ``batch``; AM2 (:func:`saved_with_checkpointing`) when the
-    model has checkpointed layers."""
+                 dtype: torch.dtype | None) -> tuple[int, int]:
+    """Saved bytes of one training-mode forward at ``batch`` (AM2, :func:`saved_with_checkpointing`, when the
+    model has checkpointed layers) and the largest single storage among them."""
     inputs = _inputs(built, batch, seq, device)
     model.train()
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    return saved_with_checkpointing(model, lambda: _loss(model, inputs), autocast)[1]
+    _, am2, largest = _saved_and_largest(model, lambda: _loss(model, inputs), autocast)
+    return am2, largest
 
 
 def _allocate(built: _Built, model: nn.Module, seq: int, device: torch.device, dtype: torch.dtype | None) -> float:
@@ -581,16 +615,19 @@ def _allocate(built: _Built, model: nn.Module, seq: int, device: torch.device, d
 
 
 def _calibrate(built: _Built, model: nn.Module, *, batches: tuple[int, ...], max_batch: int, tol: float, seq: int,
-               device: torch.device, dtype: torch.dtype | None) -> SavedFit:
+               device: torch.device, dtype: torch.dtype | None) -> tuple[SavedFit, SavedFit]:
+    """Fits of the saved bytes and of the largest saved storage, through the same two batches (the saved bytes'
+    linearity check decides which)."""
     measured: dict[int, int] = {}
+    largest: dict[int, int] = {}
     points = sorted(set(batches))
 
-    def line(a: int, b: int) -> tuple[float, float]:
-        slope = (measured[b] - measured[a]) / (b - a)
-        return slope, measured[a] - slope * a
+    def line(a: int, b: int, values: dict[int, int] = measured) -> tuple[float, float]:
+        slope = (values[b] - values[a]) / (b - a)
+        return slope, values[a] - slope * a
 
     for b in points:
-        measured[b] = _saved_bytes(built, model, b, seq, device, dtype)
+        measured[b], largest[b] = _saved_bytes(built, model, b, seq, device, dtype)
     error = 0.0
     while True:
         if len(points) >= 3:
@@ -602,10 +639,13 @@ def _calibrate(built: _Built, model: nn.Module, *, batches: tuple[int, ...], max
         elif points[-1] * 2 > max_batch:
             break
         points.append(points[-1] * 2)
-        measured[points[-1]] = _saved_bytes(built, model, points[-1], seq, device, dtype)
+        measured[points[-1]], largest[points[-1]] = _saved_bytes(built, model, points[-1], seq, device, dtype)
     a, b = points[-2], points[-1]
     slope, fixed = line(a, b)
-    return SavedFit(measured=measured, fit_batches=(a, b), per_sample=slope, fixed=fixed, linearity_error=error)
+    largest_slope, largest_fixed = line(a, b, largest)
+    return (SavedFit(measured=measured, fit_batches=(a, b), per_sample=slope, fixed=fixed, linearity_error=error),
+            SavedFit(measured=largest, fit_batches=(a, b), per_sample=largest_slope, fixed=largest_fixed,
+                     linearity_error=0.0))
 
 
 def _count(model: nn.Module, dtype: torch.dtype | None) -> tuple[int, int, int, int, int]:
@@ -631,14 +671,15 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
              optimizer: str = "adamw", task: str | None = None, img_size: int | None = None, margin: float = 0.05,
              calib_batches: tuple[int, ...] = (1, 2, 4), max_calib_batch: int = 64, tol: float = 0.01,
              local_files_only: bool = False, checkpointing: bool = False,
-             checkpoint_bits: int | None = None) -> Estimate:
+             checkpoint_bits: int | None = None, transient_factor: float = 3.0) -> Estimate:
     """Project training memory at ``batch`` with and without act_hf, and the largest batch under ``gpu_mem``.
 
     Measures saved activations (unpatched, and patched at ``bits`` on a deep copy) at ``calib_batches``,
     fits ``fixed + per_sample * batch`` through the two largest (doubling further while the fit is not linear
     within ``tol``, see :mod:`act_hf.estimate`), and adds parameters, gradients, optimizer states, autocast
-    weight copies and a workspace margin. The result is a model of memory calibrated against measured saved
-    bytes, not a measured peak.
+    weight copies and the transient working set (unpatched: ``margin`` of its saved activations; act_hf:
+    ``transient_factor`` times the largest activation the unpatched model saves). The result is a model of
+    memory calibrated against measured saved bytes, not a measured peak.
 
     Args:
         model_or_name: an ``nn.Module``, a folder with a ``config.json``, a timm model name, or a hub id
@@ -654,7 +695,7 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         optimizer: ``"adamw"`` (two fp32 states per trainable parameter) or ``"sgd"`` (momentum, one state).
         task: a :data:`TASKS` key overriding the detected one (HF models).
         img_size: image side for vision models (default: the model's own, 224 for most).
-        margin: workspace margin as a fraction of the unpatched saved activations.
+        margin: the unpatched column's transient working set, a fraction of its saved activations.
         calib_batches: batch sizes measured first (at least two).
         max_calib_batch: the largest batch the calibration may double up to.
         tol: relative error allowed in the calibration's linearity check.
@@ -664,6 +705,8 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
             what the forward keeps plus the context of one layer while it is recomputed.
         checkpoint_bits: with ``checkpointing``, keep the checkpointed layer inputs packed at this width (1..8,
             ``ActConfig.checkpoint_bits``); None keeps them exact.
+        transient_factor: the act_hf column's transient working set, in units of the largest activation the
+            unpatched model saves (3: about the measured GPU peaks, see :mod:`act_hf.estimate`).
 
     Returns:
         An :class:`Estimate`.
@@ -688,6 +731,9 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         raise ActHFValueError(f"img_size: must be a positive int, got {img_size!r}")
     if not 0 <= margin < 10:
         raise ActHFValueError(f"margin: must be a fraction >= 0 (0.05 = 5%), got {margin!r}")
+    if isinstance(transient_factor, bool) or not isinstance(transient_factor, (int, float)) \
+            or not 0 <= transient_factor < 100:
+        raise ActHFValueError(f"transient_factor: must be a number >= 0, got {transient_factor!r}")
     if len(set(calib_batches)) < 2 or min(calib_batches) < 1:
         raise ActHFValueError(f"calib_batches: need at least two distinct positive batch sizes, got {calib_batches!r}")
     if not isinstance(checkpointing, bool):
@@ -720,7 +766,7 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
               "seq": seq, "device": device, "dtype": amp}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            baseline = _calibrate(built, base, **kwargs)
+            baseline, largest = _calibrate(built, base, **kwargs)
             patched = copy.deepcopy(base)
             if checkpointing:
                 with warnings.catch_warnings():
@@ -729,7 +775,7 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
             patched = act_hf.patch(patched, bits=bits, checkpoint_bits=checkpoint_bits)
             try:
                 avg_bits = _allocate(built, patched, seq, device, amp) if isinstance(bits, float) else None
-                fit = _calibrate(built, patched, **kwargs)
+                fit, _ = _calibrate(built, patched, **kwargs)
             finally:
                 del patched
                 gc.collect()
@@ -747,7 +793,9 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
     notes += [
         ("projected peak = a model of memory, not a measured peak: params + grads + optimizer states"
          + (" + autocast bf16 weight copies" if copies else "")
-         + f" + saved activations + workspace margin ({margin:.0%} of the unpatched saved activations)"),
+         + f" + saved activations + transients ({margin:.0%} of the unpatched saved activations; with act_hf "
+           f"{transient_factor:g}x the largest activation the unpatched model saves, "
+           f"{format_bytes(largest.per_sample)} a sample)"),
         (f"saved activations measured with act_hf.track_saved on {device.type} "
          f"({'bf16 autocast' if amp is not None else 'fp32'}, training-mode forward and loss) and fitted as "
          f"fixed + per_sample * batch through batches {fits}"),
@@ -761,9 +809,7 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         inputs = f"packed at {checkpoint_bits} bits" if checkpoint_bits else "exact"
         notes.append(f"act_hf column with HF gradient checkpointing (layer inputs {inputs}): its saved activations "
                      "are what the forward keeps plus one layer's context while it is recomputed (GACT's AM2); the "
-                     "unpatched column is without checkpointing. The workspace margin is unchanged; the transients "
-                     "of checkpointed training probably scale with one layer (on the CPU, bert-base fp32, 4-bit "
-                     "inputs: 4.6% of its unpatched activations), so for deep models the margin may overstate them")
+                     "unpatched column is without checkpointing")
     if device.type == "cpu":
         notes.append("measured on CPU: unpatched saved bytes run a few % above GPU ones (bert-base 50.4 vs 47.8 "
                      "MiB/sample)")
@@ -774,5 +820,5 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         trainable_params=trainable, param_bytes=param_bytes, grad_bytes=grad_bytes,
         optimizer_bytes=_OPTIMIZER_STATES[optimizer] * 4 * trainable, weight_copy_bytes=copies,
         baseline=baseline, act_hf=fit, avg_bits=avg_bits, checkpointing=checkpointing,
-        checkpoint_bits=checkpoint_bits, notes=notes,
+        checkpoint_bits=checkpoint_bits, largest=largest, transient_factor=float(transient_factor), notes=notes,
     )

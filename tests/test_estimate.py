@@ -32,12 +32,16 @@ def bert_est(bert_dir) -> Estimate:
     return estimate(bert_dir, batch=8, seq=32, bits=3, gpu_mem="1GiB", device="cpu")
 
 
-def _saved(model, forward, batch) -> int:
+def _tracked(model, forward, batch):
     model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16), act_hf.track_saved(model) as saved:
         loss = forward(model, batch)
     del loss
-    return saved.bytes
+    return saved
+
+
+def _saved(model, forward, batch) -> int:
+    return _tracked(model, forward, batch).bytes
 
 
 def _check_fields(est: Estimate) -> None:
@@ -54,6 +58,13 @@ def _check_fields(est: Estimate) -> None:
     assert est.optimizer_bytes == 8 * est.trainable_params
     assert est.grad_bytes == est.param_bytes == 4 * est.num_params
     assert est.ratio == pytest.approx(est.baseline.per_sample / est.act_hf.per_sample)
+    # transients: the unpatched margin, and with act_hf 3x the largest unpatched activation
+    assert est.largest.fit_batches == est.baseline.fit_batches and est.transient_factor == 3.0
+    assert 0 < est.largest.per_sample < est.baseline.per_sample
+    assert est.workspace == pytest.approx(est.margin * est.saved_baseline)
+    assert est.workspace_act_hf == pytest.approx(3.0 * est.largest.bytes_at(est.batch))
+    assert est.peak_act_hf == pytest.approx(est.state_bytes + est.saved_act_hf + est.workspace_act_hf)
+    assert est.peak_baseline == pytest.approx(est.state_bytes + est.saved_baseline + est.workspace)
 
 
 def test_api_hf_folder_matches_direct_measurement(bert_est):
@@ -70,10 +81,11 @@ def test_api_hf_folder_matches_direct_measurement(bert_est):
     def forward(m, b):
         return m(input_ids=ids, labels=torch.zeros(b, dtype=torch.long)).loss
 
-    direct = _saved(model, forward, batch)
+    direct = _tracked(model, forward, batch)
     direct_act = _saved(act_hf.patch(copy.deepcopy(model), bits=3), forward, batch)
-    assert est.baseline.bytes_at(batch) == pytest.approx(direct, rel=0.05)
+    assert est.baseline.bytes_at(batch) == pytest.approx(direct.bytes, rel=0.05)
     assert est.act_hf.bytes_at(batch) == pytest.approx(direct_act, rel=0.05)
+    assert est.largest.bytes_at(batch) == pytest.approx(direct.largest, rel=0.05)
 
 
 def test_api_timm_name_matches_direct_measurement():
@@ -134,6 +146,19 @@ def test_checkpointing_errors(bert_dir):
         estimate(bert_dir, batch=2, seq=16, device="cpu", checkpointing=True, checkpoint_bits=9)
     with pytest.raises(ValueError, match="checkpointing: ResNet has no Hugging Face gradient checkpointing"):
         estimate("test_resnet", batch=2, img_size=32, device="cpu", checkpointing=True)
+
+
+def test_transient_factor_sizes_the_act_hf_column_only(bert_dir, bert_est, capsys):
+    est = estimate(bert_dir, batch=8, seq=32, bits=3, gpu_mem="1GiB", device="cpu", transient_factor=0.0)
+    assert est.workspace_act_hf == 0 and est.workspace == bert_est.workspace
+    assert est.max_batch_act_hf > bert_est.max_batch_act_hf and est.max_batch_baseline == bert_est.max_batch_baseline
+    assert "act_hf 0x largest activation" in est.table() and "act_hf 3x largest activation" in bert_est.table()
+    with pytest.raises(ValueError, match="transient_factor: must be a number >= 0, got -1"):
+        estimate(bert_dir, batch=2, seq=16, device="cpu", transient_factor=-1)
+    assert main(["estimate", str(bert_dir), "--batch", "4", "--seq", "16", "--device", "cpu",
+                 "--transient-factor", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["transient_factor"] == 2.0 and set(out["largest"]["measured"]) >= {"1", "2", "4"}
 
 
 def test_max_batch_none_without_cap_and_sgd_states(bert_dir):
