@@ -131,6 +131,32 @@ def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | AffineSum 
     return values if pad is None else F.pad(values, pad)
 
 
+def _conv_backward(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum | None,
+                   weight: Tensor, bias_shape: list[int] | None, conv_args: tuple, padded_shape, input_shape,
+                   need: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(grad_x, grad_w, grad_b)`` of a convolution (``weight`` in the gradient's dtype; ``need``: which are
+    wanted, the bias's only with a ``bias_shape``) in two passes of ``convolution_backward``: the weight and bias
+    gradients from the saved input's values, which are freed then, and the input gradient from the weight alone,
+    the input a zero-stride stand-in of its shape (as ``torch.nn.grad.conv2d_input`` passes it). One call would
+    hold the decoded input and the input gradient, each as large as the input, at once: at a network's widest
+    layer that is one of the few full-size tensors its backward peak is made of."""
+    stride, padding, dilation, groups, pad = conv_args
+    args = (list(stride), list(padding), list(dilation), False, [0] * len(stride), groups)
+    need_x, need_w, need_b = need
+    grad_x = grad_w = grad_b = None
+    if need_w or need_b:
+        x_hat = _conv_input(saved if need_w else None, grad_out, padded_shape, pad)
+        _, grad_w, grad_b = torch.ops.aten.convolution_backward(grad_out, x_hat, weight, bias_shape, *args,
+                                                                [False, need_w, need_b])
+        del x_hat
+    if need_x:
+        grad_x = torch.ops.aten.convolution_backward(grad_out, _conv_input(None, grad_out, padded_shape), weight,
+                                                     None, *args, [True, False, False])[0]
+        if pad is not None:
+            grad_x = _unpad(grad_x, pad, input_shape)
+    return grad_x, grad_w, grad_b
+
+
 def _unpad(grad: Tensor, pad: tuple[int, ...], shape: torch.Size) -> Tensor:
     """The part of ``grad`` (the gradient of ``F.pad(x, pad)``) that belongs to ``x`` of ``shape``: what
     ``F.pad``'s own backward returns."""
@@ -165,16 +191,10 @@ class ActConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         packed, weight = load_context(ctx)
-        stride, padding, dilation, groups, pad = ctx.conv_args
-        dtype = grad_out.dtype
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.bias_shape is not None]
-        x_hat = _conv_input(packed, grad_out, ctx.padded_shape, pad)
-        grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
-            grad_out, x_hat, weight.to(dtype), ctx.bias_shape, list(stride), list(padding), list(dilation), False,
-            [0] * len(stride), groups, mask,
-        )
-        if pad is not None and grad_x is not None:
-            grad_x = _unpad(grad_x, pad, ctx.input_shape)
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                ctx.needs_input_grad[2] and ctx.bias_shape is not None)
+        grad_x, grad_w, grad_b = _conv_backward(grad_out, packed, weight.to(grad_out.dtype), ctx.bias_shape,
+                                                ctx.conv_args, ctx.padded_shape, ctx.input_shape, need)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
@@ -225,21 +245,16 @@ class ActStandardizedConvFunction(torch.autograd.Function):
             w_leaf = weight.detach().requires_grad_(need_w)
             gain_leaf = None if gain is None else gain.detach().requires_grad_(need_gain)
             standardized = standardize_weight(w_leaf, gain_leaf, scale, eps)
-        dtype = grad_out.dtype
-        x_hat = _conv_input(packed, grad_out, padded_shape, pad)
-        grad_x, grad_std, grad_b = torch.ops.aten.convolution_backward(
-            grad_out, x_hat, standardized.detach().to(dtype), bias_shape, list(stride), list(padding), list(dilation),
-            False, [0, 0], groups, [need_x, need_w or need_gain, need_b and bias_shape is not None],
-        )
-        del x_hat
+        grad_x, grad_std, grad_b = _conv_backward(
+            grad_out, packed, standardized.detach().to(grad_out.dtype), bias_shape,
+            (stride, padding, dilation, groups, pad), padded_shape, input_shape,
+            (need_x, need_w or need_gain, need_b and bias_shape is not None))
         grad_w = grad_gain = None
         if need_w or need_gain:
             leaves = [t for t in (w_leaf, gain_leaf) if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(standardized, leaves, grad_std.to(standardized.dtype)))
             grad_w = next(grads) if need_w else None
             grad_gain = next(grads) if need_gain else None
-        if pad is not None and grad_x is not None:
-            grad_x = _unpad(grad_x, pad, input_shape)
         return grad_x, grad_w, grad_gain, grad_b, None, None, None, None, None, None, None, None
 
 

@@ -229,6 +229,35 @@ def test_conv_forward_exact_and_grads(cls, kwargs, shape, dtype):
         torch.testing.assert_close(act.bias.grad, ref.bias.grad)
 
 
+@pytest.mark.parametrize("cls, kwargs, shape", [CONV_CASES[1], CONV_CASES[2], CONV_CASES[5]])
+def test_conv_backward_frees_the_decoded_input_before_the_input_gradient(cls, kwargs, shape):
+    """Two ``convolution_backward`` passes: the weight and bias gradients from the decoded input, then the input
+    gradient from a zero-stride stand-in of the input's shape, so the decoded input and the input gradient, each
+    as large as the input, are never alive together. The input gradient is the single call's, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    act = convert(cls(**kwargs), ActConvMixin, bits=8)
+    x = torch.randn(shape, requires_grad=True)
+    y = act(x)
+    g = torch.randn_like(y)
+    calls = []
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution_backward.default:
+                calls.append((args[1].stride(), list(args[-1])))
+            return func(*args, **(kwargs or {}))
+
+    with _Watch():
+        y.backward(g)
+    has_bias = act.bias is not None
+    assert calls == [(x.stride(), [False, True, has_bias]), ((0,) * x.dim(), [True, False, False])]
+    single = torch.ops.aten.convolution_backward(
+        g, x.detach(), act.weight, None, list(act.stride), list(act.padding), list(act.dilation), False,
+        [0] * (x.dim() - 2), act.groups, [True, True, False])[0]
+    assert torch.equal(x.grad, single)
+
 def test_conv_input_grad_only_when_weight_frozen():
     torch.manual_seed(0)
     ref = nn.Conv2d(3, 4, 3, padding=1)
