@@ -9,6 +9,7 @@ from .quantizer import (
     check_bits,
     check_group_size,
     dequantize,
+    dequantize_items,
     dequantize_with_factors,
     quantize,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "check_bits",
     "check_group_size",
     "dequantize",
+    "dequantize_items",
     "dequantize_with_factors",
     "manual_seed",
     "pack_bits",

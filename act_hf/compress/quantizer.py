@@ -14,7 +14,7 @@ from .reference import lo_dtype_for
 from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
-           "dequantize", "dequantize_with_factors", "quantize"]
+           "dequantize", "dequantize_items", "dequantize_with_factors", "quantize"]
 
 DEFAULT_GROUP_SIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -189,15 +189,60 @@ def dequantize_with_factors(packed: PackedTensor,
     direct = lo_dtype_for(dtype) == lo_dtype_for(spec.dtype)
     flat = _library.run(_library.unpack_dequantize, packed.payload, packed.lo, packed.scale, spec.bits,
                         spec.group_size, spec.numel, dtype if direct else spec.dtype)
+    return _laid_out(packed, flat, spec.shape, dtype, direct)
+
+
+def dequantize_items(packed: PackedTensor, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``dequantize(packed, dtype)[start:stop]``, bit for bit, decoding only the groups that hold items
+    ``start..stop-1`` of the first dim (a chunk of the batch) when that dim is the outermost in the order the
+    payload stores (row-major, or a ``spec.memory_order`` that starts with it); otherwise the whole tensor is
+    decoded and sliced. A backward that works chunk by chunk then never holds the whole decoded tensor."""
+    if not isinstance(packed, PackedTensor):
+        raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
+    spec = packed.spec
+    if len(spec.shape) == 0:
+        raise ActHFValueError("packed: a 0-dim tensor has no items to decode")
+    if not 0 <= start <= stop <= spec.shape[0]:
+        raise ActHFValueError(f"start, stop: need 0 <= start <= stop <= {spec.shape[0]} (the first dim), got "
+                              f"{start}, {stop}")
+    order = spec.memory_order
+    if order is not None and order[0] != 0:
+        return dequantize(packed, dtype)[start:stop]
+    if dtype is None:
+        dtype = spec.dtype
+    elif dtype not in SUPPORTED_DTYPES:
+        raise ActHFValueError(f"dtype must be one of float32, float16, bfloat16 or float64, got {dtype}")
+    per_item, size, bits = spec.numel // max(spec.shape[0], 1), spec.group_size, spec.bits
+    begin, end = start * per_item, stop * per_item
+    first, last = (begin // size, -(-end // size)) if end > begin else (0, 0)  # the groups holding the items
+    numel = min(last * size, spec.numel) - first * size
+    offset = first * size * bits // 8  # a whole number of bytes: group sizes are multiples of 8
+    payload = packed.payload[offset:offset + -(-numel * bits // 8)]
+    direct = lo_dtype_for(dtype) == lo_dtype_for(spec.dtype)
+    flat = _library.run(_library.unpack_dequantize, payload, packed.lo[first:last], packed.scale[first:last], bits,
+                        size, numel, dtype if direct else spec.dtype)
+    flat = flat[begin - first * size:end - first * size]
+    return _laid_out(packed, flat, (stop - start, *spec.shape[1:]), dtype, direct, scaled_factors=True)
+
+
+def _laid_out(packed: PackedTensor, flat: torch.Tensor, shape, dtype: torch.dtype, direct: bool, *,
+              scaled_factors: bool = False):
+    """The decoded ``flat`` values of a tensor of ``shape`` in the original's layout (``spec.memory_order``),
+    with the channel factors: returned beside the values by default (:func:`dequantize_with_factors`' pair), or
+    applied (``scaled_factors``)."""
+    spec = packed.spec
     order = spec.memory_order
     if order is None:
-        out = flat.view(spec.shape)
+        out = flat.view(shape)
     else:
         inverse = [0] * len(order)
         for position, dim in enumerate(order):
             inverse[dim] = position
-        out = flat.view([spec.shape[d] for d in order]).permute(inverse)
+        out = flat.view([shape[d] for d in order]).permute(inverse)
     factors = _powers_of_two(packed.channel, out.dtype, negate=True) if spec.channel_scaled else None
-    if direct:
-        return out, factors
-    return (out if factors is None else out.mul_(factors)).to(dtype), None
+    if not direct:
+        out = (out if factors is None else out.mul_(factors)).to(dtype)
+        factors = None
+    if scaled_factors:
+        return out if factors is None else out.mul_(factors)
+    return out, factors

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from act_hf.compress import PackedTensor, dequantize, pack_bits, quantize, unpack_bits
+from act_hf.compress import PackedTensor, dequantize, dequantize_items, pack_bits, quantize, unpack_bits
 from act_hf.compress import reference as R
 from tests.utils import dispatched
 
@@ -186,6 +186,45 @@ def test_input_no_permutation_makes_dense_is_read_in_row_major_order():
         assert torch.equal(p.payload, quantize(x.contiguous(), 4, 64, seed=1).payload)
         y = dequantize(p)
         assert y.is_contiguous() and y.shape == x.shape
+
+
+def _item_layouts():
+    base = torch.randn(6, 40, 12)
+    return {"contiguous": base, "batch outermost (0, 2, 1)": base.transpose(1, 2),
+            "batch not outermost": base.permute(1, 0, 2), "not dense": torch.randn(5, 3, 16, 16)[:, :, 1::2],
+            "2-d, channel scalable": torch.randn(96, 96), "fp16": torch.randn(7, 33).half()}
+
+
+@pytest.mark.parametrize("layout", list(_item_layouts()))
+@pytest.mark.parametrize("bits,group_size", [(1, 8), (3, 256), (8, 64)])
+@pytest.mark.parametrize("channel_scale", [False, True])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_dequantize_items_is_the_whole_decode_sliced(layout, bits, group_size, channel_scale, dtype):
+    """Items ``[start, stop)`` of the first dim, decoded from the groups that hold them alone, are the whole
+    decode's slice bit for bit, in its layout: any width, group size, channel scaling, reader dtype (fp16 decodes
+    through a cast) and layout (a first dim that is not outermost in memory decodes whole and slices)."""
+    torch.manual_seed(0)
+    x = _item_layouts()[layout]
+    packed = quantize(x, bits, group_size, seed=1, channel_scale=channel_scale)
+    whole = dequantize(packed, dtype)
+    n = x.shape[0]
+    for start, stop in [(0, n), (0, 1), (1, 3), (n - 1, n), (2, 2)]:
+        got = dequantize_items(packed, start, stop, dtype)
+        assert got.dtype == whole.dtype and torch.equal(got, whole[start:stop])
+        if stop - start > 1:
+            assert got.stride() == whole[start:stop].stride()
+
+
+def test_dequantize_items_decodes_only_the_groups_of_the_items_and_checks_its_range():
+    x = torch.randn(8, 100)  # 800 elements: items 2..3 are elements 200..399, groups 0..1 of 256
+    packed = quantize(x, 3, 256, seed=0)
+    ops = dispatched(lambda: dequantize_items(packed, 2, 4))
+    (decode,) = [out for func, out in ops if "unpack_dequantize" in str(func)]
+    assert decode[0].numel() == 512
+    with pytest.raises(ValueError, match=r"start, stop: need 0 <= start <= stop <= 8 \(the first dim\), got 3, 9"):
+        dequantize_items(packed, 3, 9)
+    with pytest.raises(ValueError, match="0-dim"):
+        dequantize_items(quantize(torch.tensor(1.0), 3, 256), 0, 0)
 
 
 @pytest.mark.parametrize("channel_scale", [False, True])
