@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..compress import dequantize, pack_bits, unpack_mask
+from ..compress import PackedTensor, dequantize_items, pack_bits, unpack_mask
 from ..context import store
 from ..errors import ActHFTypeError, ActHFValueError
 from ._saving import (
@@ -176,14 +176,37 @@ def _batch_chunks(batch: int, per_item: int, period: int) -> list[tuple[int, int
     return [(start, min(batch, start + step)) for start in range(0, batch, step)]
 
 
-def _load_qkv(ctx, pq, pk, pv, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    q = dequantize(pq, dtype)
-    k = dequantize(pk, dtype)
-    if pv is not None:
-        v = dequantize(pv, dtype)
-    else:  # only dv is wanted: v's values do not enter it, only its shape
-        v = torch.zeros(ctx.v_shape, dtype=dtype, device=q.device)
-    return q, k, v
+class _SavedQKV:
+    """An attention backward's q, k and v, decoded from their packed contexts in ``dtype`` a chunk of the batch at
+    a time (:func:`~act_hf.compress.dequantize_items`): a backward over chunks holds one chunk's values, never the
+    whole batch's. Without a packed v (only dv is wanted, which v's values do not enter) v is zeros of its
+    shape."""
+
+    def __init__(self, pq: PackedTensor, pk: PackedTensor, pv: PackedTensor | None, v_shape: torch.Size,
+                 dtype: torch.dtype) -> None:
+        self.packed, self.v_shape, self.dtype = (pq, pk, pv), v_shape, dtype
+        self.device = pq.device
+        self.batch = pq.shape[0]
+
+    def items(self, start: int, end: int) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k and v of batch items ``[start, end)``: ``dequantize(p, dtype)[start:end]``, bit for bit."""
+        pq, pk, pv = self.packed
+        if pv is None:
+            v = torch.zeros((end - start, *self.v_shape[1:]), dtype=self.dtype, device=self.device)
+        else:
+            v = dequantize_items(pv, start, end, self.dtype)
+        return dequantize_items(pq, start, end, self.dtype), dequantize_items(pk, start, end, self.dtype), v
+
+    def empty_like(self, i: int) -> Tensor:
+        """An uninitialised tensor laid out as q, k or v (``i``) decodes, for its gradient."""
+        packed = self.packed[i]
+        if packed is None:
+            return torch.empty(self.v_shape, dtype=self.dtype, device=self.device)
+        shape, order = packed.spec.shape, packed.spec.memory_order
+        if order is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        return torch.empty([shape[d] for d in order], dtype=self.dtype, device=self.device).permute(inverse)
 
 
 def grads_of(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list[Tensor | None]:
@@ -240,7 +263,7 @@ class ActSDPAFunction(torch.autograd.Function):
         dropout_p, is_causal, scale, enable_gqa, n_rep = ctx.args
         need = ctx.needs_input_grad
         replay: _DropoutReplay | None = ctx.replay
-        q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
+        qkv = _SavedQKV(pq, pk, pv, ctx.v_shape, grad_out.dtype)
 
         def recompute(qc, kc, vc, m, e, start, end):  # SDPA on items [start, end) (all of them: the inputs given)
             full = m if e is None else add_windows_mask(m, e, qc.shape[0])
@@ -257,9 +280,9 @@ class ActSDPAFunction(torch.autograd.Function):
         # over chunks of the batch past RECOMPUTE_CHUNK_ELEMENTS when backward builds a full (B, H, L, S) tensor
         # (a mask's gradient, Swin's summed window mask); not with dropout, whose mask is drawn for the whole shape
         chunked = replay is None and (need[3] or window_mask is not None)
-        chunks = _batch_chunks(q.shape[0], q.shape[1] * q.shape[-2] * k.shape[-2],
-                               1 if window_mask is None else window_mask.shape[0]) if chunked else [(0, q.shape[0])]
-        grads = _attention_grads(chunks, q, k, v, mask, window_mask, grad_out, (*need[:4], False), recompute)
+        chunks = _batch_chunks(qkv.batch, pq.shape[1] * pq.shape[-2] * pk.shape[-2],
+                               1 if window_mask is None else window_mask.shape[0]) if chunked else [(0, qkv.batch)]
+        grads = _attention_grads(chunks, qkv, mask, window_mask, grad_out, (*need[:4], False), recompute)
         return (*grads[:4], None, None, None, None, None, None, None)
 
 
@@ -475,59 +498,65 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         pq, pk, pv, mask, extra, keep_payload = load_context(ctx)
         scaling, dropout_p, n_rep = ctx.args
         need = ctx.needs_input_grad
-        q, k, v = _load_qkv(ctx, pq, pk, pv, grad_out.dtype)
+        qkv = _SavedQKV(pq, pk, pv, ctx.v_shape, grad_out.dtype)
         keep = unpack_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
 
         def recompute(qc, kc, vc, m, e, start, end):  # attention of items [start, end), keep mask sliced to them
             return math_attention(qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), (m,),
                                   None if keep is None else keep[start:end], dropout_p, scaling, window_mask=e)
 
-        chunks = _batch_chunks(q.shape[0], math.prod(ctx.keep_shape[1:]), 1 if extra is None else extra.shape[0])
-        return (*_attention_grads(chunks, q, k, v, mask, extra, grad_out, need[:5], recompute),
+        chunks = _batch_chunks(qkv.batch, math.prod(ctx.keep_shape[1:]), 1 if extra is None else extra.shape[0])
+        return (*_attention_grads(chunks, qkv, mask, extra, grad_out, need[:5], recompute),
                 None, None, None, None, None, None, None)
 
 
-def _per_item_mask(mask: Tensor | None, q: Tensor) -> bool:
-    """Whether ``mask`` has one entry per batch item (sliced with the batch; otherwise broadcast over it)."""
-    return mask is not None and mask.dim() == q.dim() and mask.shape[0] == q.shape[0] and q.shape[0] > 1
+def _per_item_mask(mask: Tensor | None, batch: int, ndim: int) -> bool:
+    """Whether ``mask`` has one entry per batch item of q (``batch`` items, ``ndim`` dims), sliced with the batch;
+    otherwise it broadcasts over it."""
+    return mask is not None and mask.dim() == ndim and mask.shape[0] == batch and batch > 1
 
 
-def _recomputed_grads(start: int, end: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+def _recomputed_grads(start: int, end: int, qkv: tuple[Tensor, Tensor, Tensor], batch: int, mask: Tensor | None,
                       window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
                       recompute: Callable[..., Tensor]) -> list[Tensor | None]:
-    """The gradients of batch items ``[start, end)``: ``recompute(q, k, v, mask, window_mask, start, end)`` runs
-    their attention (batch items are independent) and autograd differentiates it. ``need``: whether q, k, v, the
-    mask and the window mask want a gradient."""
+    """The gradients of batch items ``[start, end)`` of ``batch``, whose q, k and v are ``qkv``:
+    ``recompute(q, k, v, mask, window_mask, start, end)`` runs their attention (batch items are independent) and
+    autograd differentiates it. ``need``: whether q, k, v, the mask and the window mask want a gradient."""
     with torch.enable_grad():
-        leaves = [t[start:end].detach().requires_grad_(want) for t, want in zip((q, k, v), need[:3])]
+        leaves = [t.detach().requires_grad_(want) for t, want in zip(qkv, need[:3])]
         m = mask
         if mask is not None:
-            m = (mask[start:end] if _per_item_mask(mask, q) else mask).detach().requires_grad_(need[3])
+            m = (mask[start:end] if _per_item_mask(mask, batch, qkv[0].dim()) else mask).detach()
+            m.requires_grad_(need[3])
         e = window_mask.detach().requires_grad_(True) if window_mask is not None and need[4] else window_mask
         out = recompute(*leaves, m, e, start, end)
         return grads_of(out, [*leaves, m, e], grad_out[start:end])
 
 
-def _attention_grads(chunks: list[tuple[int, int]], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+def _attention_grads(chunks: list[tuple[int, int]], qkv: _SavedQKV, mask: Tensor | None,
                      window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
                      recompute: Callable[..., Tensor]) -> list[Tensor | None]:
     """An attention backward by recomputation: in one pass for a single chunk, else :func:`_grads_by_chunks`."""
     if len(chunks) > 1:
-        return _grads_by_chunks(chunks, q, k, v, mask, window_mask, grad_out, need, recompute)
-    return _recomputed_grads(*chunks[0], q, k, v, mask, window_mask, grad_out, need, recompute)
+        return _grads_by_chunks(chunks, qkv, mask, window_mask, grad_out, need, recompute)
+    start, end = chunks[0]
+    return _recomputed_grads(start, end, qkv.items(start, end), qkv.batch, mask, window_mask, grad_out, need,
+                             recompute)
 
 
-def _grads_by_chunks(chunks: list[tuple[int, int]], q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+def _grads_by_chunks(chunks: list[tuple[int, int]], qkv: _SavedQKV, mask: Tensor | None,
                      window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
                      recompute: Callable[..., Tensor]) -> list[Tensor | None]:
-    """An attention backward over ``chunks`` of the batch (:func:`_recomputed_grads` each). ``dq``, ``dk``, ``dv``
-    and a per-item mask's gradient are filled chunk by chunk; the gradients of a mask broadcast over the batch
-    (Swin's relative position bias) and of the window mask are summed over the chunks."""
-    per_item_mask = _per_item_mask(mask, q)
-    grads: list[Tensor | None] = [torch.empty_like(t) if want else None for t, want in zip((q, k, v), need[:3])]
+    """An attention backward over ``chunks`` of the batch (:func:`_recomputed_grads` each, on that chunk's q, k
+    and v alone). ``dq``, ``dk``, ``dv`` and a per-item mask's gradient are filled chunk by chunk; the gradients
+    of a mask broadcast over the batch (Swin's relative position bias) and of the window mask are summed over
+    the chunks."""
+    per_item_mask = _per_item_mask(mask, qkv.batch, len(qkv.packed[0].shape))
+    grads: list[Tensor | None] = [qkv.empty_like(i) if want else None for i, want in enumerate(need[:3])]
     grads += [torch.empty_like(mask) if need[3] and per_item_mask else None, None]
     for start, end in chunks:
-        got = _recomputed_grads(start, end, q, k, v, mask, window_mask, grad_out, need, recompute)
+        got = _recomputed_grads(start, end, qkv.items(start, end), qkv.batch, mask, window_mask, grad_out, need,
+                                recompute)
         for i, g in enumerate(got):
             if g is None:
                 continue

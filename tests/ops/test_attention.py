@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import act_hf
-from act_hf.compress import dequantize, quantize
+from act_hf.compress import dequantize, dequantize_items, quantize
 from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
 from act_hf.ops._saving import OpSettings
@@ -431,14 +431,18 @@ def test_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, op
         return _run(attend, inputs, grad_out)
 
     out, one_pass, _ = run()
-    chunks = []
+    chunks, decoded = [], []
     monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", 2 * windows * 4 * n * n)  # two images a chunk
     monkeypatch.setattr(attention, "_grads_by_chunks", lambda c, *a: chunks.append(c) or _grads_by_chunks(c, *a))
+    monkeypatch.setattr(attention, "dequantize_items",
+                        lambda p, a, b, dtype: decoded.append((a, b)) or dequantize_items(p, a, b, dtype))
     chunked_out, chunked, _ = run()
     if op == "sdpa" and case in ("dropout_gqa", "plain_mask"):
         assert chunks == []  # a dropout mask is drawn for the whole shape; a mask without grad builds nothing
+        assert decoded == [(0, 20)] * 3
     else:
         assert chunks == [[(0, 8), (8, 16), (16, 20)]]
+        assert decoded == [(0, 8)] * 3 + [(8, 16)] * 3 + [(16, 20)] * 3  # q, k, v one chunk at a time
     assert torch.equal(out, chunked_out)
     for a, b in zip(one_pass, chunked):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
