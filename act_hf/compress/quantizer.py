@@ -221,15 +221,16 @@ def dequantize_items(packed: PackedTensor, start: int, stop: int, dtype: torch.d
     direct = lo_dtype_for(dtype) == lo_dtype_for(spec.dtype)
     flat = _library.run(_library.unpack_dequantize, payload, packed.lo[first:last], packed.scale[first:last], bits,
                         size, numel, dtype if direct else spec.dtype)
-    flat = flat[begin - first * size:end - first * size]
-    return _laid_out(packed, flat, (stop - start, *spec.shape[1:]), dtype, direct, scaled_factors=True)
+    values, factors = _laid_out(packed, flat[begin - first * size:end - first * size],
+                                (stop - start, *spec.shape[1:]), dtype, direct)
+    return values if factors is None else values.mul_(factors)
 
 
-def _laid_out(packed: PackedTensor, flat: torch.Tensor, shape, dtype: torch.dtype, direct: bool, *,
-              scaled_factors: bool = False):
-    """The decoded ``flat`` values of a tensor of ``shape`` in the original's layout (``spec.memory_order``),
-    with the channel factors: returned beside the values by default (:func:`dequantize_with_factors`' pair), or
-    applied (``scaled_factors``)."""
+def _laid_out(packed: PackedTensor, flat: torch.Tensor, shape, dtype: torch.dtype,
+              direct: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`dequantize_with_factors`' pair for the decoded ``flat`` values of a tensor of ``shape``: them in the
+    original's layout (``spec.memory_order``), and the channel factors still to apply (``None``: none, or the
+    values came through a cast, ``direct`` false, and are scaled already)."""
     spec = packed.spec
     order = spec.memory_order
     if order is None:
@@ -240,9 +241,6 @@ def _laid_out(packed: PackedTensor, flat: torch.Tensor, shape, dtype: torch.dtyp
             inverse[dim] = position
         out = flat.view([shape[d] for d in order]).permute(inverse)
     factors = _powers_of_two(packed.channel, out.dtype, negate=True) if spec.channel_scaled else None
-    if not direct:
-        out = (out if factors is None else out.mul_(factors)).to(dtype)
-        factors = None
-    if scaled_factors:
-        return out if factors is None else out.mul_(factors)
-    return out, factors
+    if direct:
+        return out, factors
+    return (out if factors is None else out.mul_(factors)).to(dtype), None
