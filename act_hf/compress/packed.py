@@ -23,6 +23,18 @@ class PackedSpec:
     a permuted view of a dense tensor (a transpose, channels-last) packed as it lay in memory; ``None``: the
     row-major order of ``shape``."""
 
+    def laid_out(self, flat: torch.Tensor, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
+        """``flat``, the elements of a tensor of ``shape`` (default: ``self.shape``; a chunk of its first dim when
+        that is outermost in memory) in the order the payload stores them, viewed in the original's layout."""
+        shape = self.shape if shape is None else shape
+        order = self.memory_order
+        if order is None:
+            return flat.view(shape)
+        inverse = [0] * len(order)
+        for position, dim in enumerate(order):
+            inverse[dim] = position
+        return flat.view([shape[d] for d in order]).permute(inverse)
+
     @property
     def n_tensors(self) -> int:
         """How many tensors the packed form has: payload, lo, scale, and the channel exponents if scaled."""

@@ -182,14 +182,20 @@ def dequantize_with_factors(packed: PackedTensor,
     if not isinstance(packed, PackedTensor):
         raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     spec = packed.spec
-    if dtype is None:
-        dtype = spec.dtype
-    elif dtype not in SUPPORTED_DTYPES:
-        raise ActHFValueError(f"dtype must be one of float32, float16, bfloat16 or float64, got {dtype}")
+    dtype = _reader_dtype(spec, dtype)
     direct = lo_dtype_for(dtype) == lo_dtype_for(spec.dtype)
     flat = _library.run(_library.unpack_dequantize, packed.payload, packed.lo, packed.scale, spec.bits,
                         spec.group_size, spec.numel, dtype if direct else spec.dtype)
-    return _laid_out(packed, flat, spec.shape, dtype, direct)
+    return _with_factors(packed, spec.laid_out(flat), dtype, direct)
+
+
+def _reader_dtype(spec: PackedSpec, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a decode returns: ``dtype``, or the original's for ``None``."""
+    if dtype is None:
+        return spec.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise ActHFValueError(f"dtype must be one of float32, float16, bfloat16 or float64, got {dtype}")
+    return dtype
 
 
 def dequantize_items(packed: PackedTensor, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -206,12 +212,9 @@ def dequantize_items(packed: PackedTensor, start: int, stop: int, dtype: torch.d
         raise ActHFValueError(f"start, stop: need 0 <= start <= stop <= {spec.shape[0]} (the first dim), got "
                               f"{start}, {stop}")
     order = spec.memory_order
-    if order is not None and order[0] != 0:
+    if (start, stop) == (0, spec.shape[0]) or order is not None and order[0] != 0:
         return dequantize(packed, dtype)[start:stop]
-    if dtype is None:
-        dtype = spec.dtype
-    elif dtype not in SUPPORTED_DTYPES:
-        raise ActHFValueError(f"dtype must be one of float32, float16, bfloat16 or float64, got {dtype}")
+    dtype = _reader_dtype(spec, dtype)
     per_item, size, bits = spec.numel // max(spec.shape[0], 1), spec.group_size, spec.bits
     begin, end = start * per_item, stop * per_item
     first, last = (begin // size, -(-end // size)) if end > begin else (0, 0)  # the groups holding the items
@@ -221,25 +224,17 @@ def dequantize_items(packed: PackedTensor, start: int, stop: int, dtype: torch.d
     direct = lo_dtype_for(dtype) == lo_dtype_for(spec.dtype)
     flat = _library.run(_library.unpack_dequantize, payload, packed.lo[first:last], packed.scale[first:last], bits,
                         size, numel, dtype if direct else spec.dtype)
-    values, factors = _laid_out(packed, flat[begin - first * size:end - first * size],
-                                (stop - start, *spec.shape[1:]), dtype, direct)
+    values = spec.laid_out(flat[begin - first * size:end - first * size], (stop - start, *spec.shape[1:]))
+    values, factors = _with_factors(packed, values, dtype, direct)
     return values if factors is None else values.mul_(factors)
 
 
-def _laid_out(packed: PackedTensor, flat: torch.Tensor, shape, dtype: torch.dtype,
-              direct: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`dequantize_with_factors`' pair for the decoded ``flat`` values of a tensor of ``shape``: them in the
-    original's layout (``spec.memory_order``), and the channel factors still to apply (``None``: none, or the
-    values came through a cast, ``direct`` false, and are scaled already)."""
+def _with_factors(packed: PackedTensor, out: torch.Tensor, dtype: torch.dtype,
+                  direct: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`dequantize_with_factors`' pair for decoded values ``out`` in the original's layout: them in
+    ``dtype``, and the channel factors still to apply (``None``: none, or the values came through a cast,
+    ``direct`` false, and are scaled already)."""
     spec = packed.spec
-    order = spec.memory_order
-    if order is None:
-        out = flat.view(shape)
-    else:
-        inverse = [0] * len(order)
-        for position, dim in enumerate(order):
-            inverse[dim] = position
-        out = flat.view([shape[d] for d in order]).permute(inverse)
     factors = _powers_of_two(packed.channel, out.dtype, negate=True) if spec.channel_scaled else None
     if direct:
         return out, factors

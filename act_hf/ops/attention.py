@@ -202,11 +202,7 @@ class _SavedQKV:
         packed = self.packed[i]
         if packed is None:
             return torch.empty(self.v_shape, dtype=self.dtype, device=self.device)
-        shape, order = packed.spec.shape, packed.spec.memory_order
-        if order is None:
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
-        inverse = sorted(range(len(order)), key=order.__getitem__)
-        return torch.empty([shape[d] for d in order], dtype=self.dtype, device=self.device).permute(inverse)
+        return packed.spec.laid_out(torch.empty(packed.spec.numel, dtype=self.dtype, device=self.device))
 
 
 def grads_of(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list[Tensor | None]:
