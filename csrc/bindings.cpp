@@ -2,15 +2,26 @@
 // The checks run with the GIL held (a failed TORCH_CHECK becomes a RuntimeError there); only the launch releases
 // it: an argument error raised under call_guard<gil_scoped_release> segfaulted on the GPU machine (torch 2.11,
 // Python 3.12).
+// Messages are whole std::strings (std::to_string, c10::toString, Device::str), never streamed: on the H100
+// machine (gcc 13.3 against torch's devtoolset build) streaming an integer inside this module crashed in
+// std::ostream::_M_insert<long> (benchmarks/results/gpu_h100_3/diagnosis.log), and TORCH_CHECK(cond, "got ", n)
+// streams its arguments; a single std::string argument is passed through as it is.
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
-#define CHECK_CUDA(x) TORCH_CHECK((x).is_cuda(), #x " must be a CUDA tensor, got one on ", (x).device())
-#define CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), #x " must be contiguous")
-#define CHECK_DTYPE(x, T) TORCH_CHECK((x).scalar_type() == (T), #x " must have dtype ", (T), ", got ", (x).scalar_type())
-#define CHECK_SHAPE(x, ...) \
-  TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x " must have shape (" #__VA_ARGS__ "), got ", (x).sizes())
+#include "dispatch.h"
+
+#define CHECK_CUDA(x) \
+  TORCH_CHECK((x).is_cuda(), std::string(#x " must be a CUDA tensor, got one on ") + (x).device().str())
+#define CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), std::string(#x " must be contiguous"))
+#define CHECK_DTYPE(x, T)                                                                                   \
+  TORCH_CHECK((x).scalar_type() == (T), std::string(#x " must have dtype ") + c10::toString(T) + ", got " + \
+                                            c10::toString((x).scalar_type()))
+#define CHECK_LENGTH(x, n)                                                                                  \
+  TORCH_CHECK((x).dim() == 1 && (x).size(0) == (n), std::string(#x " must be flat with ") + std::to_string(n) + \
+                                                        " elements (" #n "), got shape " + act_hf::shape_str((x).sizes()))
 
 namespace act_hf {
 std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed);
@@ -22,10 +33,11 @@ at::Tensor unpack_bits_cuda(const at::Tensor& payload, int64_t bits, int64_t num
 
 namespace {
 
-void check_bits(int64_t bits) { TORCH_CHECK(bits >= 1 && bits <= 8, "bits must be an integer from 1 to 8, got ", bits); }
+void check_bits(int64_t bits) { TORCH_CHECK(bits >= 1 && bits <= 8, act_hf::bits_error(bits)); }
 
 void check_group_size(int64_t group_size) {
-  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, "group_size must be a positive multiple of 8, got ", group_size);
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0,
+              "group_size must be a positive multiple of 8, got " + std::to_string(group_size));
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -37,8 +49,9 @@ bool is_float_type(at::ScalarType t) {
 std::vector<at::Tensor> quantize_pack(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
   CHECK_CUDA(x);
   CHECK_CONTIGUOUS(x);
-  TORCH_CHECK(x.dim() == 1, "x must be flat (1-D), got ", x.dim(), " dims");
-  TORCH_CHECK(is_float_type(x.scalar_type()), "x must be float32, float16, bfloat16 or float64, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 1, "x must be flat (1-D), got " + std::to_string(x.dim()) + " dims");
+  TORCH_CHECK(is_float_type(x.scalar_type()),
+              std::string("x must be float32, float16, bfloat16 or float64, got ") + c10::toString(x.scalar_type()));
   check_bits(bits);
   check_group_size(group_size);
   py::gil_scoped_release no_gil;
@@ -58,11 +71,12 @@ at::Tensor unpack_dequantize(const at::Tensor& payload, const at::Tensor& lo, co
   CHECK_DTYPE(scale, at::kShort);
   check_bits(bits);
   check_group_size(group_size);
-  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
-  TORCH_CHECK(is_float_type(dtype), "dtype must be float32, float16, bfloat16 or float64, got ", dtype);
-  CHECK_SHAPE(payload, ceil_div(numel * bits, 8));
-  CHECK_SHAPE(lo, ceil_div(numel, group_size));
-  CHECK_SHAPE(scale, ceil_div(numel, group_size));
+  TORCH_CHECK(numel >= 0, "numel must be >= 0, got " + std::to_string(numel));
+  TORCH_CHECK(is_float_type(dtype),
+              std::string("dtype must be float32, float16, bfloat16 or float64, got ") + c10::toString(dtype));
+  CHECK_LENGTH(payload, ceil_div(numel * bits, 8));
+  CHECK_LENGTH(lo, ceil_div(numel, group_size));
+  CHECK_LENGTH(scale, ceil_div(numel, group_size));
   py::gil_scoped_release no_gil;
   return act_hf::unpack_dequantize_cuda(payload, lo, scale, bits, group_size, numel, dtype);
 }
@@ -82,9 +96,10 @@ at::Tensor unpack_bits(const at::Tensor& payload, int64_t bits, int64_t numel) {
   CHECK_CONTIGUOUS(payload);
   CHECK_DTYPE(payload, at::kByte);
   check_bits(bits);
-  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
-  TORCH_CHECK(payload.numel() >= ceil_div(numel * bits, 8), "payload holds ", payload.numel(),
-              " bytes, fewer than ceil(numel * bits / 8) = ", ceil_div(numel * bits, 8));
+  TORCH_CHECK(numel >= 0, "numel must be >= 0, got " + std::to_string(numel));
+  TORCH_CHECK(payload.numel() >= ceil_div(numel * bits, 8),
+              "payload holds " + std::to_string(payload.numel()) + " bytes, fewer than ceil(numel * bits / 8) = " +
+                  std::to_string(ceil_div(numel * bits, 8)));
   py::gil_scoped_release no_gil;
   return act_hf::unpack_bits_cuda(payload, bits, numel);
 }

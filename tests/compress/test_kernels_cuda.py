@@ -109,9 +109,9 @@ def test_reference_gives_the_same_bits_on_the_gpu_and_the_cpu():
 
 
 def test_kernel_errors_name_arguments(ext):
-    """Bad arguments raise RuntimeErrors that name them. Asked in a subprocess: on the H100 machine (torch 2.11,
-    Python 3.12, gcc 13.3) every error raised out of the extension killed the process (SIGSEGV), and with it
-    the rest of this file's tests; here that is this test's failure."""
+    """Bad arguments raise RuntimeErrors that name them. Asked in a subprocess, so that a crash is this test's
+    failure and not the end of the file: on the H100 machine (torch 2.11, Python 3.12, gcc 13.3) streaming an
+    integer into a message inside the extension crashed with SIGSEGV (see csrc/bindings.cpp)."""
     code = """if True:
         import torch
         from act_hf import _ext
