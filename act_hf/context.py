@@ -26,14 +26,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .compress import PackedSpec, PackedTensor, quantize
+from ._chunks import chunk_elements
+from .compress import PackedSpec, PackedTensor, quantize, quantize_by_rows
 from .regions import enter_own_hooks, leave_own_hooks
 from .swap import HostSwap
 
@@ -199,9 +200,7 @@ class ContextStore:
                 channel_scale = form.channel_scaled
             packed = quantize(x, bits, group_size, channel_scale=channel_scale)
             if swap:
-                packed = self.swap.offload(packed)
-                for tracker in self._trackers:
-                    tracker._host.update(t.untyped_storage().data_ptr() for t in packed.tensors)
+                packed = self._offload(packed)
             made = _Entry(weakref.ref(x), x._version, tuple(weakref.ref(t) for t in packed.tensors), packed.spec)
             with self._lock:
                 entries[key] = made
@@ -222,6 +221,28 @@ class ContextStore:
         """:meth:`compress` with an op's :class:`~act_hf.ops._saving.OpSettings`."""
         return self.compress(x, slot=settings.slot, bits=settings.bits, group_size=settings.group_size,
                              swap=settings.swap, channel_scale=settings.channel_scale)
+
+    def compress_by_rows(self, make: Callable[[int, int], torch.Tensor], shape: torch.Size, settings: Any, *,
+                         device: torch.device) -> PackedTensor:
+        """:meth:`compress_as` of a tensor that only its op reads (an intermediate, never seen by another op), given
+        as ``make(start, stop)``, its rows ``start:stop`` along dim 0, and packed slice by slice
+        (:func:`act_hf.compress.quantize_by_rows`): the full-size tensor is never made. It is made whole and
+        compressed as usual while a probe runs (it keeps a second draw of the tensor) and when ``settings`` ask
+        for channel scaling (over the whole tensor)."""
+        if self._probe is not None or settings.channel_scale:
+            return self.compress_as(make(0, shape[0]), settings)
+        packed = quantize_by_rows(make, shape, settings.bits, settings.group_size, chunk=4 * chunk_elements(device))
+        if settings.swap and packed.payload.is_cuda:
+            packed = self._offload(packed)
+        self.register(packed.tensors, slot=settings.slot, original_nbytes=packed.spec.numel * packed.spec.dtype.itemsize)
+        return packed
+
+    def _offload(self, packed: PackedTensor) -> PackedTensor:
+        """``packed`` swapped to host memory, its host tensors counted as such by the trackers."""
+        packed = self.swap.offload(packed)
+        for tracker in self._trackers:
+            tracker._host.update(t.untyped_storage().data_ptr() for t in packed.tensors)
+        return packed
 
     @contextlib.contextmanager
     def probing(self) -> Iterator[Probe]:

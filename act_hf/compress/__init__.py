@@ -12,6 +12,7 @@ from .quantizer import (
     dequantize_items,
     dequantize_with_factors,
     quantize,
+    quantize_by_rows,
 )
 from .rng import manual_seed
 
@@ -29,6 +30,7 @@ __all__ = [
     "manual_seed",
     "pack_bits",
     "quantize",
+    "quantize_by_rows",
     "unpack_bits",
     "unpack_mask",
 ]

@@ -501,11 +501,11 @@ def _bn_forward(x: Tensor, weight, bias, running_mean, running_var, momentum: fl
     return y, mean, invstd
 
 
-def _normalized(x: Tensor, mean: Tensor, invstd: Tensor, eps: float) -> Tensor:
-    """``(x - mean) * invstd`` per channel (dim 1) in ``x``'s dtype, in one pass: an inference-mode batch norm
-    whose variance gives ``invstd`` back (``invstd**-2 - eps``; fp32, exact to a rounding or two)."""
+def _normalizer(mean: Tensor, invstd: Tensor, eps: float) -> Callable[[Tensor], Tensor]:
+    """``x -> (x - mean) * invstd`` per channel (dim 1) in ``x``'s dtype, in one pass: an inference-mode batch
+    norm whose variance gives ``invstd`` back (``invstd**-2 - eps``; fp32, exact to a rounding or two)."""
     var = invstd.reciprocal().square_().sub_(eps)
-    return torch.batch_norm(x, None, None, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
+    return lambda x: torch.batch_norm(x, None, None, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
 
 
 def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | None, invstd: Tensor,
@@ -533,7 +533,9 @@ class ActBatchNormFunction(torch.autograd.Function):
     """Training-mode BatchNorm (any ``(N, C, *)``; running stats updated exactly as ``F.batch_norm``).
 
     Saves, when the input or the weight needs a gradient: ``quantize((x - mean) * invstd)``, the input
-    normalized per channel, with ``save_invstd`` (fp32, one per channel) and ``weight``. Backward decodes
+    normalized per channel (made and packed a slice of the batch at a time, never whole:
+    :meth:`~act_hf.context.ContextStore.compress_by_rows`), with ``save_invstd`` (fp32, one per channel) and
+    ``weight``. Backward decodes
     ``x_norm`` in the gradient's dtype and runs ``aten.native_batch_norm_backward`` on it as an input of mean 0
     and invstd 1, then scales the input gradient by ``invstd`` (:func:`_bn_backward_from_x_hat`). Quantizing
     the normalized input keeps the error relative to each channel's own spread: a quantization group spans
@@ -554,11 +556,12 @@ class ActBatchNormFunction(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.shape = x.shape
         if need_x or need_w:
-            x_norm = _normalized(x, mean, invstd, eps)
+            normalized = _normalizer(mean, invstd, eps)
             if x.numel() < MIN_VALUES_PER_CHANNEL * x.shape[1]:
-                packed = x_norm  # statistics over a handful of values amplify any error: keep this small tensor exact
-            else:
-                packed = store.compress_as(x_norm, settings)
+                packed = normalized(x)  # statistics over a handful of values amplify any error: keep this small tensor exact
+            else:  # never made whole: a full-size temporary at the widest layers
+                packed = store.compress_by_rows(lambda start, stop: normalized(x[start:stop]), x.shape, settings,
+                                                device=x.device)
                 if note_output:  # noted by act_batch_norm once y has its autograd node (note_pending)
                     ctx.act_affine = (packed, weight, bias, settings.slot)
             save_context(ctx, packed, invstd, weight)

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from act_hf.compress import PackedTensor, dequantize, dequantize_items, pack_bits, quantize, unpack_bits
+from act_hf.compress import (PackedTensor, dequantize, dequantize_items, pack_bits, quantize, quantize_by_rows,
+                             unpack_bits)
 from act_hf.compress import reference as R
 from tests.utils import dispatched
 
@@ -225,6 +226,59 @@ def test_dequantize_items_decodes_only_the_groups_of_the_items_and_checks_its_ra
         dequantize_items(packed, 3, 9)
     with pytest.raises(ValueError, match="0-dim"):
         dequantize_items(quantize(torch.tensor(1.0), 3, 256), 0, 0)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_by_rows_lays_the_slices_end_to_end(layout, dtype):
+    """Slices of whole groups (240 elements a row, groups of 64: 4 rows), each packed with its own draw: the
+    groups' zero points and scales are those of the whole tensor packed in the slices' order (they draw nothing),
+    and so is the spec, and every value decodes to one of its group's two levels around it. Slices of a
+    transposed view are not dense: they are read, like the view's copy, in row-major order."""
+    torch.manual_seed(0)
+    x = torch.randn(10, 6, 5, 8).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    calls = []
+
+    def make(start, stop):
+        calls.append((start, stop))
+        return x[start:stop]
+
+    packed = quantize_by_rows(make, x.shape, 3, 64, chunk=1000)
+    whole = quantize(x.contiguous() if layout == "transposed" else x, 3, 64, seed=0)
+    assert calls == [(0, 4), (4, 8), (8, 10)]
+    assert packed.spec == whole.spec
+    assert torch.equal(packed.lo, whole.lo) and torch.equal(packed.scale, whole.scale)
+    assert packed.payload.shape == whole.payload.shape
+    decoded = dequantize(packed, torch.float32)
+    assert decoded.stride() == dequantize(whole, torch.float32).stride()
+    order = whole.spec.memory_order or tuple(range(4))
+    error = (decoded - x.float()).permute(order).reshape(-1).abs()
+    level = whole.scale.view(torch.bfloat16).float().repeat_interleave(64)[:x.numel()]
+    assert (error <= level * 1.001).all()
+
+
+def test_quantize_by_rows_makes_the_whole_when_a_slice_would_not_be_a_stretch_of_the_stream():
+    """One slice holding every row, or slices stored with dim 0 inside (their streams would interleave, not
+    follow each other): ``x`` is made whole and quantized at once. A 0-dim shape has no rows."""
+    torch.manual_seed(1)
+    x = torch.randn(10, 6, 40)
+    calls = []
+
+    def make(start, stop):  # dense, but stored as (6, rows, 40)
+        calls.append((start, stop))
+        return x[start:stop].transpose(0, 1).contiguous().transpose(0, 1)
+
+    packed = quantize_by_rows(make, x.shape, 4, 64, chunk=128)
+    assert calls == [(0, 4), (0, 10)] and packed.spec == quantize(make(0, 10), 4, 64).spec
+    calls.clear()
+    packed = quantize_by_rows(make, x.shape, 4, 64, chunk=10**6)
+    assert calls == [(0, 10)] and torch.equal(packed.lo, quantize(make(0, 10), 4, 64).lo)
+    with pytest.raises(ValueError, match="0-dim"):
+        quantize_by_rows(make, (), 4, 64, chunk=8)
 
 
 @pytest.mark.parametrize("channel_scale", [False, True])

@@ -603,6 +603,30 @@ def test_batch_norm_forward_of_a_bf16_input_makes_no_full_size_fp32_tensor(autoc
         assert torch.equal(y, bn(x))  # the module's own output
 
 
+def test_batch_norm_packs_its_normalized_input_slice_by_slice(monkeypatch):
+    """The normalized input that BatchNorm packs is made a slice of the batch at a time (here 4 slices of 4 rows:
+    the chunk is cut to 1024 elements), never whole: the forward's one full-size tensor is its output, and the
+    context is as large and as close as one packed at once (8 bits: gradients at 30+ dB from float64's)."""
+    import act_hf.context
+
+    monkeypatch.setattr(act_hf.context, "chunk_elements", lambda device: 256)
+    torch.manual_seed(19)
+    bn = _randomize(nn.BatchNorm2d(4))
+    act = _act(bn, ActBatchNormMixin, bits=8)
+    x = torch.randn(16, 4, 8, 8, requires_grad=True)
+    ops = dispatched(lambda: act(x))
+    full = {t.untyped_storage().data_ptr() for _, outputs in ops for t in outputs
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == x.numel()}
+    batch_norms = [out[0].shape[0] for func, out in ops if func is torch.ops.aten.native_batch_norm.default]
+    assert len(full) == 1 and batch_norms == [16, 4, 4, 4, 4]  # the training pass, then the slices' normalizing
+    with track_saved(act) as saved:
+        y = act(x)
+    assert saved.bytes == packed_bytes(x.numel(), 8) + 4 * 4
+    g = torch.randn_like(y)
+    y.backward(g)
+    _check_grads("BN by slices", x.grad, {n: p.grad for n, p in act.named_parameters()}, *_grads_f64(bn, x, g), 30)
+
+
 def test_batch_norm_saved_bytes_eval_and_frozen():
     torch.manual_seed(16)
     bn = _randomize(nn.BatchNorm2d(5))
