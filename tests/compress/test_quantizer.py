@@ -8,8 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from act_hf.compress import (PackedTensor, dequantize, dequantize_items, pack_bits, quantize, quantize_by_rows,
-                             unpack_bits)
+from act_hf.compress import (
+    PackedTensor,
+    dequantize,
+    dequantize_items,
+    pack_bits,
+    quantize,
+    quantize_by_rows,
+    unpack_bits,
+)
 from act_hf.compress import reference as R
 from tests.utils import dispatched
 
