@@ -126,7 +126,8 @@ class Trial:
 _ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
 
 
-def _enable_checkpointing(model: torch.nn.Module) -> None:
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Gradient checkpointing of an HF model (``use_reentrant=False``) or a timm one."""
     if hasattr(model, "gradient_checkpointing_enable"):  # transformers
         enable_hf_checkpointing(model)
     elif hasattr(model, "set_grad_checkpointing"):  # timm
@@ -153,7 +154,7 @@ def prepare_step(trial: Trial) -> tuple[Callable[[], None], dict]:
     else:
         model, kind = MODELS[trial.model](**dict.fromkeys(_ATTENTION_DROPOUT_KEYS, trial.attention_dropout))
     if setting.checkpointing:
-        _enable_checkpointing(model)
+        enable_checkpointing(model)
     model.to(device).train()
     if setting.bits is not None:
         act_hf.patch(model, bits=setting.bits, swap=setting.swap, checkpoint_bits=setting.checkpoint_bits)

@@ -41,6 +41,7 @@ import act_hf
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_checkpoint_memory import parse_setting
+from benchmark_gpu_training import enable_checkpointing
 from benchmark_saved_memory import MODELS, _meta, make_inputs
 
 _OURS = re.compile(r"(^|/)(act_hf|timm|transformers)/")  # a frame's file, absolute or relative to the cwd
@@ -132,16 +133,16 @@ def profile_peak(forward_loss: Callable[[], torch.Tensor], device: torch.device)
 def measure(model_name: str, setting: str, batch: int, device: torch.device, dtype: str, seq: int) -> dict:
     """In this process: :func:`profile_peak` of one training step of ``model_name`` at ``batch``, after a batch-1
     step (so parameter gradients exist)."""
-    checkpointing, _, bits = parse_setting(setting)
-    if checkpointing:
-        raise SystemExit("--setting: checkpointing is not measured here; use unpatched or bitsN")
+    checkpointing, checkpoint_bits, bits = parse_setting(setting)
     torch.manual_seed(0)
     model, kind = MODELS[model_name]()
     model.to(device).train()
     if kind != "image":  # its dense vocabulary-sized gradient would set the peak at small batches
         model.get_input_embeddings().weight.requires_grad_(False)
+    if checkpointing:
+        enable_checkpointing(model)
     if bits is not None:
-        act_hf.patch(model, bits=bits)
+        act_hf.patch(model, bits=bits, checkpoint_bits=checkpoint_bits)
     inputs = make_inputs(kind, model, batch, seq, device)
     labels = torch.zeros(batch, dtype=torch.long, device=device)
 
@@ -158,7 +159,9 @@ def measure(model_name: str, setting: str, batch: int, device: torch.device, dty
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="swin-tiny", choices=list(MODELS))
-    parser.add_argument("--setting", default="bits3", help="unpatched or bitsN (N 1..8)")
+    parser.add_argument("--setting", default="bits3",
+                        help="unpatched, bitsN, ckpt (gradient checkpointing), ckpt+bitsN or ckptK+bitsN (the "
+                             "checkpointed layer inputs packed at K bits); N, K in 1..8")
     parser.add_argument("--batches", type=int, nargs=2, default=[2, 4], metavar=("B1", "B2"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16: autocast (default)")

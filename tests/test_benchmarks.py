@@ -488,8 +488,21 @@ def test_memory_at_peak_sites_and_arguments():
         memory_at_peak.main(["--batches", "4", "2"])
     with pytest.raises(SystemExit, match="--settings"):
         memory_at_peak.main(["--setting", "bits9"])
-    with pytest.raises(SystemExit, match="checkpointing"):
-        memory_at_peak.measure("resnet50", "ckpt", 2, torch.device("cpu"), "bf16", 128)
+
+
+def test_memory_at_peak_measures_a_checkpointed_step(monkeypatch):
+    """``ckptK+bitsN``: HF checkpointing on, the layer inputs packed at K bits; the packed checkpoint's backward (the
+    layers' recomputation) is among the sites alive at backward's highest point."""
+    import transformers as tf
+
+    config = tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, attention_probs_dropout_prob=0.0)
+    monkeypatch.setitem(memory_at_peak.MODELS, "tiny-bert",
+                        lambda: (tf.BertForSequenceClassification(config), "text"))
+    out = memory_at_peak.measure("tiny-bert", "ckpt4+bits3", 4, torch.device("cpu"), "bf16", 16)
+    backward = out["phases"]["backward"]
+    assert out["batch"] == 4 and backward["peak"] > 0
+    assert any("_CompressedCheckpointBackward" in site for site in backward["sites"]), sorted(backward["sites"])
 
 
 probe_extension_errors = _load("probe_extension_errors")
