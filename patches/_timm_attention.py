@@ -75,7 +75,7 @@ class ActTimmAttentionMixin(ActModule):
             attn_bias = resolve_self_attn_mask(N, q, attn_mask, is_causal)
             x, _ = act_eager_attention(q, k, v, attn_bias, scaling=self.scale, scale_query=True,
                                        dropout_p=self.attn_drop.p, training=self.attn_drop.training,
-                                       settings=settings)
+                                       settings=settings, need_weights=False)
 
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
@@ -108,7 +108,7 @@ class ActWindowAttentionMixin(ActModule):
         else:
             x, _ = act_eager_attention(q, k, v, self._get_rel_pos_bias(), scaling=self.scale, scale_query=True,
                                        window_mask=mask, dropout_p=self.attn_drop.p,
-                                       training=self.attn_drop.training, settings=settings)
+                                       training=self.attn_drop.training, settings=settings, need_weights=False)
 
         x = x.transpose(1, 2).reshape(B_, N, -1)
         x = self.proj(x)

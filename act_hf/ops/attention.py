@@ -436,6 +436,27 @@ def act_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, d
 _repeat = repeat_kv  # act_sdpa's keyword shadows the module-level name
 
 
+def _eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, window_mask: Tensor | None,
+                     scaling: float, dropout_p: float, training: bool, softmax_dtype: torch.dtype | None,
+                     scale_query: bool) -> tuple[Tensor, Tensor]:
+    """``(output, weights after dropout)`` of eager attention (k, v already repeated), as
+    :class:`ActEagerAttentionFunction` describes it."""
+    if scale_query:
+        w = (q * scaling) @ k.transpose(-2, -1)
+    else:
+        w = torch.matmul(q, k.transpose(-2, -1)) * scaling
+    if attn_mask is not None:
+        w = w + attn_mask
+    if window_mask is not None:
+        w = add_window_mask(w, window_mask)
+    if softmax_dtype is None:
+        w = F.softmax(w, dim=-1)
+    else:
+        w = F.softmax(w, dim=-1, dtype=softmax_dtype).to(q.dtype)
+    w = F.dropout(w, p=dropout_p, training=training)
+    return torch.matmul(w, v), w
+
+
 class ActEagerAttentionFunction(torch.autograd.Function):
     """Eager attention ``softmax(q k^T * scale + masks) -> dropout -> @ v`` with a quantized saved context.
 
@@ -443,7 +464,13 @@ class ActEagerAttentionFunction(torch.autograd.Function):
     scaling``) or timm's unfused path (``scale_query=True``: ``(q * scale) @ k^T``); then ``+ attn_mask``, then
     Swin's per-window ``window_mask`` (two separate additions, as Swin adds bias and shift mask); softmax over
     the last dim (in ``softmax_dtype``, then cast back to ``q``'s dtype, when given); ``F.dropout``. Returns
-    the output and the (non-differentiable) attention weights after dropout.
+    the output and the (non-differentiable) attention weights after dropout, or ``None`` for them when
+    ``need_weights`` is false: then, without dropout, a batch whose attention matrices pass
+    ``RECOMPUTE_CHUNK_ELEMENTS`` runs in chunks of it (whole images of Swin's windows), so that the scores, the
+    mask sums and the probabilities, several copies of a batch of attention matrices (in fp32 beside an fp32
+    position bias), are never made for the whole batch (on the H100 at 6ae3a1f this forward's softmax, scores and
+    sums were the largest sites alive at swin-tiny's peak). Each item's output is computed as in one call, by the
+    same ops on the item's own matrices.
 
     Saves the same context as :class:`ActSDPAFunction`: ``quantize(q)``, ``quantize(k)``, ``quantize(v)``
     (following ``needs_input_grad``), both masks as given, and the 1-bit keep mask with dropout. Backward
@@ -453,25 +480,33 @@ class ActEagerAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, window_mask: Tensor | None,
                 scaling: float, dropout_p: float, training: bool, softmax_dtype: torch.dtype | None,
-                scale_query: bool, n_rep: int, settings: OpSettings) -> tuple[Tensor, Tensor]:
+                scale_query: bool, n_rep: int, settings: OpSettings,
+                need_weights: bool = True) -> tuple[Tensor, Tensor | None]:
         k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        if scale_query:
-            w = (q * scaling) @ k_full.transpose(-2, -1)
-        else:
-            w = torch.matmul(q, k_full.transpose(-2, -1)) * scaling
-        if attn_mask is not None:
-            w = w + attn_mask
-        if window_mask is not None:
-            w = add_window_mask(w, window_mask)
-        if softmax_dtype is None:
-            w = F.softmax(w, dim=-1)
-        else:
-            w = F.softmax(w, dim=-1, dtype=softmax_dtype).to(q.dtype)
-        w = F.dropout(w, p=dropout_p, training=training)
-        out = torch.matmul(w, v_full)
+        options = (scaling, dropout_p, training, softmax_dtype, scale_query)
         dropped = training and dropout_p > 0.0
+        batch = q.shape[0]
+        ctx.keep_shape = torch.Size((*torch.broadcast_shapes(q.shape[:-2], k_full.shape[:-2]), q.shape[-2],
+                                     k_full.shape[-2]))
+        chunks = [(0, batch)]
+        if not need_weights and not dropped:  # dropout draws its mask for the whole shape: one call
+            chunks = _batch_chunks(batch, math.prod(ctx.keep_shape[1:]),
+                                   1 if window_mask is None else window_mask.shape[0])
+        if len(chunks) == 1:
+            out, w = _eager_attention(q, k_full, v_full, attn_mask, window_mask, *options)
+        else:
+            per_item = _per_item_mask(attn_mask, batch, q.dim())
+            out = w = None
+            for start, end in chunks:
+                mask = attn_mask[start:end] if per_item else attn_mask
+                part, _ = _eager_attention(q[start:end], k_full[start:end], v_full[start:end], mask, window_mask,
+                                           *options)
+                if out is None:
+                    out = part.new_empty((batch, *part.shape[1:]))
+                out[start:end] = part
+        if w is not None:
+            ctx.keep_shape = w.shape
         keep_payload = pack_keep_mask(w, settings) if dropped else None
-        ctx.keep_shape = w.shape
         need_q, need_k, need_v, need_m, need_e = ctx.needs_input_grad[:5]
         any_grad = need_q or need_k or need_v or need_m or need_e
         pq = compress_role(q, settings, "q") if any_grad else None
@@ -481,7 +516,10 @@ class ActEagerAttentionFunction(torch.autograd.Function):
                      keep_payload)
         ctx.v_shape = v.shape
         ctx.args = (scaling, dropout_p if dropped else 0.0, n_rep)
-        ctx.mark_non_differentiable(w)
+        if not need_weights:
+            w = None
+        else:
+            ctx.mark_non_differentiable(w)
         # no zeros for the weights' gradient: autograd would fill an (B, H, L, S) tensor for every backward
         ctx.set_materialize_grads(False)
         return out, w
@@ -490,7 +528,7 @@ class ActEagerAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor | None, _grad_weights: Tensor | None):
         if grad_out is None:  # the output took no part in the loss
-            return (None,) * 12
+            return (None,) * 13
         pq, pk, pv, mask, extra, keep_payload = load_context(ctx)
         scaling, dropout_p, n_rep = ctx.args
         need = ctx.needs_input_grad
@@ -503,7 +541,7 @@ class ActEagerAttentionFunction(torch.autograd.Function):
 
         chunks = _batch_chunks(qkv.batch, math.prod(ctx.keep_shape[1:]), 1 if extra is None else extra.shape[0])
         return (*_attention_grads(chunks, qkv, mask, extra, grad_out, need[:5], recompute),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def _per_item_mask(mask: Tensor | None, batch: int, ndim: int) -> bool:
@@ -568,7 +606,8 @@ def _grads_by_chunks(chunks: list[tuple[int, int]], qkv: _SavedQKV, mask: Tensor
 def act_eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, *, scaling: float,
                         settings: OpSettings, dropout_p: float = 0.0, training: bool = True,
                         softmax_dtype: torch.dtype | None = None, scale_query: bool = False,
-                        window_mask: Tensor | None = None, repeat_kv: int = 1) -> tuple[Tensor, Tensor]:
+                        window_mask: Tensor | None = None, repeat_kv: int = 1,
+                        need_weights: bool = True) -> tuple[Tensor, Tensor | None]:
     """Eager attention as transformers / timm write it, saving ``q``, ``k``, ``v`` quantized.
 
     Args:
@@ -585,10 +624,13 @@ def act_eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
             scores viewed ``(-1, num_windows, H, L, S)`` exactly as Swin does (batch index = image * num_windows
             + window), or ``None``.
         repeat_kv: transformers' ``repeat_kv`` factor applied to k and v in forward (saved un-repeated).
+        need_weights: return the probabilities; ``False`` returns ``None`` for them and lets a large batch run
+            in chunks (see :class:`ActEagerAttentionFunction`), as the caller drops them anyway.
 
     Returns:
         ``(attn_output, attn_weights)``: output ``(B, H, L, Dv)`` (not transposed) and the probabilities after
-        dropout, which are not differentiable (use the model's own eager path for losses on attention maps).
+        dropout, which are not differentiable (use the model's own eager path for losses on attention maps), or
+        ``None`` without ``need_weights``.
 
     Raises:
         ValueError: bad ``dropout_p`` or ``repeat_kv``, non-floating inputs.
@@ -600,9 +642,10 @@ def act_eager_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
         with torch.no_grad():
             return ActEagerAttentionFunction.forward(_NoCtx(), q, k, v, attn_mask, window_mask, float(scaling),
                                                      float(dropout_p), bool(training), softmax_dtype,
-                                                     bool(scale_query), repeat_kv, settings)
+                                                     bool(scale_query), repeat_kv, settings, bool(need_weights))
     return ActEagerAttentionFunction.apply(q, k, v, attn_mask, window_mask, float(scaling), float(dropout_p),
-                                           bool(training), softmax_dtype, bool(scale_query), repeat_kv, settings)
+                                           bool(training), softmax_dtype, bool(scale_query), repeat_kv, settings,
+                                           bool(need_weights))
 
 
 class _NoCtx:

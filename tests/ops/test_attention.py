@@ -20,7 +20,7 @@ from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
 from act_hf.ops._saving import OpSettings
 from act_hf.ops.attention import _grads_by_chunks, act_eager_attention, act_sdpa, repeat_kv
-from tests.utils import assert_grads_match, packed_bytes, sqnr_db
+from tests.utils import assert_grads_match, dispatched, packed_bytes, sqnr_db
 
 # Minimum gradient SQNR (dB) of dq, dk, dv per bit width for Gaussian q, k, v (B, H, S, D = 2, 4, 64, 32).
 # Measured means (module docstring, larger shape): -7 / 3 / 10 / 35 dB at 2 / 3 / 4 / 8 bits.
@@ -446,6 +446,54 @@ def test_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, op
     assert torch.equal(out, chunked_out)
     for a, b in zip(one_pass, chunked):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["swin_bias_and_shift", "per_item_mask", "dropout"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_forward_without_weights_runs_over_batch_chunks(monkeypatch, case, dtype):
+    """``need_weights=False`` past ``RECOMPUTE_CHUNK_ELEMENTS``: the forward runs over chunks of the batch (whole
+    images' windows), so no op makes a tensor of the batch's attention matrices, and the output is the one call's
+    bit for bit (each item by the same ops), as are the gradients (the same context). With dropout, whose mask is
+    drawn for the whole shape, it stays one call; ``need_weights=True`` returns the weights and also stays one
+    call."""
+    from act_hf.ops import attention
+
+    images, windows, n, d, heads = 5, 4, 9, 8, 4
+    torch.manual_seed(0)
+    q, k, v = _qkv(b=images * windows, h=heads, hkv=heads, s=n, d=d, dtype=dtype)
+    shift = None
+    if case == "per_item_mask":
+        mask = torch.randn(images * windows, heads, n, n, requires_grad=True)
+    else:  # an fp32 position bias beside q, k, v, as Swin's under autocast
+        mask = torch.randn(1, heads, n, n, requires_grad=True)
+        shift = torch.zeros(windows, n, n).masked_fill(torch.rand(windows, n, n) < 0.3, -100.0)
+    dropout_p = 0.2 if case == "dropout" else 0.0
+    grad_out = torch.randn(images * windows, heads, n, d, dtype=dtype)
+    matrices = images * windows * heads * n * n
+
+    def run(need_weights):
+        act_hf.manual_seed(3)
+        torch.manual_seed(4)  # the dropout mask
+        got = {}
+        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == torch.bfloat16):  # as Swin runs on a GPU
+            ops = dispatched(lambda: got.update(zip(("out", "weights"), act_eager_attention(
+                q, k, v, mask, scaling=0.3, settings=_settings(4), dropout_p=dropout_p, window_mask=shift,
+                scale_query=True, need_weights=need_weights))))
+        grads = torch.autograd.grad(got["out"], (q, k, v, mask), grad_out.to(got["out"].dtype))
+        largest = max(t.numel() for _, outs in ops for t in outs if isinstance(t, torch.Tensor))  # in forward
+        return got["out"], grads, got["weights"], largest
+
+    out, _, weights, largest = run(True)
+    assert weights is not None and weights.shape == (images * windows, heads, n, n) and largest >= matrices
+    monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", 2 * windows * heads * n * n)  # two images a chunk
+    same_out, same_grads, weights, largest = run(True)
+    assert weights is not None and largest >= matrices
+    chunked_out, chunked_grads, weights, largest = run(False)
+    assert weights is None
+    assert (largest < matrices) == (case != "dropout")
+    assert torch.equal(out, same_out) and torch.equal(out, chunked_out)
+    for i, (a, b) in enumerate(zip(same_grads, chunked_grads)):  # both backward passes over the same chunks
+        assert torch.equal(a, b), f"gradient {i}"
 
 
 # --------------------------------------------------------------------------------------------------------------
