@@ -4,8 +4,8 @@
 #
 #   bash benchmarks/gpu_session.sh all          # one ~9.5-minute call for a short lease: build, the memory
 #                                               # targets (one capped trial per row, then the searches) beside
-#                                               # the cuda tests, speed at equal batch alone, resnet50's memory
-#                                               # at peak and a profile if time is left
+#                                               # the cuda tests, speed at equal batch alone, memory at the peaks
+#                                               # of three models and a profile while time is left
 #   bash benchmarks/gpu_session.sh build-test   # compile the extension, the cuda-marked tests, kernel throughput
 #   bash benchmarks/gpu_session.sh memory       # saved-memory table on the GPU (all models, adaptive 2.5 included)
 #   bash benchmarks/gpu_session.sh targets      # bert-large, swin-tiny, resnet50: speed, peak, largest batch < 16 GiB
