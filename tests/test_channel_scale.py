@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 
 import pytest
 import torch
@@ -17,15 +18,24 @@ from tests.patches.models import bert, timm_model
 def _spy(monkeypatch) -> collections.Counter:
     """Count every packed copy the store makes, by (role of its slot, whether it is channel scaled)."""
     made: collections.Counter = collections.Counter()
-    compress = store.compress
+    compress, compress_by_rows = store.compress, store.compress_by_rows
 
-    def spy(x, **kwargs):
-        packed = compress(x, **kwargs)
-        rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 0
-        made[(kwargs["slot"].rsplit(":", 1)[-1], packed.spec.channel_scaled, rows >= 64)] += 1
+    def note(slot, packed):
+        shape = packed.spec.shape
+        rows = math.prod(shape) // shape[-1] if len(shape) >= 2 else 0
+        made[(slot.rsplit(":", 1)[-1], packed.spec.channel_scaled, rows >= 64)] += 1
         return packed
 
+    def spy(x, **kwargs):
+        return note(kwargs["slot"], compress(x, **kwargs))
+
+    def spy_by_rows(make, shape, settings, **kwargs):  # a BatchNorm's normalized input, packed by slices
+        with monkeypatch.context() as inner:
+            inner.setattr(store, "compress", compress)  # when it packs whole, count it once
+            return note(settings.slot, compress_by_rows(make, shape, settings, **kwargs))
+
     monkeypatch.setattr(store, "compress", spy)
+    monkeypatch.setattr(store, "compress_by_rows", spy_by_rows)
     return made
 
 
