@@ -489,7 +489,8 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         ctx.keep_shape = torch.Size((*torch.broadcast_shapes(q.shape[:-2], k_full.shape[:-2]), q.shape[-2],
                                      k_full.shape[-2]))
         chunks = [(0, batch)]
-        if not need_weights and not dropped:  # dropout draws its mask for the whole shape: one call
+        # dropout draws its mask for the whole shape, and k, v broadcast over the batch are not sliced: one call
+        if not need_weights and not dropped and k.shape[0] == v.shape[0] == batch:
             chunks = _batch_chunks(batch, math.prod(ctx.keep_shape[1:]),
                                    1 if window_mask is None else window_mask.shape[0])
         if len(chunks) == 1:
