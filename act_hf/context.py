@@ -234,7 +234,8 @@ class ContextStore:
         packed = quantize_by_rows(make, shape, settings.bits, settings.group_size, chunk=4 * chunk_elements(device))
         if settings.swap and packed.payload.is_cuda:
             packed = self._offload(packed)
-        self.register(packed.tensors, slot=settings.slot, original_nbytes=packed.spec.numel * packed.spec.dtype.itemsize)
+        spec = packed.spec
+        self.register(packed.tensors, slot=settings.slot, original_nbytes=spec.numel * spec.dtype.itemsize)
         return packed
 
     def _offload(self, packed: PackedTensor) -> PackedTensor:

@@ -3,9 +3,9 @@
 // it: an argument error raised under call_guard<gil_scoped_release> segfaulted on the GPU machine (torch 2.11,
 // Python 3.12).
 // Messages are whole std::strings (std::to_string, c10::toString, Device::str), never streamed: on the H100
-// machine (gcc 13.3 against torch's devtoolset build) streaming an integer inside this module crashed in
-// std::ostream::_M_insert<long> (benchmarks/results/gpu_h100_3/diagnosis.log), and TORCH_CHECK(cond, "got ", n)
-// streams its arguments; a single std::string argument is passed through as it is.
+// machine (gcc 13.3) streaming an integer inside this module crashed in std::ostream::_M_insert<long>
+// (benchmarks/results/gpu_h100_3/diagnosis.log), and TORCH_CHECK(cond, "got ", n) streams its arguments; a
+// single std::string argument is passed through as it is.
 #include <torch/extension.h>
 
 #include <string>
@@ -19,9 +19,10 @@
 #define CHECK_DTYPE(x, T)                                                                                   \
   TORCH_CHECK((x).scalar_type() == (T), std::string(#x " must have dtype ") + c10::toString(T) + ", got " + \
                                             c10::toString((x).scalar_type()))
-#define CHECK_LENGTH(x, n)                                                                                  \
-  TORCH_CHECK((x).dim() == 1 && (x).size(0) == (n), std::string(#x " must be flat with ") + std::to_string(n) + \
-                                                        " elements (" #n "), got shape " + act_hf::shape_str((x).sizes()))
+#define CHECK_LENGTH(x, n)                                                                 \
+  TORCH_CHECK((x).dim() == 1 && (x).size(0) == (n),                                        \
+              std::string(#x " must be flat with ") + std::to_string(n) + " elements (" #n \
+                  "), got shape " + act_hf::shape_str((x).sizes()))
 
 namespace act_hf {
 std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed);

@@ -9,7 +9,9 @@
 
 namespace act_hf {
 // Error messages as whole strings: see bindings.cpp for why nothing is streamed into them.
-inline std::string bits_error(int64_t bits) { return "bits must be an integer from 1 to 8, got " + std::to_string(bits); }
+inline std::string bits_error(int64_t bits) {
+  return "bits must be an integer from 1 to 8, got " + std::to_string(bits);
+}
 
 inline std::string shape_str(c10::IntArrayRef sizes) {
   std::string out = "(";

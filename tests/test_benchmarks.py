@@ -360,9 +360,9 @@ def test_search_under_a_cap_on_the_gpu(tmp_path):
     """A tiny cap: the search must find a batch that fits and one that fails, and act_hf must fit more. The equal
     batch is 64, where activations outweigh the gradients: at 8 both peaks were the optimizer step's (586.4 MB
     unpatched, 587.3 MB at 2 bits on the H100)."""
-    rc = gpu_training.main(["--models", "resnet50", "--settings", "unpatched", "bits2", "--batch", "64", "--steps", "1",
-                            "--warmup", "1", "--image-size", "64", "--cap", "1GiB", "--resolution", "0.1",
-                            "--no-curve", "--out", str(tmp_path)])
+    rc = gpu_training.main(["--models", "resnet50", "--settings", "unpatched", "bits2", "--batch", "64",
+                            "--steps", "1", "--warmup", "1", "--image-size", "64", "--cap", "1GiB",
+                            "--resolution", "0.1", "--no-curve", "--out", str(tmp_path)])
     assert rc == 0
     rows = json.loads((tmp_path / "gpu_training.json").read_text())["rows"]
     assert all(r["max_batch"] > 0 and r["first_failing_batch"] for r in rows)

@@ -535,16 +535,15 @@ class ActBatchNormFunction(torch.autograd.Function):
     Saves, when the input or the weight needs a gradient: ``quantize((x - mean) * invstd)``, the input
     normalized per channel (made and packed a slice of the batch at a time, never whole:
     :meth:`~act_hf.context.ContextStore.compress_by_rows`), with ``save_invstd`` (fp32, one per channel) and
-    ``weight``. Backward decodes
-    ``x_norm`` in the gradient's dtype and runs ``aten.native_batch_norm_backward`` on it as an input of mean 0
-    and invstd 1, then scales the input gradient by ``invstd`` (:func:`_bn_backward_from_x_hat`). Quantizing
-    the normalized input keeps the error relative to each channel's own spread: a quantization group spans
-    many channels, and with the raw input a channel of small variance next to large ones got an error of the
-    order of its whole spread, which the BN backward then amplifies by ``invstd`` (seen at 8 bits: a ResNet
-    downsample BN over 2 values per channel gave a gradient cosine of -0.87 with the raw input, 1.0 now).
-    With fewer than ``MIN_VALUES_PER_CHANNEL`` values per channel (a 1x1 feature map at batch 2, say) the
-    normalized input is kept exact: that tensor is small, and its statistics amplify any error.
-    A bias-only gradient saves nothing. With ``note_output`` the output is noted as ``weight * x_norm + bias``
+    ``weight``. Backward decodes ``x_norm`` in the gradient's dtype and runs ``aten.native_batch_norm_backward`` on
+    it as an input of mean 0 and invstd 1, then scales the input gradient by ``invstd``
+    (:func:`_bn_backward_from_x_hat`). Quantizing the normalized input keeps the error relative to each channel's
+    own spread: a quantization group spans many channels, and with the raw input a channel of small variance next to
+    large ones got an error of the order of its whole spread, which the BN backward then amplifies by ``invstd``
+    (seen at 8 bits: a ResNet downsample BN over 2 values per channel gave a gradient cosine of -0.87 with the raw
+    input, 1.0 now). With fewer than ``MIN_VALUES_PER_CHANNEL`` values per channel (a 1x1 feature map at batch 2,
+    say) the normalized input is kept exact: that tensor is small, and its statistics amplify any error. A bias-only
+    gradient saves nothing. With ``note_output`` the output is noted as ``weight * x_norm + bias``
     (:func:`act_hf.derived.note_affine`), so a ReLU and a conv after it can read the packed ``x_norm``.
     """
 
@@ -558,7 +557,8 @@ class ActBatchNormFunction(torch.autograd.Function):
         if need_x or need_w:
             normalized = _normalizer(mean, invstd, eps)
             if x.numel() < MIN_VALUES_PER_CHANNEL * x.shape[1]:
-                packed = normalized(x)  # statistics over a handful of values amplify any error: keep this small tensor exact
+                # statistics over a handful of values amplify any error: keep this small tensor exact
+                packed = normalized(x)
             else:  # never made whole: a full-size temporary at the widest layers
                 packed = store.compress_by_rows(lambda start, stop: normalized(x[start:stop]), x.shape, settings,
                                                 device=x.device)
