@@ -156,6 +156,15 @@ def measure(model_name: str, setting: str, batch: int, device: torch.device, dty
     return {"batch": batch} | profile_peak(lambda: forward_loss(batch), device)
 
 
+def _site_rows(runs: list[dict], phase: str, mib: float) -> list[dict]:
+    """Per-site growth at ``phase``'s highest point between the two runs (MiB a sample, ``mib`` being a MiB times
+    the difference of batches), largest first, with the bytes at each batch."""
+    small, large = (run["phases"][phase]["sites"] for run in runs)
+    return sorted(({"site": s, "mib_per_sample": (large.get(s, 0) - small.get(s, 0)) / mib,
+                    "bytes": [small.get(s, 0), large.get(s, 0)]} for s in set(small) | set(large)),
+                  key=lambda r: -abs(r["mib_per_sample"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="swin-tiny", choices=list(MODELS))
@@ -190,18 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     # per phase, so that the slopes compare the same moment of the step at both batches
     slopes = {phase: (runs[1]["phases"][phase]["peak"] - runs[0]["phases"][phase]["peak"]) / mib
               for phase in ("forward", "backward")}
-    # the phase of the larger batch's peak (a slope between small batches can mislead: backward's recomputation
-    # works in chunks of a fixed size once the batch is large enough)
+    # the phase of the larger batch's peak first (a slope between small batches can mislead: backward's
+    # recomputation works in chunks of a fixed size once the batch is large enough), then the other one
     phase = runs[1]["phase"]
-    small, large = (run["phases"][phase]["sites"] for run in runs)
-    rows = sorted(({"site": s, "mib_per_sample": (large.get(s, 0) - small.get(s, 0)) / mib,
-                    "bytes": [small.get(s, 0), large.get(s, 0)]} for s in set(small) | set(large)),
-                  key=lambda r: -abs(r["mib_per_sample"]))
+    by_phase = {p: _site_rows(runs, p, mib) for p in (phase, "backward" if phase == "forward" else "forward")}
+    rows = by_phase[phase]
     meta = _meta(device) | {"model": args.model, "setting": args.setting, "batches": [b1, b2], "dtype": args.dtype,
                             "seq": args.seq}
     result = {"meta": meta, "peak_mib_per_sample": slopes[phase], "phase": phase,
               "phase_peaks_mib_per_sample": slopes, "overall_peak_phases": [run["phase"] for run in runs],
-              "peaks": [run["peak"] for run in runs], "sites": rows}
+              "peaks": [run["peak"] for run in runs], "sites": rows, "sites_by_phase": by_phase}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"memory_at_peak_{args.model}_{args.setting}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
@@ -209,11 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     lines = [(f"{args.model}, {args.setting}, {args.dtype}, batches {b1} and {b2} on {meta['device']} (torch "
              f"{meta['torch']}, act_hf @ {meta['commit']}): the highest point of forward grows by "
              f"{slopes['forward']:.2f} MiB a sample above the step's start, that of backward by "
-             f"{slopes['backward']:.2f} (each run's overall peak fell in {runs[0]['phase']} / {runs[1]['phase']}). "
-             f"Alive at the highest point of {phase}, by site (the {len(shown)} largest of {len(rows)}):"), "",
-             "| site (innermost frame or autograd node, allocating op) | MiB per sample | bytes at each batch |",
-             "|---|---|---|"]
-    lines += [f"| `{r['site']}` | {r['mib_per_sample']:.3f} | {r['bytes'][0]:,} / {r['bytes'][1]:,} |" for r in shown]
+             f"{slopes['backward']:.2f} (each run's overall peak fell in {runs[0]['phase']} / {runs[1]['phase']}).")]
+    for p, p_rows in by_phase.items():
+        p_shown = p_rows[: args.rows]
+        title = (f"Alive at the highest point of {p} ({slopes[p]:.2f} MiB a sample), by site (the {len(p_shown)} "
+                 f"largest of {len(p_rows)}):")
+        lines += ["", title, "",
+                  "| site (innermost frame or autograd node, allocating op) | MiB per sample | bytes at each batch |",
+                  "|---|---|---|"]
+        lines += [f"| `{r['site']}` | {r['mib_per_sample']:.3f} | {r['bytes'][0]:,} / {r['bytes'][1]:,} |"
+                  for r in p_shown]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
