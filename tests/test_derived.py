@@ -373,6 +373,29 @@ def test_residual_forward_is_unchanged_and_gradients_match_at_8_bits(add):
     _assert_exact_at_8_bits(*_stage(bits=8, add=add), name=f"residual-{add}")
 
 
+def test_a_residual_relu_mask_is_unpacked_a_slice_at_a_time(monkeypatch):
+    """A conv reading ``relu(bn(.) + shortcut)`` applies the ReLU's packed mask a slice at a time (here 64
+    elements): no 1-byte mask of the whole tensor is made, and the gradients are the whole mask's, bit for bit."""
+    from act_hf.ops import activation
+    from tests.utils import dispatched
+
+    def step(slice_elements):
+        monkeypatch.setattr(derived, "chunk_elements", lambda device: slice_elements)
+        monkeypatch.setattr(activation, "chunk_elements", lambda device: slice_elements)  # the ReLUs' own backward
+        _, model = _stage(bits=3)
+        act_hf.manual_seed(0)
+        out = model(_input().requires_grad_())
+        ops = dispatched(lambda: out.backward(torch.ones_like(out)))
+        return [p.grad for p in model.parameters()], ops
+
+    whole, _ = step(1 << 20)
+    sliced, ops = step(16)
+    numel = _input().numel()
+    unpacked = [t.numel() for func, outs in ops if "unpack_bits" in str(func) for t in outs]
+    assert unpacked and max(unpacked) < numel
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+
+
 def test_residual_conv_weight_gradient_is_unbiased():
     """The head conv reads a chain of three sums."""
     _assert_unbiased(*_stage(bits=2), "head")
