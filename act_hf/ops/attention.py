@@ -234,14 +234,14 @@ class ActSDPAFunction(torch.autograd.Function):
                 window_mask: Tensor | None = None) -> Tensor:
         k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         ctx.replay, ctx.cast = None, autocast_dtype(q.device.type)
-        mask = attn_mask
-        if window_mask is not None:  # the sum the unpatched call gets, requiring grad as it does (backend choice)
-            mask = add_windows_mask(attn_mask, window_mask, q.shape[0]).requires_grad_(attn_mask.requires_grad)
         if dropout_p > 0.0:
+            mask = attn_mask
+            if window_mask is not None:  # the sum the unpatched call gets, requiring grad as it does (backend choice)
+                mask = add_windows_mask(attn_mask, window_mask, q.shape[0]).requires_grad_(attn_mask.requires_grad)
             out, ctx.replay = _sdpa_with_replayable_dropout(q, k_full, v_full, mask, dropout_p, is_causal, scale,
                                                             enable_gqa)
         else:
-            out = _sdpa_as_unpatched(q, k_full, v_full, mask, is_causal, scale, enable_gqa)
+            out = _windowed_sdpa(q, k_full, v_full, attn_mask, window_mask, is_causal, scale, enable_gqa)
         need_q, need_k, need_v, need_m = ctx.needs_input_grad[:4]
         any_grad = need_q or need_k or need_v or need_m
         pq = compress_role(q, settings, "q") if any_grad else None
@@ -280,6 +280,34 @@ class ActSDPAFunction(torch.autograd.Function):
                                1 if window_mask is None else window_mask.shape[0]) if chunked else [(0, qkv.batch)]
         grads = _attention_grads(chunks, qkv, mask, window_mask, grad_out, (*need[:4], False), recompute)
         return (*grads[:4], None, None, None, None, None, None, None)
+
+
+def _windowed_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, window_mask: Tensor | None,
+                   is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor:
+    """:func:`_sdpa_as_unpatched` on ``attn_mask``, or with Swin's ``window_mask`` on the sum the unpatched call
+    gets (:func:`add_windows_mask`, requiring grad as the bias does: that takes part in the backend choice). That
+    sum is as large as a batch of attention matrices (fp32 beside an fp32 bias), and SDPA's math path, which a
+    mask requiring grad may take, makes several more: past ``RECOMPUTE_CHUNK_ELEMENTS`` the call runs over chunks
+    of whole images' windows, each with its own part of the sum, the output filled chunk by chunk (each item by
+    the same kernels on its own matrices)."""
+    if window_mask is None:
+        return _sdpa_as_unpatched(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    batch = q.shape[0]
+    chunks = [(0, batch)]
+    if k.shape[0] == v.shape[0] == batch:  # k, v broadcast over the batch are not sliced: one call
+        chunks = _batch_chunks(batch, math.prod(q.shape[1:-1]) * k.shape[-2], window_mask.shape[0])
+    per_item = _per_item_mask(attn_mask, batch, q.dim())
+    out = None
+    for start, end in chunks:
+        bias = attn_mask[start:end] if per_item else attn_mask
+        mask = add_windows_mask(bias, window_mask, end - start).requires_grad_(attn_mask.requires_grad)
+        if len(chunks) == 1:
+            return _sdpa_as_unpatched(q, k, v, mask, is_causal, scale, enable_gqa)
+        part = _sdpa_as_unpatched(q[start:end], k[start:end], v[start:end], mask, is_causal, scale, enable_gqa)
+        if out is None:
+            out = part.new_empty((batch, *part.shape[1:]))
+        out[start:end] = part
+    return out
 
 
 @dataclass(frozen=True)

@@ -496,6 +496,50 @@ def test_eager_forward_without_weights_runs_over_batch_chunks(monkeypatch, case,
         assert torch.equal(a, b), f"gradient {i}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_with_a_window_mask_runs_over_batch_chunks(monkeypatch, dtype):
+    """transformers' Swin (``act_sdpa`` with ``window_mask``) past ``RECOMPUTE_CHUNK_ELEMENTS``: the forward runs
+    over chunks of whole images' windows, each with its part of the summed mask, so no op makes the batch's
+    attention matrices; the output is the one call's bit for bit, as are the gradients with the same backward."""
+    from act_hf.ops import attention
+
+    images, windows, n, d, heads = 5, 4, 9, 8, 4
+    torch.manual_seed(0)
+    q, k, v = _qkv(b=images * windows, h=heads, hkv=heads, s=n, d=d, dtype=dtype)
+    bias = torch.randn(1, heads, n, n, requires_grad=True)
+    shift = torch.zeros(windows, n, n).masked_fill(torch.rand(windows, n, n) < 0.3, -100.0)
+    grad_out = torch.randn(images * windows, heads, n, d)
+    matrices = images * windows * heads * n * n
+
+    def run():
+        act_hf.manual_seed(3)
+        got = []
+        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == torch.bfloat16):  # as Swin runs on a GPU
+            ops = dispatched(lambda: got.append(act_sdpa(q, k, v, bias * 1.0, settings=_settings(4),
+                                                         window_mask=shift)))
+        grads = torch.autograd.grad(got[0], (q, k, v, bias), grad_out.to(got[0].dtype))
+        return got[0], grads, max(t.numel() for _, outs in ops for t in outs if isinstance(t, torch.Tensor))
+
+    monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", 2 * windows * heads * n * n)  # two images a chunk
+    with monkeypatch.context() as whole:
+        whole.setattr(attention, "_windowed_sdpa", _sdpa_whole)
+        out, grads, largest = run()
+    assert largest >= matrices
+    chunked_out, chunked_grads, largest = run()
+    assert largest < matrices
+    assert torch.equal(out, chunked_out)
+    for i, (a, b) in enumerate(zip(grads, chunked_grads)):  # the backward over the same chunks in both
+        assert torch.equal(a, b), f"gradient {i}"
+
+
+def _sdpa_whole(q, k, v, attn_mask, window_mask, *args):
+    """One SDPA call on the whole summed mask, as before the chunks."""
+    from act_hf.ops import attention
+
+    mask = attention.add_windows_mask(attn_mask, window_mask, q.shape[0]).requires_grad_(attn_mask.requires_grad)
+    return attention._sdpa_as_unpatched(q, k, v, mask, *args)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # transformers
 
