@@ -26,7 +26,12 @@ What the projection is, and is not:
       patched peak stood above the saved context by 2.8 MiB a sample for bert-large at 3 bits and 2.7 MiB with
       checkpointing and 4-bit layer inputs (H200), and by 4.8 MiB for swin-tiny at 3 bits (H100): 2.8, 2.7 and
       2.1 times their largest activations (1.00 and 2.30 MiB), where 5% of the unpatched activations is 6.7,
-      6.7 and 3.0 MiB (it had projected swin-tiny's largest batch at 1.6x what fit). 3 errs on the safe side.
+      6.7 and 3.0 MiB (it had projected swin-tiny's largest batch at 1.6x what fit). The H100 run at fffea77
+      (expandable segments; README, "Third GPU run") measured the largest batches 0-5% above the 3-bit
+      projections and 1-8% below the 2-bit ones, but 17% below the projection with checkpointing and 4-bit layer
+      inputs (1702 fit where 1987 was projected): there the recomputed layer's transients came to about 4.5
+      times bert-large's largest activation (6.87 MiB a sample at the peak against 2.38 of AM2). Pass
+      ``transient_factor=4.5`` (``--transient-factor 4.5``) when planning with checkpointing.
 
     Not included: the CUDA context and cuBLAS/cuDNN handles (about 0.3-0.6 GiB outside PyTorch's allocator;
     give ``gpu_mem`` as the memory PyTorch may allocate, not the card's nominal size), the caching allocator's
