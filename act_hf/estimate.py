@@ -30,9 +30,9 @@ What the projection is, and is not:
       (expandable segments; README, "Third GPU run") measured the largest batches 0-5% above the 3-bit
       projections and 1-8% below the 2-bit ones, but 17% below the projection with checkpointing and 4-bit layer
       inputs (1702 fit where 1987 was projected): there the recomputed layer's transients came to about 4.5
-      times bert-large's largest activation (6.87 MiB a sample at the peak against 2.38 of AM2). Pass
-      ``transient_factor=4.5`` (``--transient-factor 4.5``) when planning with checkpointing (it projects 1554
-      there, 9% under what fit).
+      times bert-large's largest activation (6.87 MiB a sample at the peak against 2.38 of AM2). With
+      checkpointing the factor is therefore 4.5 (:data:`CHECKPOINTED_TRANSIENT_FACTOR`; it projects 1554 there,
+      9% under what fit).
 
     Not included: the CUDA context and cuBLAS/cuDNN handles (about 0.3-0.6 GiB outside PyTorch's allocator;
     give ``gpu_mem`` as the memory PyTorch may allocate, not the card's nominal size), the caching allocator's
@@ -75,8 +75,8 @@ from torch import nn
 from .checkpoint import enable_hf_checkpointing
 from .errors import ActHFRuntimeError, ActHFValueError
 
-__all__ = ["TASKS", "Estimate", "SavedFit", "build_model", "checkpointed_layers", "estimate", "format_bytes",
-           "parse_size", "saved_with_checkpointing"]
+__all__ = ["CHECKPOINTED_TRANSIENT_FACTOR", "TASKS", "TRANSIENT_FACTOR", "Estimate", "SavedFit", "build_model",
+           "checkpointed_layers", "estimate", "format_bytes", "parse_size", "saved_with_checkpointing"]
 
 #: Tasks a model can be built for (``--task``), and the ``transformers`` auto class of each.
 TASKS = {
@@ -100,6 +100,10 @@ _VISION_TYPES = frozenset({
 # Attention-probability dropout knobs of HF configs, set to 0 before building (see the module docstring).
 _ATTN_DROPOUT_ATTRS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop", "attn_dropout")
 
+#: the act_hf column's transients in units of the largest unpatched activation (GPU peaks: module docstring)
+TRANSIENT_FACTOR = 3.0
+#: the same with HF gradient checkpointing, whose recomputed layer adds its own (bert-large CB1 on an H100)
+CHECKPOINTED_TRANSIENT_FACTOR = 4.5
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 states per trainable parameter
 _DTYPES = {"bf16": torch.bfloat16, "fp32": None}
 
@@ -247,7 +251,7 @@ class Estimate:
     checkpointing: bool = False
     checkpoint_bits: int | None = None
     largest: SavedFit | None = None
-    transient_factor: float = 3.0
+    transient_factor: float = TRANSIENT_FACTOR
     workspace_act_hf: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -677,7 +681,7 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
              optimizer: str = "adamw", task: str | None = None, img_size: int | None = None, margin: float = 0.05,
              calib_batches: tuple[int, ...] = (1, 2, 4), max_calib_batch: int = 64, tol: float = 0.01,
              local_files_only: bool = False, checkpointing: bool = False,
-             checkpoint_bits: int | None = None, transient_factor: float = 3.0) -> Estimate:
+             checkpoint_bits: int | None = None, transient_factor: float | None = None) -> Estimate:
     """Project training memory at ``batch`` with and without act_hf, and the largest batch under ``gpu_mem``.
 
     Measures saved activations (unpatched, and patched at ``bits`` on a deep copy) at ``calib_batches``,
@@ -712,7 +716,8 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         checkpoint_bits: with ``checkpointing``, keep the checkpointed layer inputs packed at this width (1..8,
             ``ActConfig.checkpoint_bits``); None keeps them exact.
         transient_factor: the act_hf column's transient working set, in units of the largest activation the
-            unpatched model saves (3: about the measured GPU peaks, see :mod:`act_hf.estimate`).
+            unpatched model saves; ``None``: :data:`TRANSIENT_FACTOR` (3), or with ``checkpointing``
+            :data:`CHECKPOINTED_TRANSIENT_FACTOR` (4.5), about the measured GPU peaks (see :mod:`act_hf.estimate`).
 
     Returns:
         An :class:`Estimate`.
@@ -737,9 +742,10 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         raise ActHFValueError(f"img_size: must be a positive int, got {img_size!r}")
     if not 0 <= margin < 10:
         raise ActHFValueError(f"margin: must be a fraction >= 0 (0.05 = 5%), got {margin!r}")
-    if isinstance(transient_factor, bool) or not isinstance(transient_factor, (int, float)) \
-            or not 0 <= transient_factor < 100:
-        raise ActHFValueError(f"transient_factor: must be a number >= 0, got {transient_factor!r}")
+    if transient_factor is not None and (isinstance(transient_factor, bool)
+                                         or not isinstance(transient_factor, (int, float))
+                                         or not 0 <= transient_factor < 100):
+        raise ActHFValueError(f"transient_factor: must be a number >= 0 or None, got {transient_factor!r}")
     if len(set(calib_batches)) < 2 or min(calib_batches) < 1:
         raise ActHFValueError(f"calib_batches: need at least two distinct positive batch sizes, got {calib_batches!r}")
     if not isinstance(checkpointing, bool):
@@ -749,6 +755,8 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
     if checkpoint_bits is not None and not checkpointing:
         raise ActHFValueError("checkpoint_bits: packs the inputs gradient checkpointing keeps; pass checkpointing=True "
                               "(--checkpointing) with it")
+    if transient_factor is None:
+        transient_factor = CHECKPOINTED_TRANSIENT_FACTOR if checkpointing else TRANSIENT_FACTOR
     cap = parse_size(gpu_mem, "gpu_mem") if gpu_mem is not None else None
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
