@@ -297,13 +297,33 @@ def _windowed_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, wi
     if k.shape[0] == v.shape[0] == batch:  # k, v broadcast over the batch are not sliced: one call
         chunks = _batch_chunks(batch, math.prod(q.shape[1:-1]) * k.shape[-2], window_mask.shape[0])
     per_item = _per_item_mask(attn_mask, batch, q.dim())
+
+    def attend(start: int, end: int) -> Tensor:
+        bias = _items(attn_mask, start, end, batch) if per_item else attn_mask
+        mask = add_windows_mask(bias, window_mask, end - start).requires_grad_(attn_mask.requires_grad)
+        return _sdpa_as_unpatched(*(_items(t, start, end, batch) for t in (q, k, v)), mask, is_causal, scale,
+                                  enable_gqa)
+
+    return _forward_by_chunks(chunks, batch, attend)
+
+
+def _items(t: Tensor, start: int, end: int, batch: int) -> Tensor:
+    """Items ``[start, end)`` of ``t``'s batch of ``batch`` (``t`` itself for all of them), requiring grad as ``t``
+    does: in an autograd ``forward`` a slice would not, and SDPA's backend choice reads the flag."""
+    if (start, end) == (0, batch):
+        return t
+    return t[start:end].detach().requires_grad_(t.requires_grad)
+
+
+def _forward_by_chunks(chunks: list[tuple[int, int]], batch: int, attend: Callable[[int, int], Tensor]) -> Tensor:
+    """The output of a forward whose batch items are independent: ``attend(start, end)``, the output of items
+    ``[start, end)``, for each chunk, laid into one tensor of ``batch`` items (``attend(0, batch)`` itself for a
+    single chunk)."""
+    if len(chunks) == 1:
+        return attend(*chunks[0])
     out = None
     for start, end in chunks:
-        bias = attn_mask[start:end] if per_item else attn_mask
-        mask = add_windows_mask(bias, window_mask, end - start).requires_grad_(attn_mask.requires_grad)
-        if len(chunks) == 1:
-            return _sdpa_as_unpatched(q, k, v, mask, is_causal, scale, enable_gqa)
-        part = _sdpa_as_unpatched(q[start:end], k[start:end], v[start:end], mask, is_causal, scale, enable_gqa)
+        part = attend(start, end)
         if out is None:
             out = part.new_empty((batch, *part.shape[1:]))
         out[start:end] = part
@@ -525,14 +545,10 @@ class ActEagerAttentionFunction(torch.autograd.Function):
             out, w = _eager_attention(q, k_full, v_full, attn_mask, window_mask, *options)
         else:
             per_item = _per_item_mask(attn_mask, batch, q.dim())
-            out = w = None
-            for start, end in chunks:
-                mask = attn_mask[start:end] if per_item else attn_mask
-                part, _ = _eager_attention(q[start:end], k_full[start:end], v_full[start:end], mask, window_mask,
-                                           *options)
-                if out is None:
-                    out = part.new_empty((batch, *part.shape[1:]))
-                out[start:end] = part
+            w = None
+            out = _forward_by_chunks(chunks, batch, lambda start, end: _eager_attention(
+                q[start:end], k_full[start:end], v_full[start:end], attn_mask[start:end] if per_item else attn_mask,
+                window_mask, *options)[0])
         if w is not None:
             ctx.keep_shape = w.shape
         keep_payload = pack_keep_mask(w, settings) if dropped else None
