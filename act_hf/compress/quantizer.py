@@ -13,7 +13,7 @@ from .._constants import reused
 from ..errors import ActHFTypeError, ActHFValueError
 from ..ops import _library
 from .packed import PackedSpec, PackedTensor
-from .reference import lo_dtype_for
+from .reference import empty_packed, lo_dtype_for, place_packed
 from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
@@ -144,25 +144,18 @@ def quantize_by_rows(make: Callable[[int, int], torch.Tensor], shape: tuple[int,
     first = next(parts)
     order = first.spec.memory_order
     if order is not None and order[0] != 0:
-        del first, parts
         return quantize(make(0, rows), bits, group_size)
     spec = PackedSpec(shape=torch.Size(shape), dtype=first.spec.dtype, bits=bits, group_size=group_size,
                       memory_order=order)
-    device, numel = first.payload.device, spec.numel
-    payload = torch.empty(math.ceil(numel * bits / 8), dtype=torch.uint8, device=device)
-    lo = torch.empty(-(-numel // group_size), dtype=first.lo.dtype, device=device)
-    scale = torch.empty_like(lo)
+    out = empty_packed(spec.numel, bits, group_size, first.payload.device)
     begin = 0
     for part in itertools.chain((first,), parts):
         if part.spec.memory_order != order or part.spec.dtype != spec.dtype:
             raise ActHFValueError(f"make: every slice needs one dtype and layout, got {spec.dtype} laid out as "
                                   f"{order} and {part.spec.dtype} as {part.spec.memory_order}")
-        byte, group = begin * bits // 8, begin // group_size
-        payload[byte:byte + part.payload.numel()] = part.payload
-        lo[group:group + part.lo.numel()] = part.lo
-        scale[group:group + part.scale.numel()] = part.scale
+        place_packed(out, begin, bits, group_size, (part.payload, part.lo, part.scale))
         begin += part.spec.numel
-    return PackedTensor(payload, lo, scale, spec, None)
+    return PackedTensor(*out, spec, None)
 
 
 def _memory_order(x: torch.Tensor) -> tuple[int, ...] | None:

@@ -37,10 +37,12 @@ import torch
 __all__ = [
     "BF16_NAN_BITS",
     "FP16_NAN_BITS",
+    "empty_packed",
     "lo_dtype_for",
     "metadata_to_float",
     "pack_bits",
     "pack_bits_chunked",
+    "place_packed",
     "quantize_pack",
     "quantize_pack_chunked",
     "uniform_from_hash",
@@ -200,17 +202,26 @@ def quantize_pack_chunked(x: torch.Tensor, bits: int, group_size: int, seed: int
     step = _chunk_elements(group_size, chunk)
     if n <= step:
         return quantize_pack(x, bits, group_size, seed)
-    n_groups = -(-n // group_size)
-    payload = torch.empty(math.ceil(n * bits / 8), dtype=torch.uint8, device=x.device)
-    lo = torch.empty(n_groups, dtype=torch.int16, device=x.device)
-    scale = torch.empty_like(lo)
+    out = empty_packed(n, bits, group_size, x.device)
     for start in range(0, n, step):
-        p, lo_part, scale_part = quantize_pack(x[start : start + step], bits, group_size, seed, start=start)
-        first_byte, first_group = start * bits // 8, start // group_size
-        payload[first_byte : first_byte + p.numel()] = p
-        lo[first_group : first_group + lo_part.numel()] = lo_part
-        scale[first_group : first_group + scale_part.numel()] = scale_part
-    return payload, lo, scale
+        place_packed(out, start, bits, group_size, quantize_pack(x[start : start + step], bits, group_size, seed,
+                                                                 start=start))
+    return out
+
+
+def empty_packed(n: int, bits: int, group_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Uninitialised ``(payload, lo, scale)`` for ``n`` elements, filled part by part with :func:`place_packed`."""
+    lo = torch.empty(-(-n // group_size), dtype=torch.int16, device=device)
+    return torch.empty(math.ceil(n * bits / 8), dtype=torch.uint8, device=device), lo, torch.empty_like(lo)
+
+
+def place_packed(out: tuple[torch.Tensor, ...], start: int, bits: int, group_size: int,
+                 part: tuple[torch.Tensor, ...]) -> None:
+    """Write ``part``, the ``(payload, lo, scale)`` of the elements from ``start`` on (a group's first), into
+    ``out``, the whole tensor's (a whole group is a whole number of bytes: group sizes are multiples of 8)."""
+    first_byte, first_group = start * bits // 8, start // group_size
+    for whole, piece, at in zip(out, part, (first_byte, first_group, first_group)):
+        whole[at : at + piece.numel()] = piece
 
 
 def unpack_dequantize_chunked(payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
