@@ -350,6 +350,9 @@ def _rebuild_terms(tensors: list[Tensor], i: int, term_metas: tuple, resolve) ->
 
 
 _local = threading.local()
+#: whether any note was ever made (:func:`remember`): until one is, no tensor has one, and the queries of a model
+#: that makes none (a transformer's linears ask for each input) answer at once instead of finding their region
+_noted = False
 
 
 class _RegionNotes:
@@ -411,6 +414,8 @@ def remember(x: Tensor, kind: str, value: Any) -> None:
     the next note or the next query (:func:`affine_of`, :func:`note_made_by`), keyed by that node and output
     number: ``y = bn(.) + shortcut`` frees ``y`` before a ReLU asks what the sum is, and ``logits / scale`` frees
     the LM head's output before the loss asks what the logits are."""
+    global _noted
+    _noted = True
     state = _region_notes()
     notes, key, dead = state.notes, (kind, id(x)), state.dead
     dead.clear()  # a new note: the forward has moved past the tensors that died before it
@@ -429,6 +434,8 @@ def remember(x: Tensor, kind: str, value: Any) -> None:
 
 def recall(x: Tensor, kind: str) -> Any:
     """The value :func:`remember` attached to ``x`` under ``kind``, if ``x`` is unmodified since; else ``None``."""
+    if not _noted:
+        return None
     note = _notes().get((kind, id(x)))
     if note is None or note[0]() is not x or x._version != note[1]:
         return None
@@ -573,7 +580,7 @@ def _residual_sum(x: Tensor) -> _Sum | None:
     has modified since. An operand that died since the add (``y = y + b`` frees BatchNorm's output ``y``) is
     found by its note's node among the notes that outlive their tensors (:func:`remember`)."""
     node = x.grad_fn
-    if node is None or type(node).__name__ != "AddBackward0" or getattr(node, "_saved_alpha", None) != 1:
+    if not _noted or node is None or type(node).__name__ != "AddBackward0" or getattr(node, "_saved_alpha", None) != 1:
         return None
     first, second = node.next_functions
     own = _live_note(x)
