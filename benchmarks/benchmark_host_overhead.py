@@ -3,10 +3,11 @@
 On the H200 a patched bert-large step at batch 32 was bound by host work, not by the GPU (README, "First GPU
 run"). This benchmark isolates that work on any machine: a tiny BERT (hidden 32, seq 8, batch 1, one thread),
 so that the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec``
-the codec's CPU implementations (quantize+pack, unpack+dequantize) are replaced by stand-ins that return
-tensors of the right shapes and dtypes without computing anything, as a GPU kernel launch would cost next to
-nothing on the host; what remains is act_hf's own work per op. The stand-ins make the gradients meaningless:
-this measures time only.
+the codec's CPU implementations (quantize+pack, unpack+dequantize, and the bit packers of masks and few-bit codes)
+are replaced by stand-ins that return tensors of the right shapes and dtypes without computing anything, as a GPU
+kernel launch would cost next to nothing on the host; what remains is act_hf's own work per op. The stand-ins make
+the gradients meaningless: this measures time only. The time spent inside each act_hf op (its autograd Function's
+forward and backward, aten calls included) is listed per call, from one more timed run with each Function wrapped.
 
 It also counts the device ops of one step, the number a GPU would launch: every aten op that is not a view, and
 each codec call once (counted under a dispatch mode, where the codec runs as its ``torch.ops.act_hf`` op), and
@@ -17,6 +18,7 @@ counts are a proxy for the GPU's launches and traffic. The default batch of 8 x 
 which hidden states are channel scaled, as in every real model.
 
     python benchmarks/benchmark_host_overhead.py --stub-codec            # ms per step, best of 3 x 40 steps
+    python benchmarks/benchmark_host_overhead.py --stub-codec --fp32     # the same in fp32: no CPU bf16 matmuls
     python benchmarks/benchmark_host_overhead.py --stub-codec --hidden 256 --seq 128 --layers 2 --steps 3
                                                                          # traffic at wider, longer shapes
     python benchmarks/benchmark_host_overhead.py --stub-codec --timm resnet50 --batch 4 --steps 1
@@ -52,6 +54,66 @@ def _stub_unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype, 
     return torch.zeros(numel, dtype=dtype)
 
 
+def _stub_pack_bits(codes, bits, chunk=None):
+    return torch.zeros(-(-codes.numel() * bits // 8), dtype=torch.uint8)
+
+
+def _stub_unpack_bits(payload, bits, numel, chunk=None):
+    return torch.zeros(numel, dtype=torch.uint8)
+
+
+#: the CPU kernels ``--stub-codec`` replaces (``act_hf.compress.reference`` attributes) and their stand-ins
+STUBS = {"quantize_pack_chunked": _stub_quantize_pack, "unpack_dequantize_chunked": _stub_unpack_dequantize,
+         "pack_bits_chunked": _stub_pack_bits, "unpack_bits_chunked": _stub_unpack_bits}
+
+
+def act_functions() -> list[type]:
+    """act_hf's autograd Functions (those defined in ``act_hf.ops``)."""
+    import act_hf.ops  # noqa: F401  (imports every op module)
+
+    found, todo = [], list(torch.autograd.Function.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.__module__.startswith("act_hf.ops.") and "forward" in cls.__dict__ and "backward" in cls.__dict__:
+            found.append(cls)
+    return sorted(found, key=lambda c: c.__name__)
+
+
+def time_functions(run, steps: int) -> list[dict]:
+    """Run ``run()`` (``steps`` training steps) with the forward and backward of each of :func:`act_functions`
+    timed: ``[{"op", "calls_per_step", "us_per_call", "ms_per_step"}]``, the most time first. Each Function is
+    put back as it was."""
+    totals: dict[str, list] = {}
+    saved = []
+
+    def timed(fn, name):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                entry = totals.setdefault(name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - start
+        return wrapper
+
+    for cls in act_functions():
+        for kind in ("forward", "backward"):
+            raw = cls.__dict__[kind]
+            saved.append((cls, kind, raw))
+            setattr(cls, kind, staticmethod(timed(raw.__func__ if isinstance(raw, staticmethod) else raw,
+                                                  f"{cls.__name__}.{kind}")))
+    try:
+        run()
+    finally:
+        for cls, kind, raw in saved:
+            setattr(cls, kind, raw)
+    rows = [{"op": name, "calls_per_step": calls / steps, "us_per_call": total / calls * 1e6,
+             "ms_per_step": total / steps * 1e3} for name, (calls, total) in totals.items()]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+
 _VIEWS = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "expand", "t", "transpose", "permute", "slice",
                     "select", "unsqueeze", "squeeze", "detach", "alias", "split", "unbind", "lift_fresh"})
 _SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal"})
@@ -83,7 +145,7 @@ def count_ops(step) -> tuple[int, int, int]:
 
 
 def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats: int = 3, hidden: int = 32,
-            timm_model: str | None = None, image_size: int = 96) -> dict:
+            timm_model: str | None = None, image_size: int = 96, autocast: bool = True) -> dict:
     """Best over ``repeats`` of the mean time of ``steps`` training steps (forward and backward) of a tiny BERT (or
     of ``timm_model`` with 10 classes on ``image_size`` images), and the ops of one step (:func:`count_ops`)."""
     torch.manual_seed(0)
@@ -109,7 +171,7 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
         act_hf.patch(model, bits=int(setting.removeprefix("bits")))
 
     def step() -> None:
-        with torch.autocast("cpu", torch.bfloat16):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             loss = loss_of()
         loss.backward()
 
@@ -122,7 +184,18 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
             step()
         best = min(best, (time.perf_counter() - start) / steps * 1000)
     ops, syncs, moved = count_ops(step)
-    return {"setting": setting, "ms_per_step": best, "ops_per_step": ops, "syncs_per_step": syncs,
+
+    def run() -> None:
+        for _ in range(steps):
+            step()
+
+    fastest: dict[str, dict] = {}  # each op's best of the repeats, as for the step time
+    for _ in range(repeats if setting != "unpatched" else 0):
+        for row in time_functions(run, steps):
+            if row["ms_per_step"] < fastest.get(row["op"], {"ms_per_step": float("inf")})["ms_per_step"]:
+                fastest[row["op"]] = row
+    by_op = sorted(fastest.values(), key=lambda o: -o["ms_per_step"])
+    return {"setting": setting, "ms_per_step": best, "ops_per_step": ops, "syncs_per_step": syncs, "by_op": by_op,
             "mb_moved_per_step": moved / 1e6}
 
 
@@ -137,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=32, help="hidden size (2 heads, MLP 2x wider; default 32)")
     parser.add_argument("--timm", metavar="NAME", help="a timm model (10 classes) instead of the tiny BERT")
     parser.add_argument("--image-size", type=int, default=96, help="images of --timm (default 96)")
+    parser.add_argument("--fp32", action="store_true",
+                        help="train in fp32 instead of under bf16 autocast (the CPU's bf16 matmuls, slow without "
+                             "AMX, then stop hiding the host work)")
     parser.add_argument("--stub-codec", action="store_true",
                         help="replace the codec's CPU implementations by shape-only stand-ins (host work only)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -147,26 +223,29 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.layers, args.steps, args.batch, args.seq, args.image_size) < 1 or args.hidden < 2 or args.hidden % 2:
         parser.error("--layers, --steps, --batch, --seq and --image-size must be >= 1, --hidden even and >= 2")
     torch.set_num_threads(1)
-    saved = reference.quantize_pack_chunked, reference.unpack_dequantize_chunked
+    saved = {name: getattr(reference, name) for name in STUBS}
     if args.stub_codec:
-        reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = (_stub_quantize_pack,
-                                                                                 _stub_unpack_dequantize)
+        for name, stub in STUBS.items():
+            setattr(reference, name, stub)
     try:
         rows = [measure(name, args.layers, args.steps, args.batch, args.seq, hidden=args.hidden,
+                        autocast=not args.fp32,
                         timm_model=args.timm, image_size=args.image_size) for name in args.settings]
     finally:
-        reference.quantize_pack_chunked, reference.unpack_dequantize_chunked = saved
+        for name, kernel in saved.items():
+            setattr(reference, name, kernel)
     base = next((r["ms_per_step"] for r in rows if r["setting"] == "unpatched"), None)
     for r in rows:
         r["vs_unpatched"] = None if base is None else r["ms_per_step"] / base
     meta = _meta(torch.device("cpu")) | {"layers": args.layers, "steps": args.steps, "batch": args.batch,
                                          "seq": args.seq, "hidden": args.hidden, "timm": args.timm,
-                                         "image_size": args.image_size, "stub_codec": args.stub_codec}
+                                         "image_size": args.image_size, "stub_codec": args.stub_codec,
+                                         "autocast": not args.fp32}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     model = (f"timm {args.timm} ({args.image_size} px images, batch {args.batch})" if args.timm else
              f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq})")
-    lines = [(f"{model}, bf16 autocast, one thread, best of 3 x {args.steps} steps; codec "
+    lines = [(f"{model}, {'fp32' if args.fp32 else 'bf16 autocast'}, one thread, best of 3 x {args.steps} steps; codec "
               f"{'stubbed (host work only)' if args.stub_codec else 'real (CPU reference)'}; {meta['device']}, torch "
               f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops, host syncs and MB moved (the ops' tensor "
               "inputs and outputs): one step's, counted as dispatched (views excluded, each codec call one op)."), "",
@@ -176,6 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['setting']} | {r['ms_per_step']:.2f} | "
               f"{'-' if r['vs_unpatched'] is None else format(r['vs_unpatched'], '.2f')} | {r['ops_per_step']} | "
               f"{r['syncs_per_step']} | {r['mb_moved_per_step']:.2f} |" for r in rows]
+    for r in rows:
+        if r["by_op"]:
+            lines += ["", (f"Time inside act_hf's ops at {r['setting']} (forward and backward of each autograd Function, "
+                           "aten calls included; 3 more runs with each wrapped in a timer, each op's best):"), "",
+                      "| op | calls per step | us per call | ms per step |", "|---|---|---|---|"]
+            lines += [f"| {o['op']} | {o['calls_per_step']:g} | {o['us_per_call']:.1f} | {o['ms_per_step']:.2f} |"
+                      for o in r["by_op"]]
+            lines.append(f"| all | | | {sum(o['ms_per_step'] for o in r['by_op']):.2f} |")
     (args.out / "host_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

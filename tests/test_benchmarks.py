@@ -275,10 +275,17 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     from act_hf.compress import reference
 
     host_overhead = _load("benchmark_host_overhead")
-    before = reference.quantize_pack_chunked, reference.unpack_dequantize_chunked
+    before = {name: getattr(reference, name) for name in host_overhead.STUBS}
+    functions = {cls: (cls.__dict__["forward"], cls.__dict__["backward"]) for cls in host_overhead.act_functions()}
     assert host_overhead.main(["--stub-codec", "--layers", "1", "--steps", "2", "--out", str(tmp_path)]) == 0
-    assert (reference.quantize_pack_chunked, reference.unpack_dequantize_chunked) == before
+    assert {name: getattr(reference, name) for name in host_overhead.STUBS} == before
+    assert {cls: (cls.__dict__["forward"], cls.__dict__["backward"]) for cls in functions} == functions
     rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
+    assert rows[0]["by_op"] == []  # nothing of act_hf's runs unpatched
+    ops = {o["op"]: o for o in rows[1]["by_op"]}
+    assert ops["ActLinearFunction.forward"]["calls_per_step"] == 6  # Q, K, V, attention output, MLP x 2 (heads stay)
+    assert ops["ActLinearFunction.backward"]["calls_per_step"] == 6 and ops["ActSDPAFunction.forward"]["us_per_call"] > 0
+    assert "| ActLinearFunction.forward | 6 |" in (tmp_path / "host_overhead.md").read_text()
     assert [r["setting"] for r in rows] == ["unpatched", "bits3"] and all(r["ms_per_step"] > 0 for r in rows)
     assert rows[0]["vs_unpatched"] == 1.0
     assert 0 < rows[0]["ops_per_step"] < rows[1]["ops_per_step"]  # act_hf's ops come on top of the model's
