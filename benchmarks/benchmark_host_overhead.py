@@ -1,7 +1,7 @@
 """Host (Python and dispatch) overhead of a patched training step, measurable without a GPU.
 
 On the H200 a patched bert-large step at batch 32 was bound by host work, not by the GPU (README, "First GPU
-run"). This benchmark isolates that work on any machine: a tiny BERT (hidden 32, seq 8, batch 1, one thread),
+run"). This benchmark isolates that work on any machine: a tiny BERT (hidden 32, batch 8 x seq 16, one thread),
 so that the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec``
 the codec's CPU implementations (quantize+pack, unpack+dequantize, and the bit packers of masks and few-bit codes)
 are replaced by stand-ins that return tensors of the right shapes and dtypes without computing anything, as a GPU
@@ -19,6 +19,7 @@ which hidden states are channel scaled, as in every real model.
 
     python benchmarks/benchmark_host_overhead.py --stub-codec            # ms per step, best of 3 x 40 steps
     python benchmarks/benchmark_host_overhead.py --stub-codec --fp32     # the same in fp32: no CPU bf16 matmuls
+    python benchmarks/benchmark_host_overhead.py --device cuda           # on a GPU: the host work there, per op
     python benchmarks/benchmark_host_overhead.py --stub-codec --hidden 256 --seq 128 --layers 2 --steps 3
                                                                          # traffic at wider, longer shapes
     python benchmarks/benchmark_host_overhead.py --stub-codec --timm resnet50 --batch 4 --steps 1
@@ -145,15 +146,20 @@ def count_ops(step) -> tuple[int, int, int]:
 
 
 def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats: int = 3, hidden: int = 32,
-            timm_model: str | None = None, image_size: int = 96, autocast: bool = True) -> dict:
+            timm_model: str | None = None, image_size: int = 96, autocast: bool = True,
+            device: str = "cpu") -> dict:
     """Best over ``repeats`` of the mean time of ``steps`` training steps (forward and backward) of a tiny BERT (or
-    of ``timm_model`` with 10 classes on ``image_size`` images), and the ops of one step (:func:`count_ops`)."""
+    of ``timm_model`` with 10 classes on ``image_size`` images) on ``device``, and the ops of one step
+    (:func:`count_ops`). On a GPU the step is timed to its end on the device; the ops' times are the host's (the
+    kernels they launch run on)."""
     torch.manual_seed(0)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if timm_model is not None:
         import timm
 
-        model = timm.create_model(timm_model, num_classes=10).train()
-        x, labels = torch.randn(batch, 3, image_size, image_size), torch.zeros(batch, dtype=torch.long)
+        model = timm.create_model(timm_model, num_classes=10).train().to(device)
+        x = torch.randn(batch, 3, image_size, image_size, device=device)
+        labels = torch.zeros(batch, dtype=torch.long, device=device)
 
         def loss_of() -> torch.Tensor:
             return torch.nn.functional.cross_entropy(model(x).float(), labels)
@@ -162,8 +168,9 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
 
         config = tf.BertConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
                                intermediate_size=2 * hidden, attention_probs_dropout_prob=0.0, num_labels=2)
-        model = tf.BertForSequenceClassification(config).train()
-        ids, labels = torch.randint(0, 100, (batch, seq)), torch.zeros(batch, dtype=torch.long)
+        model = tf.BertForSequenceClassification(config).train().to(device)
+        ids = torch.randint(0, 100, (batch, seq), device=device)
+        labels = torch.zeros(batch, dtype=torch.long, device=device)
 
         def loss_of() -> torch.Tensor:
             return model(input_ids=ids, labels=labels).loss
@@ -171,7 +178,7 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
         act_hf.patch(model, bits=int(setting.removeprefix("bits")))
 
     def step() -> None:
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, torch.bfloat16, enabled=autocast):
             loss = loss_of()
         loss.backward()
 
@@ -179,9 +186,11 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
         step()
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         for _ in range(steps):
             step()
+        sync()
         best = min(best, (time.perf_counter() - start) / steps * 1000)
     ops, syncs, moved = count_ops(step)
 
@@ -213,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp32", action="store_true",
                         help="train in fp32 instead of under bf16 autocast (the CPU's bf16 matmuls, slow without "
                              "AMX, then stop hiding the host work)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: on the GPU, with the CUDA kernels (host-bound at these sizes: the ops' times are "
+                             "their host work on that machine)")
     parser.add_argument("--stub-codec", action="store_true",
                         help="replace the codec's CPU implementations by shape-only stand-ins (host work only)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -222,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8)")
     if min(args.layers, args.steps, args.batch, args.seq, args.image_size) < 1 or args.hidden < 2 or args.hidden % 2:
         parser.error("--layers, --steps, --batch, --seq and --image-size must be >= 1, --hidden even and >= 2")
+    if args.device == "cuda" and (args.stub_codec or not torch.cuda.is_available()):
+        parser.error("--device cuda: needs a GPU, and runs the CUDA kernels (no --stub-codec)")
     torch.set_num_threads(1)
     saved = {name: getattr(reference, name) for name in STUBS}
     if args.stub_codec:
@@ -229,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(reference, name, stub)
     try:
         rows = [measure(name, args.layers, args.steps, args.batch, args.seq, hidden=args.hidden,
-                        autocast=not args.fp32,
+                        autocast=not args.fp32, device=args.device,
                         timm_model=args.timm, image_size=args.image_size) for name in args.settings]
     finally:
         for name, kernel in saved.items():
@@ -237,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     base = next((r["ms_per_step"] for r in rows if r["setting"] == "unpatched"), None)
     for r in rows:
         r["vs_unpatched"] = None if base is None else r["ms_per_step"] / base
-    meta = _meta(torch.device("cpu")) | {"layers": args.layers, "steps": args.steps, "batch": args.batch,
+    meta = _meta(torch.device(args.device)) | {"layers": args.layers, "steps": args.steps, "batch": args.batch,
                                          "seq": args.seq, "hidden": args.hidden, "timm": args.timm,
                                          "image_size": args.image_size, "stub_codec": args.stub_codec,
                                          "autocast": not args.fp32}
@@ -245,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     model = (f"timm {args.timm} ({args.image_size} px images, batch {args.batch})" if args.timm else
              f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq})")
-    lines = [(f"{model}, {'fp32' if args.fp32 else 'bf16 autocast'}, one thread, best of 3 x {args.steps} steps; codec "
-              f"{'stubbed (host work only)' if args.stub_codec else 'real (CPU reference)'}; {meta['device']}, torch "
+    codec = ("stubbed (host work only)" if args.stub_codec else "CUDA kernels" if args.device == "cuda"
+             else "real (CPU reference)")
+    lines = [(f"{model}, {'fp32' if args.fp32 else 'bf16 autocast'}, one thread, best of 3 x {args.steps} steps; "
+              f"codec {codec}; {meta['device']}, torch "
               f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops, host syncs and MB moved (the ops' tensor "
               "inputs and outputs): one step's, counted as dispatched (views excluded, each codec call one op)."), "",
              ("| setting | ms per step | vs unpatched | device ops per step | host syncs per step | "
@@ -257,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['syncs_per_step']} | {r['mb_moved_per_step']:.2f} |" for r in rows]
     for r in rows:
         if r["by_op"]:
-            lines += ["", (f"Time inside act_hf's ops at {r['setting']} (forward and backward of each autograd Function, "
-                           "aten calls included; 3 more runs with each wrapped in a timer, each op's best):"), "",
+            lines += ["", (f"Time inside act_hf's ops at {r['setting']} (forward and backward of each autograd "
+                           "Function, aten calls included; 3 more runs with each wrapped in a timer, each op's "
+                           "best):"), "",
                       "| op | calls per step | us per call | ms per step |", "|---|---|---|---|"]
             lines += [f"| {o['op']} | {o['calls_per_step']:g} | {o['us_per_call']:.1f} | {o['ms_per_step']:.2f} |"
                       for o in r["by_op"]]

@@ -9,8 +9,8 @@
 # there while time is left; bert-large ckpt+bits3 is searched without a target), beside the CUDA tests (since
 # the H100 run at fffea77 they check the extension's error messages, swap's bit-equality under deterministic
 # algorithms, the capped search at a batch where activations set the peak); then speed at equal batch with the
-# GPU to itself; what is alive at the peaks of resnet50, swin-tiny (2 bits) and bert-large with checkpointing,
-# and a profile, while time is left. The model sweep and kernel throughput of the runs before are left out.
+# GPU to itself; the host work of each act_hf op there (a tiny BERT, host-bound); what is alive at the peaks of
+# resnet50, swin-tiny (2 bits) and bert-large with checkpointing, and a profile, while time is left. The model sweep and kernel throughput of the runs before are left out.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -55,6 +55,12 @@ timeout $(lim 90) "$PY" benchmarks/benchmark_gpu_training.py --models bert-large
   --settings unpatched bits3 --no-search --no-curve --steps 10 --warmup 3 --out "$W/speed" >"$W/speed.log" 2>&1
 echo "speed exit $?"; cat "$W/speed/gpu_training.md" 2>/dev/null; bundle
 
+part "host work per act_hf op on this machine (tiny BERT, CUDA kernels)"
+mkdir -p "$W/host"
+t=$(lim 150); (( t > 60 )) && t=60
+timeout $t "$PY" benchmarks/benchmark_host_overhead.py --device cuda --out "$W/host" >"$W/host.log" 2>&1
+echo "host overhead exit $?"; cat "$W/host/host_overhead.md" 2>/dev/null; bundle
+
 # what is alive at the peaks the changes since fffea77 aimed at: resnet50's forward (BatchNorm's normalized input
 # packed by slices), swin-tiny's (the eager attention forward over chunks), bert-large's with checkpointing (CB1)
 for spec in resnet50:bits3 swin-tiny:bits2 bert-large:ckpt4+bits3; do
@@ -74,5 +80,6 @@ if (( $(left) > 60 )); then
 fi
 cp "$W/targets/gpu_training.md" "$OUT/targets.md" 2>/dev/null
 cp "$W/speed/gpu_training.md" "$OUT/speed.md" 2>/dev/null
+cp "$W/host/host_overhead.md" "$OUT/host_overhead.md" 2>/dev/null
 cp "$W/tests.log" "$OUT/" 2>/dev/null
 part done

@@ -293,6 +293,8 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert 0 < rows[0]["mb_moved_per_step"] < rows[1]["mb_moved_per_step"]
     with pytest.raises(SystemExit):
         host_overhead.main(["--settings", "bits9"])
+    with pytest.raises(SystemExit):  # the GPU runs the CUDA kernels, never the stand-ins
+        host_overhead.main(["--device", "cuda", "--stub-codec"])
     assert host_overhead.main(["--stub-codec", "--timm", "resnet18", "--image-size", "32", "--batch", "2",
                                "--steps", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
@@ -360,6 +362,16 @@ def test_main_writes_json_and_table_on_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gpu_training.main(["--device", "cpu", "--cap", "16GiB", "--out", str(tmp_path)])
     assert "--cap needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_host_overhead_on_the_gpu(tmp_path):
+    host_overhead = _load("benchmark_host_overhead")
+    assert host_overhead.main(["--device", "cuda", "--layers", "1", "--steps", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
+    assert all(r["ms_per_step"] > 0 and r["syncs_per_step"] == 0 for r in rows)
+    assert {o["op"] for o in rows[1]["by_op"]} >= {"ActLinearFunction.forward", "ActLayerNormFunction.backward"}
+    assert "codec CUDA kernels" in (tmp_path / "host_overhead.md").read_text()
 
 
 @pytest.mark.cuda
