@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-__all__ = ["reused"]
+__all__ = ["reused", "zero_scalar"]
 
 
 def reused(cached: Any, like: torch.Tensor, *args: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -15,3 +16,15 @@ def reused(cached: Any, like: torch.Tensor, *args: Any) -> torch.Tensor | tuple[
     made anew: a fake or traced tensor must never be kept for later calls."""
     plain = type(like) is torch.Tensor and not torch.compiler.is_compiling()
     return (cached if plain else cached.__wrapped__)(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _make_zero_scalar(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros((), dtype=dtype, device=device)
+
+
+def zero_scalar(like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim zero of ``like``'s dtype on its device, made once per device and dtype (on a GPU ``new_zeros(())``
+    launches a fill kernel every time): the other operand of a ``where``, or expanded as a stand-in whose values are
+    never read. Read-only."""
+    return reused(_make_zero_scalar, like, like.device, like.dtype)

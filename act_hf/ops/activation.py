@@ -61,6 +61,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import fewbit
 from .._chunks import chunk_elements, spans
+from .._constants import zero_scalar
 from ..compress import dequantize, pack_bits, unpack_bits
 from ..context import store
 from ..derived import affine_of, note_pending
@@ -280,7 +281,7 @@ class ActivationSpec:
         if self.exact:  # 1-bit codes: unpacked ones are 0/1 bytes, a bool tensor already (a view, no copy)
             mask = codes.view(torch.bool) if codes.dtype == torch.uint8 else codes.bool()
             inside = grad * _HARDSIGMOID_SLOPE if self.name == "hardsigmoid" else grad
-            other = grad * self.negative_slope if self.name == "leaky_relu" else grad.new_zeros(())
+            other = grad * self.negative_slope if self.name == "leaky_relu" else zero_scalar(grad)
             return torch.where(mask, inside, other, out=out) if out is not None else torch.where(mask, inside, other)
         return torch.mul(grad, fewbit.decode(codes, self.table(bits), grad.dtype), out=out)
 

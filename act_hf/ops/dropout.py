@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._constants import zero_scalar
 from ..compress import unpack_mask
 from ..errors import ActHFValueError
 from ._saving import OpSettings
@@ -89,7 +90,7 @@ class ActDropoutFunction(torch.autograd.Function):
             grad = torch.ops.aten.native_dropout_backward(grad_out, mask, 1.0 / (1.0 - p))
         else:
             kept = torch.ones((), dtype=grad_out.dtype, device=grad_out.device).div_(1 - p)
-            grad = grad_out * torch.where(mask, kept, kept.new_zeros(()))
+            grad = grad_out * torch.where(mask, kept, zero_scalar(kept))
         return grad, None, None, None
 
 

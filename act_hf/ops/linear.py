@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._constants import zero_scalar
 from ..compress import PackedTensor, dequantize, dequantize_with_factors
 from ..context import store
 from ..derived import DERIVED_CONTEXTS, AffineSum, AffineTerm, RectifiedAffine, derived_input, note_packed
@@ -126,7 +127,7 @@ def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | AffineSum 
     with ``pad`` (``F.pad``'s form) where the op padded it, or, when only the input gradient is wanted, a
     zero-stride stand-in of ``padded_shape`` (only its shape is read)."""
     if packed is None:
-        return grad_out.new_zeros(()).expand(padded_shape)
+        return zero_scalar(grad_out).expand(padded_shape)
     values = input_values(packed, grad_out.dtype)
     return values if pad is None else F.pad(values, pad)
 

@@ -152,18 +152,18 @@ def _inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def _unit_statistics(rows: int, like: Tensor) -> tuple[Tensor, Tensor]:
-    """``(zeros, ones)`` of shape ``(rows, 1)`` in fp32 on ``like``'s device: the mean and rstd of an input already
-    normalized, made once per row count and device for plain tensors (aten's backward only reads them; a fake
-    or traced ``like`` gets new ones)."""
-    return reused(_cached_unit_statistics, like, rows, like.device)
+def _unit_statistics(rows: int, like: Tensor, shape: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
+    """``(zeros, ones)`` of shape ``(rows, 1)`` (or ``shape``) in fp32 on ``like``'s device: the mean and rstd of an
+    input already normalized (a LayerNorm's rows, a BatchNorm's channels), made once per shape and device for plain
+    tensors (aten's backward only reads them; a fake or traced ``like`` gets new ones)."""
+    return reused(_cached_unit_statistics, like, (rows, 1) if shape is None else shape, like.device)
 
 
-def _make_unit_statistics(rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    return torch.zeros(rows, 1, device=device), torch.ones(rows, 1, device=device)
+def _make_unit_statistics(shape: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    return torch.zeros(shape, device=device), torch.ones(shape, device=device)
 
 
-_cached_unit_statistics = functools.lru_cache(maxsize=16)(_make_unit_statistics)
+_cached_unit_statistics = functools.lru_cache(maxsize=64)(_make_unit_statistics)
 
 
 def _decoded_and_factors(packed: PackedTensor, fold: bool) -> tuple[Tensor, Tensor | None]:
@@ -517,9 +517,9 @@ def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | No
     c = x_hat.shape[1]
     if not grad_out.is_contiguous():
         grad_out = grad_out.contiguous()
+    zeros, ones = _unit_statistics(c, x_hat, (c,))
     grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
-        grad_out, x_hat, weight, None, None, torch.zeros(c, device=x_hat.device),
-        torch.ones(c, device=x_hat.device), True, 0.0, mask)
+        grad_out, x_hat, weight, None, None, zeros, ones, True, 0.0, mask)
     if grad_x is not None:
         in_place(grad_x, Tensor.mul_, invstd.float().view((1, c) + (1,) * (x_hat.dim() - 2)))
     return grad_x, grad_w, grad_b
