@@ -118,7 +118,7 @@ def test_constant_tables_are_cached_only_in_plain_eager_execution():
     shifts = torch.tensor([0, 3, 24], dtype=torch.int8)
     with FakeTensorMode() as mode:
         fake_powers = quantizer._powers_of_two(mode.from_tensor(shifts), torch.float32, negate=True)
-        fake_zeros, _ = norm._unit_statistics(6, mode.from_tensor(shifts))
+        fake_zeros, _ = norm._unit_statistics((6, 1), mode.from_tensor(shifts))
         fake_zero = _constants.zero_scalar(mode.from_tensor(shifts))
     assert isinstance(fake_powers, FakeTensor) and isinstance(fake_zeros, FakeTensor)
     assert isinstance(fake_zero, FakeTensor) and _constants._make_zero_scalar.cache_info().currsize == 0
@@ -126,14 +126,14 @@ def test_constant_tables_are_cached_only_in_plain_eager_execution():
     zero = _constants.zero_scalar(grad)
     assert zero.shape == () and zero.dtype == torch.bfloat16 and zero.item() == 0
     assert _constants.zero_scalar(grad) is zero and _constants.zero_scalar(shifts) is not zero  # per dtype
-    channel_zeros, channel_ones = norm._unit_statistics(4, shifts, (4,))  # BatchNorm's, one per channel
+    channel_zeros, channel_ones = norm._unit_statistics((4,), shifts)  # BatchNorm's, one per channel
     assert channel_zeros.shape == channel_ones.shape == (4,)
-    assert norm._unit_statistics(4, shifts, (4,))[1] is channel_ones
+    assert norm._unit_statistics((4,), shifts)[1] is channel_ones
     powers = quantizer._powers_of_two(shifts, torch.float32, negate=True)
     assert type(powers) is torch.Tensor and powers.tolist() == [1.0, 2.0**-3, 2.0**-24]
-    zeros, ones = norm._unit_statistics(6, shifts)
+    zeros, ones = norm._unit_statistics((6, 1), shifts)
     assert type(zeros) is torch.Tensor and zeros.shape == (6, 1) and not zeros.any() and bool((ones == 1).all())
-    assert norm._unit_statistics(6, shifts)[0] is zeros  # made once
+    assert norm._unit_statistics((6, 1), shifts)[0] is zeros  # made once
     assert quantizer._cached_power_table.cache_info().currsize == 1
     assert norm._cached_unit_statistics.cache_info().currsize == 2  # (6, 1) and (4,)
 

@@ -152,11 +152,11 @@ def _inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def _unit_statistics(rows: int, like: Tensor, shape: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
-    """``(zeros, ones)`` of shape ``(rows, 1)`` (or ``shape``) in fp32 on ``like``'s device: the mean and rstd of an
-    input already normalized (a LayerNorm's rows, a BatchNorm's channels), made once per shape and device for plain
-    tensors (aten's backward only reads them; a fake or traced ``like`` gets new ones)."""
-    return reused(_cached_unit_statistics, like, (rows, 1) if shape is None else shape, like.device)
+def _unit_statistics(shape: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor]:
+    """``(zeros, ones)`` of ``shape`` in fp32 on ``like``'s device: the mean and rstd of an input already normalized
+    (a LayerNorm's ``(rows, 1)``, a BatchNorm's ``(channels,)``), made once per shape and device for plain tensors
+    (aten's backward only reads them; a fake or traced ``like`` gets new ones)."""
+    return reused(_cached_unit_statistics, like, shape, like.device)
 
 
 def _make_unit_statistics(shape: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -255,7 +255,7 @@ class ActLayerNormFunction(torch.autograd.Function):
                 saved.sub_((bias.float() if factors is None else bias.float() / factors).reshape(1, n))
             if w is not None:
                 saved.div_((w if factors is None else w / factors).reshape(1, n))
-            mean, unit_rstd = _unit_statistics(rows, g)
+            mean, unit_rstd = _unit_statistics((rows, 1), g)
         else:
             unit_rstd = None
         # grad_b, sum(g), comes from the same pass as grad_w; aten reads only the dtype and device of its bias
@@ -517,7 +517,7 @@ def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | No
     c = x_hat.shape[1]
     if not grad_out.is_contiguous():
         grad_out = grad_out.contiguous()
-    zeros, ones = _unit_statistics(c, x_hat, (c,))
+    zeros, ones = _unit_statistics((c,), x_hat)
     grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
         grad_out, x_hat, weight, None, None, zeros, ones, True, 0.0, mask)
     if grad_x is not None:
