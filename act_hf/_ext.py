@@ -28,6 +28,8 @@ CSRC_DIR = _PACKAGE_DIR / "csrc"
 if not (CSRC_DIR / "bindings.cpp").is_file():
     CSRC_DIR = _PACKAGE_DIR.parent / "csrc"
 SOURCES = ("bindings.cpp", "quantize_kernel.cu")
+#: the headers they include (their text keys the build too)
+HEADERS = ("dispatch.h", "octets.cuh")
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 BUILD_COMMAND = "act-hf build-ext   (or: python -m act_hf.cli build-ext)"
 
@@ -59,7 +61,7 @@ def _build_dir(arch: str) -> Path:
     import torch
 
     digest = hashlib.sha256()
-    for name in SOURCES + ("dispatch.h",):
+    for name in SOURCES + HEADERS:
         digest.update((CSRC_DIR / name).read_bytes())
     digest.update(f"{torch.__version__}|{torch.version.cuda}|{arch}|{os.environ.get('DEBUG', '0')}".encode())
     root = Path(os.environ.get("ACT_HF_CACHE", Path.home() / ".cache" / "act_hf"))

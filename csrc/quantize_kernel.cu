@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "octets.cuh"
 
 namespace act_hf {
 namespace {
 
 constexpr int kWarp = 32;
-constexpr int kThreads = 256;
 constexpr uint16_t kBf16Nan = 0x7FC0;
 constexpr uint16_t kFp16Nan = 0x7E00;
 
@@ -83,32 +83,6 @@ __device__ __forceinline__ void load8(const T* __restrict__ p, int cnt, bool vec
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = j < cnt ? to_float(p[j]) : 0.f;
   }
-}
-
-// Writes the low `nbytes` bytes of `word` at `dst`; one store for a full octet at 1/2/4/8 bits.
-template <int B>
-__device__ __forceinline__ void store_octet(uint8_t* __restrict__ dst, uint64_t word, int nbytes) {
-  if (nbytes == B && (B == 1 || B == 2 || B == 4 || B == 8)) {
-    if constexpr (B == 1) *dst = static_cast<uint8_t>(word);
-    if constexpr (B == 2) *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(word);
-    if constexpr (B == 4) *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(word);
-    if constexpr (B == 8) *reinterpret_cast<uint64_t*>(dst) = word;
-  } else {
-    for (int k = 0; k < nbytes; ++k) dst[k] = static_cast<uint8_t>(word >> (8 * k));
-  }
-}
-
-template <int B>
-__device__ __forceinline__ uint64_t load_octet(const uint8_t* __restrict__ src, int nbytes) {
-  if (nbytes == B && (B == 1 || B == 2 || B == 4 || B == 8)) {
-    if constexpr (B == 1) return *src;
-    if constexpr (B == 2) return *reinterpret_cast<const uint16_t*>(src);
-    if constexpr (B == 4) return *reinterpret_cast<const uint32_t*>(src);
-    if constexpr (B == 8) return *reinterpret_cast<const uint64_t*>(src);
-  }
-  uint64_t word = 0;
-  for (int k = 0; k < nbytes; ++k) word |= static_cast<uint64_t>(src[k]) << (8 * k);
-  return word;
 }
 
 // One warp per group. Pass 1: min, max and a non-finite flag over the group's octets; pass 2 (re-reading the
@@ -231,8 +205,6 @@ __global__ void __launch_bounds__(kThreads) unpack_bits_kernel(const uint8_t* __
   const uint64_t word = load_octet<B>(payload + o * B, (cnt * B + 7) / 8);
   for (int j = 0; j < cnt; ++j) codes[i + j] = static_cast<uint8_t>((word >> (j * B)) & kMask);
 }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 

@@ -24,7 +24,7 @@ def test_the_wheel_carries_the_cuda_sources_and_finds_them(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         archive.extractall(tmp_path / "site")
-    for source in (*_ext.SOURCES, "dispatch.h"):
+    for source in (*_ext.SOURCES, *_ext.HEADERS):
         assert f"act_hf/csrc/{source}" in names
     assert {"act_hf/data/fewbit_tables.json", "act_hf/patches/__init__.py", "act_hf/patches/bert.py"} <= names
 

@@ -1,0 +1,40 @@
+// The packed-code stream shared by act_hf's kernels: `bits` (B) bits a code, codes in element order, little endian.
+// Eight codes (an octet) fill exactly B bytes, so each thread of a packing kernel owns whole bytes; a last, partial
+// octet writes only the ceil(count * B / 8) bytes the stream has (act_hf/compress/reference.py: pack_bits).
+#pragma once
+
+#include <cstdint>
+
+namespace act_hf {
+
+constexpr int kThreads = 256;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Writes the low `nbytes` bytes of `word` at `dst`; one store for a full octet at 1/2/4/8 bits.
+template <int B>
+__device__ __forceinline__ void store_octet(uint8_t* __restrict__ dst, uint64_t word, int nbytes) {
+  if (nbytes == B && (B == 1 || B == 2 || B == 4 || B == 8)) {
+    if constexpr (B == 1) *dst = static_cast<uint8_t>(word);
+    if constexpr (B == 2) *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(word);
+    if constexpr (B == 4) *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(word);
+    if constexpr (B == 8) *reinterpret_cast<uint64_t*>(dst) = word;
+  } else {
+    for (int k = 0; k < nbytes; ++k) dst[k] = static_cast<uint8_t>(word >> (8 * k));
+  }
+}
+
+template <int B>
+__device__ __forceinline__ uint64_t load_octet(const uint8_t* __restrict__ src, int nbytes) {
+  if (nbytes == B && (B == 1 || B == 2 || B == 4 || B == 8)) {
+    if constexpr (B == 1) return *src;
+    if constexpr (B == 2) return *reinterpret_cast<const uint16_t*>(src);
+    if constexpr (B == 4) return *reinterpret_cast<const uint32_t*>(src);
+    if constexpr (B == 8) return *reinterpret_cast<const uint64_t*>(src);
+  }
+  uint64_t word = 0;
+  for (int k = 0; k < nbytes; ++k) word |= static_cast<uint64_t>(src[k]) << (8 * k);
+  return word;
+}
+
+}  // namespace act_hf
