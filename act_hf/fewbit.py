@@ -58,8 +58,10 @@ __all__ = [
     "SUPPORTED_ACTIVATIONS",
     "DerivativeTable",
     "decode",
+    "decode_values",
     "derivative",
     "encode",
+    "encode_bounds",
     "get_table",
     "optimal_table",
     "write_tables",
@@ -307,6 +309,8 @@ def _cached_tensor(values: tuple[float, ...], device: torch.device, dtype: torch
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype in (torch.float32, torch.float64):
+        return dtype
     if not dtype.is_floating_point:
         raise ActHFValueError(f"x.dtype={dtype} is not a floating-point dtype")
     return torch.promote_types(dtype, torch.float32)
@@ -330,14 +334,18 @@ def encode(x: torch.Tensor, table: DerivativeTable) -> torch.Tensor:
     Returns:
         ``torch.uint8`` tensor of codes in ``[0, 2**bits)``, same shape and device as ``x``.
     """
-    cdtype = _compute_dtype(x.dtype)
-    if x.dtype in (torch.float16, torch.bfloat16):
-        bounds = reused(_rounded_up, x, table.boundaries, x.device, x.dtype)
-        codes = torch.bucketize(x.contiguous(), bounds, right=True, out_int32=True)
-    else:
-        bounds = reused(_cached_tensor, x, table.boundaries, x.device, cdtype)
-        codes = torch.bucketize(x.to(cdtype).contiguous(), bounds, right=True, out_int32=True)
+    bounds = encode_bounds(table, x)
+    codes = torch.bucketize(x.to(bounds.dtype).contiguous(), bounds, right=True, out_int32=True)
     return codes.to(torch.uint8)
+
+
+def encode_bounds(table: DerivativeTable, x: torch.Tensor) -> torch.Tensor:
+    """The bounds :func:`encode` compares ``x`` against, in the dtype it compares in (``x``'s for fp16, bf16 and
+    fp64; float32 otherwise): ``table.boundaries`` rounded to it, upwards for fp16 and bf16. Made once per table,
+    device and dtype (read-only)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return reused(_rounded_up, x, table.boundaries, x.device, x.dtype)
+    return reused(_cached_tensor, x, table.boundaries, x.device, _compute_dtype(x.dtype))
 
 
 @functools.lru_cache(maxsize=256)
@@ -366,9 +374,14 @@ def decode(codes: torch.Tensor, table: DerivativeTable, dtype: torch.dtype) -> t
     Returns:
         Tensor of the same shape and device as ``codes``.
     """
-    vals = reused(_cached_tensor, codes, table.values, codes.device, dtype)
     flat = codes.reshape(-1).to(torch.int32)
-    return vals.index_select(0, flat).reshape(codes.shape)
+    return decode_values(table, dtype, codes).index_select(0, flat).reshape(codes.shape)
+
+
+def decode_values(table: DerivativeTable, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """``table.values`` as a tensor of ``dtype`` on ``like``'s device, the one :func:`decode` looks codes up in;
+    made once per table, device and dtype (read-only)."""
+    return reused(_cached_tensor, like, table.values, like.device, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

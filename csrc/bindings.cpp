@@ -30,6 +30,9 @@ at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& l
                                   int64_t bits, int64_t group_size, int64_t numel, at::ScalarType dtype);
 at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits);
 at::Tensor unpack_bits_cuda(const at::Tensor& payload, int64_t bits, int64_t numel);
+at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits);
+at::Tensor fewbit_grad_cuda(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values,
+                            int64_t bits);
 }  // namespace act_hf
 
 namespace {
@@ -105,15 +108,67 @@ at::Tensor unpack_bits(const at::Tensor& payload, int64_t bits, int64_t numel) {
   return act_hf::unpack_bits_cuda(payload, bits, numel);
 }
 
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.device() == b.device(), std::string(what) + " must be on " + a.device().str() + ", got " +
+                                            b.device().str());
+}
+
+at::Tensor fewbit_encode_pack(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
+  CHECK_CUDA(x);
+  CHECK_CONTIGUOUS(x);
+  CHECK_CONTIGUOUS(bounds);
+  check_same_device(x, bounds, "bounds");
+  TORCH_CHECK(x.dim() == 1, "x must be flat (1-D), got " + std::to_string(x.dim()) + " dims");
+  TORCH_CHECK(is_float_type(x.scalar_type()),
+              std::string("x must be float32, float16, bfloat16 or float64, got ") + c10::toString(x.scalar_type()));
+  CHECK_DTYPE(bounds, x.scalar_type());
+  check_bits(bits);
+  TORCH_CHECK(bounds.dim() == 1 && bounds.numel() < (int64_t{1} << bits),
+              "bounds must be flat with fewer than 2**bits = " + std::to_string(int64_t{1} << bits) +
+                  " elements (the codes must fit in bits), got shape " + act_hf::shape_str(bounds.sizes()));
+  py::gil_scoped_release no_gil;
+  return act_hf::fewbit_encode_pack_cuda(x, bounds, bits);
+}
+
+at::Tensor fewbit_grad(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values, int64_t bits) {
+  CHECK_CUDA(grad);
+  CHECK_CONTIGUOUS(grad);
+  CHECK_CONTIGUOUS(payload);
+  CHECK_CONTIGUOUS(values);
+  check_same_device(grad, payload, "payload");
+  check_same_device(grad, values, "values");
+  TORCH_CHECK(grad.dim() == 1, "grad must be flat (1-D), got " + std::to_string(grad.dim()) + " dims");
+  TORCH_CHECK(is_float_type(grad.scalar_type()),
+              std::string("grad must be float32, float16, bfloat16 or float64, got ") +
+                  c10::toString(grad.scalar_type()));
+  CHECK_DTYPE(payload, at::kByte);
+  CHECK_DTYPE(values, grad.scalar_type());
+  check_bits(bits);
+  TORCH_CHECK(values.dim() == 1 && values.numel() == (int64_t{1} << bits),
+              "values must be flat with 2**bits = " + std::to_string(int64_t{1} << bits) + " elements, got shape " +
+                  act_hf::shape_str(values.sizes()));
+  TORCH_CHECK(payload.numel() >= ceil_div(grad.numel() * bits, 8),
+              "payload holds " + std::to_string(payload.numel()) +
+                  " bytes, fewer than ceil(grad.numel() * bits / 8) = " +
+                  std::to_string(ceil_div(grad.numel() * bits, 8)));
+  py::gil_scoped_release no_gil;
+  return act_hf::fewbit_grad_cuda(grad, payload, values, bits);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "act_hf CUDA kernels: per-group stochastic quantization and bit packing";
+  m.doc() = "act_hf CUDA kernels: per-group stochastic quantization, bit packing and few-bit codes";
   m.def("quantize_pack", &quantize_pack, "Quantize a flat tensor and pack its codes: (payload, lo, scale)",
         py::arg("x"), py::arg("bits"), py::arg("group_size"), py::arg("seed"));
   m.def("unpack_dequantize", &unpack_dequantize, "Unpack and dequantize into a flat tensor of dtype", py::arg("payload"),
         py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"), py::arg("numel"), py::arg("dtype"));
   m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"));
+  m.def("fewbit_encode_pack", &fewbit_encode_pack,
+        "Few-bit codes #{k : bounds[k] <= x} (NaN: all of them) of a flat tensor, packed at bits each",
+        py::arg("x"), py::arg("bounds"), py::arg("bits"));
+  m.def("fewbit_grad", &fewbit_grad, "grad * values[code] for the packed codes of grad's elements", py::arg("grad"),
+        py::arg("payload"), py::arg("values"), py::arg("bits"));
   m.def("unpack_bits", &unpack_bits, "Unpack a dense bit stream into uint8 codes", py::arg("payload"), py::arg("bits"),
         py::arg("numel"));
 }

@@ -33,6 +33,20 @@ def test_opcheck_pack_bits(bits):
     torch.library.opcheck(torch.ops.act_hf.unpack_bits.default, (payload, bits, 77), test_utils=OPCHECK_TESTS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_fewbit_encode_pack_and_grad(dtype):
+    from act_hf import fewbit
+
+    table = fewbit.get_table("gelu", 3)
+    x = (torch.randn(77) * 3).to(dtype)
+    bounds = fewbit.encode_bounds(table, x)
+    torch.library.opcheck(torch.ops.act_hf.fewbit_encode_pack.default, (x, bounds, 3), test_utils=OPCHECK_TESTS)
+    payload = torch.ops.act_hf.fewbit_encode_pack(x, bounds, 3)
+    values = fewbit.decode_values(table, dtype, x)
+    torch.library.opcheck(torch.ops.act_hf.fewbit_grad.default, (torch.randn(77).to(dtype), payload, values, 3),
+                          test_utils=OPCHECK_TESTS)
+
+
 def test_compile_fullgraph_sees_the_ops():
     from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -327,6 +327,41 @@ def test_tensor_helpers():
     assert t.boundaries_tensor(dtype=torch.float64).tolist() == list(t.boundaries)
 
 
+def _coded_input(table: DerivativeTable, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """``n`` values of ``dtype`` around ``table``'s bounds: random ones, the bounds themselves, NaN and +-inf."""
+    x = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n)).mul_(3).to(dtype)
+    specials = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, *table.boundaries], dtype=torch.float64)
+    x[:specials.numel()] = specials.to(dtype)
+    return x
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_fused_encode_pack_and_grad_equal_the_codec_and_torch_mul(dtype, bits):
+    """``act_hf::fewbit_encode_pack`` (x against :func:`fewbit.encode_bounds`) is ``pack_bits(encode(x))``, and
+    ``act_hf::fewbit_grad`` (with :func:`fewbit.decode_values`) is ``grad * decode(codes)``, whole and chunk by
+    chunk (3 bits end a chunk of 1000 elements inside a byte), through the registered ops too."""
+    from act_hf.compress import pack_bits
+    from act_hf.compress import reference as R
+
+    table = get_table("gelu", bits)
+    n = 4099
+    x = _coded_input(table, dtype, n)
+    grad = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bounds, values = fewbit.encode_bounds(table, x), fewbit.decode_values(table, dtype, x)
+    assert bounds.dtype == dtype and values.dtype == dtype
+    codes = encode(x, table)
+    stream = pack_bits(codes, bits)
+    assert torch.equal(R.fewbit_encode_pack(x, bounds, bits), stream)
+    assert torch.equal(R.fewbit_encode_pack_chunked(x, bounds, bits, chunk=1000), stream)
+    assert torch.equal(torch.ops.act_hf.fewbit_encode_pack(x, bounds, bits), stream)
+    want = grad * decode(codes, table, dtype)
+    for got in (R.fewbit_grad(grad, stream, values, bits), R.fewbit_grad_chunked(grad, stream, values, bits, chunk=1000),
+                torch.ops.act_hf.fewbit_grad(grad, stream, values, bits)):
+        assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

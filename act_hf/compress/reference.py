@@ -1,6 +1,6 @@
 """Pure-PyTorch reference of every compression kernel: the specification of the packed format.
 
-The CUDA kernels in ``csrc/quantize_kernel.cu`` compute exactly the same bits (same hash-based uniforms,
+The CUDA kernels in ``csrc/*_kernel.cu`` compute exactly the same bits (same hash-based uniforms,
 same fp32 operation order, no fused multiply-add), so tests compare them bit for bit. This module also
 runs on the CPU and is the fallback when the extension is missing.
 
@@ -26,6 +26,10 @@ Format of one quantized tensor of ``n`` elements, ``b`` bits, group size ``G``:
   being bit ``k % 8`` of byte ``k // 8``; ``ceil(n * b / 8)`` bytes.
 * Decoding: ``lo + code * scale`` in fp32 (a multiply, then an add, each rounded), then cast (round to
   nearest even) to the original dtype.
+
+Few-bit codes of an activation's input (Few-Bit Backward, :mod:`act_hf.fewbit`) use the same bit stream: the code
+of ``x`` is the number of a table's sorted bounds ``<= x`` (compared in ``x``'s dtype; NaN counts as above them
+all), and backward multiplies the gradient by the table's value for the code, as ``torch.mul`` does.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ __all__ = [
     "BF16_NAN_BITS",
     "FP16_NAN_BITS",
     "empty_packed",
+    "fewbit_encode_pack",
+    "fewbit_encode_pack_chunked",
+    "fewbit_grad",
+    "fewbit_grad_chunked",
     "lo_dtype_for",
     "metadata_to_float",
     "pack_bits",
@@ -302,3 +310,50 @@ def unpack_bits(payload: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     shifts = torch.arange(8, device=payload.device, dtype=torch.int64) * bits
     codes = (words[:, None] >> shifts) & ((1 << bits) - 1)
     return codes.to(torch.uint8).view(-1)[:numel]
+
+
+def fewbit_encode_pack(x: torch.Tensor, bounds: torch.Tensor, bits: int) -> torch.Tensor:
+    """Few-bit codes of a flat ``x``, packed at ``bits`` each: ``code = #{k : bounds[k] <= x}``
+    (``torch.bucketize(x, bounds, right=True)``; NaN above every bound), compared in ``x``'s dtype, which
+    ``bounds`` (sorted, fewer than ``2**bits``) shares. ``pack_bits`` of those codes, ``ceil(n * bits / 8)`` bytes."""
+    codes = torch.bucketize(x, bounds, right=True, out_int32=True).to(torch.uint8)
+    return pack_bits(codes, bits)
+
+
+def fewbit_encode_pack_chunked(x: torch.Tensor, bounds: torch.Tensor, bits: int,
+                               chunk: int = 1 << 18) -> torch.Tensor:
+    """:func:`fewbit_encode_pack` over runs of ``chunk`` elements (a multiple of 8: whole bytes); the same stream,
+    with the int32 and int64 temporaries bounded by the chunk. The CPU kernel."""
+    n = x.numel()
+    step = max(8, chunk // 8 * 8)
+    if n <= step:
+        return fewbit_encode_pack(x, bounds, bits)
+    out = torch.empty(math.ceil(n * bits / 8), dtype=torch.uint8, device=x.device)
+    for start in range(0, n, step):
+        part = fewbit_encode_pack(x[start : start + step], bounds, bits)
+        out[start * bits // 8 : start * bits // 8 + part.numel()] = part
+    return out
+
+
+def fewbit_grad(grad: torch.Tensor, payload: torch.Tensor, values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``grad * values[code]`` for a flat ``grad`` and the packed codes of its elements (:func:`fewbit_encode_pack`),
+    ``values`` (``2**bits`` of them) in ``grad``'s dtype: ``torch.mul``'s result, a new tensor."""
+    codes = unpack_bits(payload, bits, grad.numel())
+    return torch.mul(grad, values.index_select(0, codes.to(torch.int32)))
+
+
+def fewbit_grad_chunked(grad: torch.Tensor, payload: torch.Tensor, values: torch.Tensor, bits: int,
+                        chunk: int = 1 << 18) -> torch.Tensor:
+    """:func:`fewbit_grad` over runs of ``chunk`` elements (same values, temporaries bounded by the chunk)."""
+    n = grad.numel()
+    step = max(8, chunk // 8 * 8)
+    if n <= step:
+        return fewbit_grad(grad, payload, values, bits)
+    out = torch.empty_like(grad)
+    for start in range(0, n, step):
+        count = min(step, n - start)
+        first = start * bits // 8
+        part = payload[first : first + math.ceil(count * bits / 8)]
+        torch.mul(grad[start : start + count],
+                  values.index_select(0, unpack_bits(part, bits, count).to(torch.int32)), out=out[start : start + count])
+    return out

@@ -21,7 +21,8 @@ from .. import _ext
 from ..compress import reference
 from ..errors import ActHFWarning
 
-__all__ = ["pack_bits", "quantize_pack", "run", "unpack_bits", "unpack_dequantize"]
+__all__ = ["fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "run", "unpack_bits",
+           "unpack_dequantize"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -146,12 +147,57 @@ def _(payload: Tensor, bits: int, numel: int) -> Tensor:
     return payload.new_empty(numel, dtype=torch.uint8)
 
 
+def _fewbit_encode_pack(x: Tensor, bounds: Tensor, bits: int) -> Tensor:
+    """Flat ``x`` -> its few-bit codes against ``bounds`` (``x``'s dtype), packed at ``bits`` (chunked without the
+    extension)."""
+    return reference.fewbit_encode_pack_chunked(x, bounds, bits)
+
+
+def _fewbit_encode_pack_cuda(x: Tensor, bounds: Tensor, bits: int) -> Tensor:
+    module = _cuda_ext()
+    if module is None:
+        return reference.fewbit_encode_pack_chunked(x, bounds, bits)
+    return module.fewbit_encode_pack(x, bounds, bits)
+
+
+fewbit_encode_pack = torch.library.custom_op("act_hf::fewbit_encode_pack", _fewbit_encode_pack, mutates_args=())
+fewbit_encode_pack.register_kernel("cuda", _fewbit_encode_pack_cuda)
+
+
+@fewbit_encode_pack.register_fake
+def _(x: Tensor, bounds: Tensor, bits: int) -> Tensor:
+    return x.new_empty(_ceil_div(x.numel() * bits, 8), dtype=torch.uint8)
+
+
+def _fewbit_grad(grad: Tensor, payload: Tensor, values: Tensor, bits: int) -> Tensor:
+    """Flat ``grad`` times ``values[code]`` for the packed codes of its elements (chunked without the extension)."""
+    return reference.fewbit_grad_chunked(grad, payload, values, bits)
+
+
+def _fewbit_grad_cuda(grad: Tensor, payload: Tensor, values: Tensor, bits: int) -> Tensor:
+    module = _cuda_ext()
+    if module is None:
+        return reference.fewbit_grad_chunked(grad, payload, values, bits)
+    return module.fewbit_grad(grad, payload, values, bits)
+
+
+fewbit_grad = torch.library.custom_op("act_hf::fewbit_grad", _fewbit_grad, mutates_args=())
+fewbit_grad.register_kernel("cuda", _fewbit_grad_cuda)
+
+
+@fewbit_grad.register_fake
+def _(grad: Tensor, payload: Tensor, values: Tensor, bits: int) -> Tensor:
+    return torch.empty_like(grad)
+
+
 #: each op's implementations by device type, for :func:`run`
 _IMPLEMENTATIONS = {
     quantize_pack: {"cpu": _quantize_pack, "cuda": _quantize_pack_cuda},
     unpack_dequantize: {"cpu": _unpack_dequantize, "cuda": _unpack_dequantize_cuda},
     pack_bits: {"cpu": _pack_bits, "cuda": _pack_bits_cuda},
     unpack_bits: {"cpu": _unpack_bits, "cuda": _unpack_bits_cuda},
+    fewbit_encode_pack: {"cpu": _fewbit_encode_pack, "cuda": _fewbit_encode_pack_cuda},
+    fewbit_grad: {"cpu": _fewbit_grad, "cuda": _fewbit_grad_cuda},
 }
 
 

@@ -66,6 +66,7 @@ from ..compress import dequantize, pack_bits, unpack_bits
 from ..context import store
 from ..derived import affine_of, note_pending
 from ..errors import ActHFRuntimeError, ActHFValueError
+from . import _library
 from ._saving import OpSettings, load_context, save_context
 
 __all__ = [
@@ -286,9 +287,13 @@ class ActivationSpec:
         return torch.mul(grad, fewbit.decode(codes, self.table(bits), grad.dtype), out=out)
 
     def encode_packed(self, x: Tensor, bits: int) -> Tensor:
-        """``pack_bits(self.encode(x, bits), code_bits)``, ``x`` in its logical (row-major) order, computed chunk by
-        chunk (:func:`chunk_elements`) when ``x`` is contiguous: the same bytes, without the full-width fp32 copy
-        and int32 indices ``encode`` makes on the way."""
+        """``pack_bits(self.encode(x, bits), code_bits)``, ``x`` in its logical (row-major) order: for a table's
+        codes of a contiguous ``x``, one ``act_hf::fewbit_encode_pack`` (on the GPU one pass over ``x``, nothing
+        else in memory); else computed chunk by chunk (:func:`chunk_elements`) when ``x`` is contiguous. The same
+        bytes either way, without the full-width fp32 copy and int32 indices ``encode`` makes on the way."""
+        if not self.exact and not (self.name == "softplus" and self.beta != 1.0) and x.is_contiguous():
+            bounds = fewbit.encode_bounds(self.table(bits), x)
+            return _library.run(_library.fewbit_encode_pack, x.view(-1), bounds, bits)
         return _pack_chunked(lambda t: self.encode(t, bits), x, bits)
 
     def region_packed(self, x: Tensor) -> Tensor:
@@ -296,9 +301,13 @@ class ActivationSpec:
         return _pack_chunked(self.region, x, self.region_bits)
 
     def grad_input_packed(self, grad: Tensor, payload: Tensor, bits: int) -> Tensor:
-        """:meth:`grad_input` from the packed codes of ``grad.numel()`` elements (logical order), unpacked and
-        decoded one chunk at a time when ``grad`` is contiguous: the same values, with only a chunk's codes,
-        indices and derivative values alive."""
+        """:meth:`grad_input` from the packed codes of ``grad.numel()`` elements (logical order): the same values.
+        A table's codes with a contiguous ``grad`` take one ``act_hf::fewbit_grad`` (on the GPU the codes are
+        unpacked and looked up in registers); the others are unpacked and decoded one chunk at a time when
+        ``grad`` is contiguous, with only a chunk's codes, indices and derivative values alive."""
+        if not self.exact and grad.is_contiguous():
+            values = fewbit.decode_values(self.table(bits), grad.dtype, grad)
+            return _library.run(_library.fewbit_grad, grad.view(-1), payload, values, bits).view(grad.shape)
         numel, step = grad.numel(), chunk_elements(grad.device)
         if numel <= step or not grad.is_contiguous():
             return self.grad_input(grad, unpack_bits(payload, bits, numel).view(grad.shape), bits)

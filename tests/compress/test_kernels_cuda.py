@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -73,6 +74,50 @@ def test_pack_unpack_bits_match_reference(ext, bits):
         assert torch.equal(ext.unpack_bits(payload, bits, n), codes)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_fewbit_encode_pack_and_grad_match_reference(ext, bits, dtype):
+    """The few-bit kernels == the reference on the same GPU tensors: codes against sorted bounds (ties, a
+    duplicate bound as rounding makes them, NaN, +-inf), packed; the gradient times the looked-up values (NaN and
+    inf gradients too); aligned and unaligned views."""
+    gen = torch.Generator().manual_seed(bits)
+    bounds = (torch.randn((1 << bits) - 1, generator=gen, dtype=torch.float64) * 2).to(dtype).sort().values
+    if bounds.numel() > 2:
+        bounds[1] = bounds[2]
+    bounds, values = bounds.cuda(), torch.randn(1 << bits, generator=gen, dtype=torch.float64).to(dtype).cuda()
+    for n in SHAPES:
+        x = (torch.randn(n + 5, generator=gen, dtype=torch.float64) * 3).to(dtype).cuda()
+        head = torch.cat([torch.tensor([math.nan, math.inf, -math.inf, 0.0], dtype=dtype).cuda(), bounds])
+        x[:min(n, head.numel())] = head[:n]
+        grad = torch.randn(n + 5, generator=gen, dtype=torch.float64).to(dtype).cuda()
+        grad[n // 2] = math.inf
+        for start in (0, 3):  # a view that breaks 16-byte alignment
+            xs, gs = x[start:start + n], grad[start:start + n]
+            payload = ext.fewbit_encode_pack(xs, bounds, bits)
+            assert torch.equal(payload, R.fewbit_encode_pack(xs, bounds, bits)), f"codes differ (n={n})"
+            got, want = ext.fewbit_grad(gs, payload, values, bits), R.fewbit_grad(gs, payload, values, bits)
+            assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan()), f"NaNs differ (n={n})"
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), f"gradients differ (n={n})"
+
+
+@pytest.mark.parametrize("name", ["gelu", "silu", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fewbit_activation_on_gpu_equals_the_cpu(ext, name, dtype):
+    """An activation's packed codes and its input gradient from them: the GPU's kernels give the CPU's bytes
+    and values."""
+    from act_hf.ops.activation import ActivationSpec
+
+    spec = ActivationSpec(name)
+    x = (torch.randn(3, 5, 4099, dtype=torch.float64) * 3).to(dtype)
+    grad = torch.randn(x.shape, dtype=torch.float64).to(dtype)
+    for bits in (1, 2, 3, 4):
+        payload = spec.encode_packed(x, bits)
+        gpu = spec.encode_packed(x.cuda(), bits)
+        assert torch.equal(gpu.cpu(), payload)
+        grad_x = spec.grad_input_packed(grad, payload, bits)
+        assert torch.equal(spec.grad_input_packed(grad.cuda(), gpu, bits).cpu(), grad_x)
+
+
 def test_custom_ops_dispatch_to_kernel_and_unbiased_on_gpu(ext):
     """The mean over draws is x within 5 standard errors, each from the variance stochastic rounding predicts
     from the stored metadata (a flat tolerance would be crossed by chance: 1024 elements, 2000 draws)."""
@@ -123,6 +168,16 @@ def test_kernel_errors_name_arguments(ext):
                 print("no error")
             except RuntimeError as e:
                 print(str(e).splitlines()[0], flush=True)
+        bounds, payload = torch.zeros(3, device="cuda"), torch.zeros(4, device="cuda", dtype=torch.uint8)
+        calls = [(ext.fewbit_encode_pack, (x, bounds, 1)), (ext.fewbit_encode_pack, (x, bounds.double(), 2)),
+                 (ext.fewbit_grad, (x, payload, torch.zeros(3, device="cuda"), 2)),
+                 (ext.fewbit_grad, (x, payload[:2], torch.zeros(4, device="cuda"), 2))]
+        for fn, args in calls:
+            try:
+                fn(*args)
+                print("no error")
+            except RuntimeError as e:
+                print(str(e).splitlines()[0], flush=True)
     """
     root = Path(__file__).resolve().parents[2]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
@@ -133,6 +188,10 @@ def test_kernel_errors_name_arguments(ext):
     assert "bits must be an integer from 1 to 8, got 9" in lines[0]
     assert "group_size must be a positive multiple of 8, got 12" in lines[1]
     assert "x must be a CUDA tensor" in lines[2]
+    assert "bounds must be flat with fewer than 2**bits = 2 elements" in lines[3]
+    assert "bounds must have dtype Float, got Double" in lines[4]
+    assert "values must be flat with 2**bits = 4 elements, got shape (3)" in lines[5]
+    assert "payload holds 2 bytes, fewer than ceil(grad.numel() * bits / 8) = 3" in lines[6]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -105,9 +105,10 @@ def test_fewbit_forward_exact_and_grad_is_table(case, dtype, shape):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", ["gelu", "silu", "relu", "leaky_relu", "hardtanh"])
 def test_codes_are_encoded_and_decoded_chunk_by_chunk_to_the_same_bytes(monkeypatch, name, bits):
-    """Above one chunk of elements the codes are encoded, packed, unpacked and decoded a chunk at a time: the
-    payload and the gradient are the bytes and values of the whole-tensor path (555 elements, chunks of 64:
-    a partial last chunk, ending inside a byte of the packed stream at 3 bits)."""
+    """Above one chunk of elements the codes are encoded, packed, unpacked and decoded a chunk at a time (a
+    table's go through one ``act_hf::fewbit_encode_pack`` / ``fewbit_grad`` instead): the payload and the gradient
+    are the bytes and values of the whole-tensor path (555 elements, chunks of 64: a partial last chunk, ending
+    inside a byte of the packed stream at 3 bits)."""
     from act_hf.compress import pack_bits, unpack_bits
     from act_hf.ops import activation
 
