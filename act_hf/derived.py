@@ -106,8 +106,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._chunks import chunk_elements, in_place, spans
-from .compress import PackedTensor, dequantize, pack_bits, unpack_mask
+from ._chunks import in_place
+from .compress import PackedTensor, dequantize, pack_bits, unpack_mask, zero_unmasked
 from .context import store
 from .regions import current_region, region_is_open
 
@@ -236,35 +236,22 @@ class RectifiedAffine:
     def dequantize(self) -> Tensor:
         """The estimate ``h_hat`` (a new contiguous tensor of the original shape, in ``dtype``). A chain of
         shortcuts is summed into the innermost one's tensor, so besides it only one decoded term is alive at a
-        time, however long the chain; a plain ReLU's 1-byte mask is unpacked a slice at a time
-        (:func:`_mask_by_slices`), a leaky or clipped one's whole."""
+        time, however long the chain; a plain or clipping ReLU's mask zeroes what it drops straight from its packed
+        bits (:func:`~act_hf.compress.zero_unmasked`, in place), a leaky one's is unpacked whole."""
         values = _sum_of(self.terms, self.dtype)
-        if not self.negative_slope and self.clamp is None and values.is_contiguous():
-            _mask_by_slices(values, self.mask)
+        if self.negative_slope:
+            values = torch.where(unpack_mask(self.mask, values.shape), values, values * self.negative_slope)
         else:
-            keep = unpack_mask(self.mask, values.shape)
-            if self.negative_slope:
-                values = torch.where(keep, values, values * self.negative_slope)
-            else:
-                values.mul_(keep)
-        if self.clamp is not None:  # the clipped elements: hi where u, else lo
+            zero_unmasked(values, self.mask, in_place=True)
+        if self.clamp is not None:  # the clipped elements: hi where u, else lo (0 already where lo is 0)
             lo, hi = self.clamp
             upper = unpack_mask(self.upper, values.shape)
             if lo:
-                values.masked_fill_(~(keep | upper), lo)
+                values.masked_fill_(~(unpack_mask(self.mask, values.shape) | upper), lo)
             values.masked_fill_(upper, hi)
         if self.sample_scale is not None:
             values.mul_(_sample_view(self.sample_scale, values.dim()))
         return values
-
-
-def _mask_by_slices(values: Tensor, mask: Tensor) -> None:
-    """``values.mul_(unpack_mask(mask, values.shape))`` for a contiguous ``values`` (the mask packed in its
-    row-major order), the mask unpacked a slice at a time: its 1-byte copy is never made whole (at resnet50's widest
-    layer, half the size of the bf16 values it masks)."""
-    flat = values.view(-1)
-    for start, stop in spans(flat.numel(), 4 * chunk_elements(values.device)):  # multiples of 8: whole bytes
-        flat[start:stop].mul_(unpack_mask(mask[start // 8:-(-stop // 8)], (stop - start,)))
 
 
 @dataclass

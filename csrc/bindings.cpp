@@ -33,6 +33,7 @@ at::Tensor unpack_bits_cuda(const at::Tensor& payload, int64_t bits, int64_t num
 at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits);
 at::Tensor fewbit_grad_cuda(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values,
                             int64_t bits);
+at::Tensor zero_unmasked_cuda(const at::Tensor& values, const at::Tensor& mask, bool in_place);
 }  // namespace act_hf
 
 namespace {
@@ -155,6 +156,23 @@ at::Tensor fewbit_grad(const at::Tensor& grad, const at::Tensor& payload, const 
   return act_hf::fewbit_grad_cuda(grad, payload, values, bits);
 }
 
+at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool in_place) {
+  CHECK_CUDA(values);
+  CHECK_CONTIGUOUS(values);
+  CHECK_CONTIGUOUS(mask);
+  check_same_device(values, mask, "mask");
+  TORCH_CHECK(values.dim() == 1, "values must be flat (1-D), got " + std::to_string(values.dim()) + " dims");
+  TORCH_CHECK(is_float_type(values.scalar_type()),
+              std::string("values must be float32, float16, bfloat16 or float64, got ") +
+                  c10::toString(values.scalar_type()));
+  CHECK_DTYPE(mask, at::kByte);
+  TORCH_CHECK(mask.numel() >= ceil_div(values.numel(), 8),
+              "mask holds " + std::to_string(mask.numel()) + " bytes, fewer than ceil(values.numel() / 8) = " +
+                  std::to_string(ceil_div(values.numel(), 8)));
+  py::gil_scoped_release no_gil;
+  return act_hf::zero_unmasked_cuda(values, mask, in_place);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -169,6 +187,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("bounds"), py::arg("bits"));
   m.def("fewbit_grad", &fewbit_grad, "grad * values[code] for the packed codes of grad's elements", py::arg("grad"),
         py::arg("payload"), py::arg("values"), py::arg("bits"));
+  m.def("zero_unmasked", &zero_unmasked,
+        "torch.where(mask, values, 0) for a flat tensor and its 1-bit mask, packed; in place or a new tensor",
+        py::arg("values"), py::arg("mask"), py::arg("in_place"));
   m.def("unpack_bits", &unpack_bits, "Unpack a dense bit stream into uint8 codes", py::arg("payload"), py::arg("bits"),
         py::arg("numel"));
 }

@@ -2,7 +2,9 @@
 //   - encode: code = #{k : bounds[k] <= x} (torch.bucketize(x, bounds, right=True); NaN counts as above every
 //     bound), packed at B bits straight from x: no int32 indices, no uint8 codes in memory;
 //   - grad: grad * values[code], unpacked and looked up in registers, computed as torch.mul computes it (in fp32 for
-//     fp32, fp16 and bf16, in fp64 for fp64) and rounded once to grad's dtype.
+//     fp32, fp16 and bf16, in fp64 for fp64) and rounded once to grad's dtype;
+// and a 1-bit mask applied straight from its packed bits (zero_unmasked: torch.where(mask, values, 0), in place or
+// into a new tensor): a ReLU's input gradient, a rectified input rebuilt for a conv's weight gradient.
 // Comparisons are exact: x and the bounds share a dtype and are widened without rounding. 64-bit element indexing,
 // current stream, no host synchronisation; one thread per octet of eight elements.
 #include <ATen/ATen.h>
@@ -99,6 +101,31 @@ __global__ void __launch_bounds__(kThreads) fewbit_grad_kernel(
   }
 }
 
+// `dst` may be `src` (in place): no __restrict__ on either.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) zero_unmasked_kernel(const T* src, const uint8_t* __restrict__ mask,
+                                                                   int64_t n, bool vec, T* dst) {
+  const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t i = o * 8;
+  if (i >= n) return;
+  const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
+  const unsigned bits = mask[o];  // one byte holds the octet's eight bits
+  constexpr int kVec = sizeof(T) * 8 / 16;
+  alignas(16) T vals[8];
+  if (vec && cnt == 8) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(vals)[k] = reinterpret_cast<const uint4*>(src + i)[k];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (!((bits >> j) & 1u)) vals[j] = T(0);
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(dst + i)[k] = reinterpret_cast<const uint4*>(vals)[k];
+  } else {
+    for (int j = 0; j < cnt; ++j) dst[i + j] = (bits >> j) & 1u ? src[i + j] : T(0);
+  }
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
@@ -137,6 +164,22 @@ at::Tensor fewbit_grad_cuda(const at::Tensor& grad, const at::Tensor& payload, c
           grad.data_ptr<scalar_t>(), payload.data_ptr<uint8_t>(), values.data_ptr<scalar_t>(), n, vec,
           out.data_ptr<scalar_t>());
     });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor zero_unmasked_cuda(const at::Tensor& values, const at::Tensor& mask, bool in_place) {
+  const c10::cuda::CUDAGuard guard(values.device());
+  const int64_t n = values.numel();
+  auto out = in_place ? values : at::empty({n}, values.options());
+  if (n == 0) return out;
+  const int64_t blocks = ceil_div(ceil_div(n, 8), kThreads);
+  const bool vec = aligned16(values.data_ptr()) && aligned16(out.data_ptr());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "act_hf_zero_unmasked", [&] {
+    zero_unmasked_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+        values.data_ptr<scalar_t>(), mask.data_ptr<uint8_t>(), n, vec, out.data_ptr<scalar_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

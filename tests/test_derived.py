@@ -373,15 +373,19 @@ def test_residual_forward_is_unchanged_and_gradients_match_at_8_bits(add):
     _assert_exact_at_8_bits(*_stage(bits=8, add=add), name=f"residual-{add}")
 
 
-def test_a_residual_relu_mask_is_unpacked_a_slice_at_a_time(monkeypatch):
-    """A conv reading ``relu(bn(.) + shortcut)`` applies the ReLU's packed mask a slice at a time (here 64
-    elements): no 1-byte mask of the whole tensor is made, and the gradients are the whole mask's, bit for bit."""
-    from act_hf.ops import activation
+def test_a_residual_relu_mask_is_applied_from_its_packed_bits(monkeypatch):
+    """A conv reading ``relu(bn(.) + shortcut)`` zeroes what the ReLU dropped straight from its packed mask (one
+    ``act_hf::zero_unmasked_``, whose CPU kernel unpacks a slice at a time, here 16 elements): no 1-byte mask of the
+    whole tensor is made, and the gradients are those of the whole mask, bit for bit."""
+    from act_hf.compress import reference
     from tests.utils import dispatched
 
+    chunked = reference.zero_unmasked_chunked
+
     def step(slice_elements):
-        monkeypatch.setattr(derived, "chunk_elements", lambda device: slice_elements)
-        monkeypatch.setattr(activation, "chunk_elements", lambda device: slice_elements)  # the ReLUs' own backward
+        monkeypatch.setattr(reference, "zero_unmasked_chunked",
+                            lambda values, mask, in_place=False: chunked(values, mask, in_place=in_place,
+                                                                         chunk=slice_elements))
         _, model = _stage(bits=3)
         act_hf.manual_seed(0)
         out = model(_input().requires_grad_())
@@ -391,8 +395,8 @@ def test_a_residual_relu_mask_is_unpacked_a_slice_at_a_time(monkeypatch):
     whole, _ = step(1 << 20)
     sliced, ops = step(16)
     numel = _input().numel()
-    unpacked = [t.numel() for func, outs in ops if "unpack_bits" in str(func) for t in outs]
-    assert unpacked and max(unpacked) < numel
+    assert any("act_hf.zero_unmasked_" in str(func) for func, _ in ops)
+    assert not [t for func, outs in ops if "unpack_bits" in str(func) for t in outs if t.numel() >= numel]
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
 
 

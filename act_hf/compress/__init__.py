@@ -1,6 +1,6 @@
 """Tensor -> packed context -> tensor: per-group stochastic quantization and bit packing."""
 
-from .bits import pack_bits, unpack_bits, unpack_mask
+from .bits import pack_bits, unpack_bits, unpack_mask, zero_unmasked
 from .packed import PackedSpec, PackedTensor
 from .quantizer import (
     CHANNEL_SCALE_MIN_ROWS,
@@ -33,4 +33,5 @@ __all__ = [
     "quantize_by_rows",
     "unpack_bits",
     "unpack_mask",
+    "zero_unmasked",
 ]

@@ -58,6 +58,8 @@ __all__ = [
     "unpack_bits_chunked",
     "unpack_dequantize",
     "unpack_dequantize_chunked",
+    "zero_unmasked",
+    "zero_unmasked_chunked",
 ]
 
 BF16_NAN_BITS = 0x7FC0
@@ -356,4 +358,23 @@ def fewbit_grad_chunked(grad: torch.Tensor, payload: torch.Tensor, values: torch
         part = payload[first : first + math.ceil(count * bits / 8)]
         torch.mul(grad[start : start + count],
                   values.index_select(0, unpack_bits(part, bits, count).to(torch.int32)), out=out[start : start + count])
+    return out
+
+
+def zero_unmasked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``torch.where(keep, values, 0)`` for a flat ``values`` and ``mask``, its 1-bit ``keep`` packed
+    (:func:`pack_bits` at 1 bit): a new tensor, the dropped elements ``+0``."""
+    keep = unpack_bits(mask, 1, values.numel()).view(torch.bool)
+    return torch.where(keep, values, values.new_zeros(()))
+
+
+def zero_unmasked_chunked(values: torch.Tensor, mask: torch.Tensor, *, in_place: bool = False,
+                          chunk: int = 1 << 18) -> torch.Tensor:
+    """:func:`zero_unmasked` over runs of ``chunk`` elements (a multiple of 8: whole bytes of the mask), into
+    ``values`` itself with ``in_place``; the unpacked mask's temporaries are bounded by the chunk."""
+    out = values if in_place else torch.empty_like(values)
+    step = max(8, chunk // 8 * 8)
+    for start in range(0, values.numel(), step):
+        stop = min(values.numel(), start + step)
+        out[start:stop] = zero_unmasked(values[start:stop], mask[start // 8 : -(-stop // 8)])
     return out

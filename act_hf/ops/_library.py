@@ -22,7 +22,7 @@ from ..compress import reference
 from ..errors import ActHFWarning
 
 __all__ = ["fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "run", "unpack_bits",
-           "unpack_dequantize"]
+           "unpack_dequantize", "zero_unmasked", "zero_unmasked_"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -190,6 +190,50 @@ def _(grad: Tensor, payload: Tensor, values: Tensor, bits: int) -> Tensor:
     return torch.empty_like(grad)
 
 
+def _zero_unmasked(values: Tensor, mask: Tensor) -> Tensor:
+    """Flat ``values`` with the elements whose bit in the packed 1-bit ``mask`` is 0 set to 0, as a new tensor
+    (chunked without the extension)."""
+    return reference.zero_unmasked_chunked(values, mask)
+
+
+def _zero_unmasked_cuda(values: Tensor, mask: Tensor) -> Tensor:
+    module = _cuda_ext()
+    if module is None:
+        return reference.zero_unmasked_chunked(values, mask)
+    return module.zero_unmasked(values, mask, False)
+
+
+zero_unmasked = torch.library.custom_op("act_hf::zero_unmasked", _zero_unmasked, mutates_args=())
+zero_unmasked.register_kernel("cuda", _zero_unmasked_cuda)
+
+
+@zero_unmasked.register_fake
+def _(values: Tensor, mask: Tensor) -> Tensor:
+    return torch.empty_like(values)
+
+
+def _zero_unmasked_inplace(values: Tensor, mask: Tensor) -> None:
+    """:func:`_zero_unmasked` into ``values`` itself."""
+    reference.zero_unmasked_chunked(values, mask, in_place=True)
+
+
+def _zero_unmasked_inplace_cuda(values: Tensor, mask: Tensor) -> None:
+    module = _cuda_ext()
+    if module is None:
+        reference.zero_unmasked_chunked(values, mask, in_place=True)
+    else:
+        module.zero_unmasked(values, mask, True)
+
+
+zero_unmasked_ = torch.library.custom_op("act_hf::zero_unmasked_", _zero_unmasked_inplace, mutates_args=("values",))
+zero_unmasked_.register_kernel("cuda", _zero_unmasked_inplace_cuda)
+
+
+@zero_unmasked_.register_fake
+def _(values: Tensor, mask: Tensor) -> None:
+    return None
+
+
 #: each op's implementations by device type, for :func:`run`
 _IMPLEMENTATIONS = {
     quantize_pack: {"cpu": _quantize_pack, "cuda": _quantize_pack_cuda},
@@ -198,6 +242,8 @@ _IMPLEMENTATIONS = {
     unpack_bits: {"cpu": _unpack_bits, "cuda": _unpack_bits_cuda},
     fewbit_encode_pack: {"cpu": _fewbit_encode_pack, "cuda": _fewbit_encode_pack_cuda},
     fewbit_grad: {"cpu": _fewbit_grad, "cuda": _fewbit_grad_cuda},
+    zero_unmasked: {"cpu": _zero_unmasked, "cuda": _zero_unmasked_cuda},
+    zero_unmasked_: {"cpu": _zero_unmasked_inplace, "cuda": _zero_unmasked_inplace_cuda},
 }
 
 

@@ -49,6 +49,7 @@ pair costs ``b`` bits plus the Linear's quantized input per element.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -61,8 +62,8 @@ from torch.autograd.function import once_differentiable
 
 from .. import fewbit
 from .._chunks import chunk_elements, spans
-from .._constants import zero_scalar
-from ..compress import dequantize, pack_bits, unpack_bits
+from .._constants import reused, zero_scalar
+from ..compress import dequantize, pack_bits, unpack_bits, zero_unmasked
 from ..context import store
 from ..derived import affine_of, note_pending
 from ..errors import ActHFRuntimeError, ActHFValueError
@@ -123,6 +124,13 @@ def check_activation_name(name: object, argument: str = "act_fn_name") -> str:
             f"{argument}={name!r} is not a supported activation; supported names: {', '.join(ACTIVATION_NAMES)}"
         )
     return name
+
+
+@functools.lru_cache(maxsize=64)
+def _smallest_positive(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``[s]``, ``s`` the smallest positive number of ``dtype`` (a subnormal: the bit pattern 1), on ``device``."""
+    pattern = {8: torch.int64, 4: torch.int32, 2: torch.int16}[dtype.itemsize]
+    return torch.ones(1, dtype=pattern).view(dtype).to(device)
 
 
 def _pack_codes(codes: Tensor, bits: int, slot: str, original_nbytes: int) -> Tensor:
@@ -287,14 +295,25 @@ class ActivationSpec:
         return torch.mul(grad, fewbit.decode(codes, self.table(bits), grad.dtype), out=out)
 
     def encode_packed(self, x: Tensor, bits: int) -> Tensor:
-        """``pack_bits(self.encode(x, bits), code_bits)``, ``x`` in its logical (row-major) order: for a table's
-        codes of a contiguous ``x``, one ``act_hf::fewbit_encode_pack`` (on the GPU one pass over ``x``, nothing
-        else in memory); else computed chunk by chunk (:func:`chunk_elements`) when ``x`` is contiguous. The same
-        bytes either way, without the full-width fp32 copy and int32 indices ``encode`` makes on the way."""
-        if not self.exact and not (self.name == "softplus" and self.beta != 1.0) and x.is_contiguous():
-            bounds = fewbit.encode_bounds(self.table(bits), x)
+        """``pack_bits(self.encode(x, bits), code_bits)``, ``x`` in its logical (row-major) order: for a table's or
+        ReLU's codes of a contiguous ``x``, one ``act_hf::fewbit_encode_pack`` (on the GPU one pass over ``x``,
+        nothing else in memory); else computed chunk by chunk (:func:`chunk_elements`) when ``x`` is contiguous. The
+        same bytes either way, without the full-width fp32 copy and int32 indices ``encode`` makes on the way."""
+        bounds = self._code_bounds(x, bits) if x.is_contiguous() else None
+        if bounds is not None:
             return _library.run(_library.fewbit_encode_pack, x.view(-1), bounds, bits)
         return _pack_chunked(lambda t: self.encode(t, bits), x, bits)
+
+    def _code_bounds(self, x: Tensor, bits: int) -> Tensor | None:
+        """Sorted bounds in ``x``'s dtype whose count ``<= x`` (NaN: all of them) is :meth:`encode`'s code of
+        ``x``, where there are such: a table's (:func:`fewbit.encode_bounds`; not for a softplus with
+        ``beta != 1``, whose code is of ``beta * x``) and ReLU's, the dtype's smallest positive number (``x >= it``
+        exactly when ``not x <= 0``). ``None`` for the others (NaN gets leaky ReLU's code 0)."""
+        if self.name == "relu":
+            return reused(_smallest_positive, x, x.device, x.dtype)
+        if self.exact or (self.name == "softplus" and self.beta != 1.0):
+            return None
+        return fewbit.encode_bounds(self.table(bits), x)
 
     def region_packed(self, x: Tensor) -> Tensor:
         """``pack_bits(self.region(x), self.region_bits)``, chunk by chunk as :meth:`encode_packed`."""
@@ -303,8 +322,11 @@ class ActivationSpec:
     def grad_input_packed(self, grad: Tensor, payload: Tensor, bits: int) -> Tensor:
         """:meth:`grad_input` from the packed codes of ``grad.numel()`` elements (logical order): the same values.
         A table's codes with a contiguous ``grad`` take one ``act_hf::fewbit_grad`` (on the GPU the codes are
-        unpacked and looked up in registers); the others are unpacked and decoded one chunk at a time when
-        ``grad`` is contiguous, with only a chunk's codes, indices and derivative values alive."""
+        unpacked and looked up in registers), ReLU's mask one ``act_hf::zero_unmasked``; the others are unpacked
+        and decoded one chunk at a time when ``grad`` is contiguous, with only a chunk's codes, indices and
+        derivative values alive."""
+        if self.name == "relu":  # torch.where(mask, grad, 0), the mask read packed
+            return zero_unmasked(grad, payload)
         if not self.exact and grad.is_contiguous():
             values = fewbit.decode_values(self.table(bits), grad.dtype, grad)
             return _library.run(_library.fewbit_grad, grad.view(-1), payload, values, bits).view(grad.shape)

@@ -100,7 +100,27 @@ def test_fewbit_encode_pack_and_grad_match_reference(ext, bits, dtype):
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), f"gradients differ (n={n})"
 
 
-@pytest.mark.parametrize("name", ["gelu", "silu", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_zero_unmasked_matches_reference(ext, dtype):
+    """``torch.where(mask, values, 0)`` from the packed mask: the kernel's bits are the reference's, into a new
+    tensor and in place, aligned and not (dropped NaN and inf become +0)."""
+    gen = torch.Generator().manual_seed(5)
+    for n in SHAPES:
+        values = (torch.randn(n + 3, generator=gen, dtype=torch.float64)).to(dtype).cuda()
+        values[:min(n, 3)] = torch.tensor([math.nan, math.inf, -1.0], dtype=dtype).cuda()[:min(n, 3)]
+        mask = torch.randint(0, 256, (-(-(n + 3) // 8),), generator=gen, dtype=torch.uint8).cuda()
+        for start in (0, 3):
+            v = values[start:start + n]
+            m = mask if start == 0 else R.pack_bits(R.unpack_bits(mask, 1, n + 3)[start:start + n], 1)
+            want = R.zero_unmasked(v, m)
+            got = ext.zero_unmasked(v, m, False)
+            assert got.data_ptr() != v.data_ptr() and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            inplace = v.clone()
+            assert ext.zero_unmasked(inplace, m, True).data_ptr() == inplace.data_ptr()
+            assert torch.equal(inplace.view(torch.uint8), want.view(torch.uint8)), f"in place differs (n={n})"
+
+
+@pytest.mark.parametrize("name", ["gelu", "silu", "tanh", "relu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fewbit_activation_on_gpu_equals_the_cpu(ext, name, dtype):
     """An activation's packed codes and its input gradient from them: the GPU's kernels give the CPU's bytes
@@ -109,6 +129,7 @@ def test_fewbit_activation_on_gpu_equals_the_cpu(ext, name, dtype):
 
     spec = ActivationSpec(name)
     x = (torch.randn(3, 5, 4099, dtype=torch.float64) * 3).to(dtype)
+    x[0, 0, :5] = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0], dtype=dtype)
     grad = torch.randn(x.shape, dtype=torch.float64).to(dtype)
     for bits in (1, 2, 3, 4):
         payload = spec.encode_packed(x, bits)
@@ -171,7 +192,8 @@ def test_kernel_errors_name_arguments(ext):
         bounds, payload = torch.zeros(3, device="cuda"), torch.zeros(4, device="cuda", dtype=torch.uint8)
         calls = [(ext.fewbit_encode_pack, (x, bounds, 1)), (ext.fewbit_encode_pack, (x, bounds.double(), 2)),
                  (ext.fewbit_grad, (x, payload, torch.zeros(3, device="cuda"), 2)),
-                 (ext.fewbit_grad, (x, payload[:2], torch.zeros(4, device="cuda"), 2))]
+                 (ext.fewbit_grad, (x, payload[:2], torch.zeros(4, device="cuda"), 2)),
+                 (ext.zero_unmasked, (x, payload[:1], False))]
         for fn, args in calls:
             try:
                 fn(*args)
@@ -192,6 +214,7 @@ def test_kernel_errors_name_arguments(ext):
     assert "bounds must have dtype Float, got Double" in lines[4]
     assert "values must be flat with 2**bits = 4 elements, got shape (3)" in lines[5]
     assert "payload holds 2 bytes, fewer than ceil(grad.numel() * bits / 8) = 3" in lines[6]
+    assert "mask holds 1 bytes, fewer than ceil(values.numel() / 8) = 2" in lines[7]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

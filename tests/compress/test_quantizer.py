@@ -504,6 +504,44 @@ def test_chunked_kernels_give_the_reference_bits(bits, dtype):
                                                  R.quantize_pack(big, bits, 256, 7)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_zero_unmasked_is_where_of_the_unpacked_mask(dtype):
+    """``zero_unmasked(values, pack_bits(keep, 1))`` is ``torch.where(keep, values, 0)`` (``+0``, also for
+    dropped NaN and inf), as a new tensor and in place, chunk by chunk (a chunk of 1000 elements ends inside no
+    byte), through the registered ops, and for a non-contiguous ``values`` (its logical order)."""
+    from act_hf.compress import pack_bits, zero_unmasked
+
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(5, 1003, generator=gen, dtype=torch.float64).to(dtype)
+    values[0, :4] = torch.tensor([math.nan, math.inf, -math.inf, -1.0], dtype=dtype)
+    keep = torch.rand(values.shape, generator=gen) < 0.5
+    keep[0, :4] = False
+    mask = pack_bits(keep, 1)
+    want = torch.where(keep, values, torch.zeros((), dtype=dtype))
+    assert not want[0, :4].signbit().any()
+
+    def same(got):
+        return got.shape == want.shape and torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(
+            got.isnan(), want.isnan()) and torch.equal(got.signbit(), want.signbit())
+
+    flat = values.reshape(-1)
+    assert same(zero_unmasked(values, mask)) and same(R.zero_unmasked(flat, mask).view(values.shape))
+    assert same(R.zero_unmasked_chunked(flat, mask, chunk=1000).view(values.shape))
+    assert same(torch.ops.act_hf.zero_unmasked(flat, mask).view(values.shape))
+    inplace = values.clone()
+    assert zero_unmasked(inplace, mask, in_place=True) is inplace and same(inplace)
+    inplace = flat.clone()
+    torch.ops.act_hf.zero_unmasked_(inplace, mask)
+    assert same(inplace.view(values.shape))
+    transposed = values.t()  # not contiguous: the mask in its logical order
+    mask_t = pack_bits(keep.t(), 1)
+    assert torch.equal(zero_unmasked(transposed, mask_t).nan_to_num(), want.t().nan_to_num())
+    assert torch.equal(zero_unmasked(transposed.clone(), mask_t, in_place=True).nan_to_num(),
+                       want.t().nan_to_num())
+    with pytest.raises(ValueError, match="mask must be a uint8 tensor, got dtype torch.bool"):
+        zero_unmasked(values, keep)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 5, 8])
 def test_chunked_bit_packing_gives_the_reference_stream(bits):
     n = 5 * 1024 + 3

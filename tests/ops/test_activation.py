@@ -102,6 +102,21 @@ def test_fewbit_forward_exact_and_grad_is_table(case, dtype, shape):
     assert saved.bytes == math.ceil(x.numel() * 3 / 8) and saved.num_tensors == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_relu_codes_count_the_smallest_positive_number(dtype):
+    """ReLU's packed code (one ``act_hf::fewbit_encode_pack`` against the dtype's smallest positive number) is
+    ``~(x <= 0)`` packed, at the edges too: +-0, +-the smallest subnormal, +-inf and NaN."""
+    from act_hf.compress import pack_bits
+
+    spec = ActivationSpec("relu")
+    x = torch.randn(1003, dtype=torch.float64).to(dtype)
+    tiny = torch.ones(1, dtype={8: torch.int64, 4: torch.int32, 2: torch.int16}[dtype.itemsize]).view(dtype)
+    x[:9] = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, -1.0, 0.0, 0.0], dtype=dtype)
+    x[7], x[8] = tiny[0], -tiny[0]
+    assert torch.equal(spec.encode_packed(x, 1), pack_bits(~(x <= 0), 1))
+    assert torch.equal(spec.encode_packed(x, 1), pack_bits(spec.encode(x, 1), 1))
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", ["gelu", "silu", "relu", "leaky_relu", "hardtanh"])
 def test_codes_are_encoded_and_decoded_chunk_by_chunk_to_the_same_bytes(monkeypatch, name, bits):
