@@ -180,13 +180,13 @@ def _channel_shifts(x: torch.Tensor) -> torch.Tensor:
     (they decode to NaN anyway); a channel whose ``amax`` is below fp32's smallest normal number (1.2e-38) may
     get less than the floor, never more.
 
-    Nine small device ops and no host read: non-negative floats order like their bit patterns read as
+    Seven small device ops and no host read: non-negative floats order like their bit patterns read as
     integers, and for normal numbers ``(bits(top) - bits(amax)) >> 23`` is the floor of ``log2(top / amax)``
     (the exponent fields' difference, less one where the mantissa field of ``amax`` exceeds ``top``'s). A
     non-finite channel's pattern lies above every finite one, so its difference is negative and clamps to 0."""
     amax = torch.linalg.vector_norm(x, float("inf"), dim=tuple(range(x.dim() - 1))).float()
+    top = torch.nan_to_num(amax, nan=0.0, posinf=0.0).amax().view(torch.int32)  # the largest finite channel's
     bits = amax.view(torch.int32).bitwise_and_(0x7FFFFFFF)  # a NaN may carry the sign bit
-    top = (bits * (bits < 0x7F800000)).amax()
     shift = (top - bits).bitwise_right_shift_(23)
     return shift.clamp_(0, _MAX_CHANNEL_SHIFT.get(x.dtype, 24))
 
