@@ -4,13 +4,14 @@
 # `gpu_session.sh all`; results under $1 (the files a device call returns are few: the tables and logs are
 # bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
-# Order: the memory targets answered first, one capped trial per row at ratio x the unpatched largest
-# batch (4.5x at 3 bits, 6.5x at 2 bits, 20x for bert-large with checkpointing; the searches then go on from
-# there while time is left; bert-large ckpt+bits3 is searched without a target), beside the CUDA tests (since
-# the H100 run at fffea77 they check the extension's error messages, swap's bit-equality under deterministic
-# algorithms, the capped search at a batch where activations set the peak); then speed at equal batch with the
-# GPU to itself; the host work of each act_hf op there (a tiny BERT, host-bound); what is alive at the peaks of
-# resnet50, swin-tiny (2 bits) and bert-large with checkpointing, and a profile, while time is left. The model sweep and kernel throughput of the runs before are left out.
+# Order: the memory targets answered first, one capped trial per row at ratio x the unpatched largest batch
+# (4.5x at 3 bits, 6.5x at 2 bits, 20x for bert-large with checkpointing; the searches then go on from there while
+# time is left; bert-large ckpt+bits3 is searched without a target), beside the CUDA tests (since the H100 run at
+# fffea77 they check the extension's error messages, swap's bit-equality under deterministic algorithms, the capped
+# search at a batch where activations set the peak; since 42bd09d the few-bit and 1-bit mask kernels, compiled but
+# never run before); then speed at equal batch with the GPU to itself; the host work of each act_hf op there (a tiny
+# BERT, host-bound); what is alive at the peaks of resnet50, swin-tiny (2 bits) and bert-large with checkpointing,
+# and a profile, while time is left. The model sweep and kernel throughput of the runs before are left out.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -41,7 +42,7 @@ timeout $(lim 190) "$PY" benchmarks/benchmark_gpu_training.py --models bert-larg
 targets=$!
 
 # the kernel tests apart from the rest, so that a crash in one part does not hide the other
-( timeout 60 "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py -p no:cacheprovider -rfEs
+( timeout 90 "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py -p no:cacheprovider -rfEs
   timeout $(lim 260) "$PY" -m pytest -q -m cuda tests --ignore=tests/compress/test_kernels_cuda.py \
     -p no:cacheprovider -rfEs --durations=5 ) >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
