@@ -501,11 +501,14 @@ def _bn_forward(x: Tensor, weight, bias, running_mean, running_var, momentum: fl
     return y, mean, invstd
 
 
-def _normalizer(mean: Tensor, invstd: Tensor, eps: float) -> Callable[[Tensor], Tensor]:
-    """``x -> (x - mean) * invstd`` per channel (dim 1) in ``x``'s dtype, in one pass: an inference-mode batch
-    norm whose variance gives ``invstd`` back (``invstd**-2 - eps``; fp32, exact to a rounding or two)."""
-    var = invstd.reciprocal().square_().sub_(eps)
-    return lambda x: torch.batch_norm(x, None, None, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
+def _normalizer(mean: Tensor, invstd: Tensor) -> Callable[[Tensor], Tensor]:
+    """``x -> (x - mean) * invstd`` per channel (dim 1) in ``x``'s dtype, in one pass and no op on the statistics:
+    an inference-mode batch norm with ``invstd`` as its weight, ``mean`` as its running mean and a running variance
+    of 0 beside an epsilon of 1, so that the variance's own factor, ``1 / sqrt(0 + 1)``, is exactly 1."""
+    zeros = _unit_statistics(tuple(mean.shape), mean)[0]
+    if zeros.dtype != mean.dtype:  # fp64 statistics of an fp64 input
+        zeros = zeros.to(mean.dtype)
+    return lambda x: torch.batch_norm(x, invstd, None, mean, zeros, False, 0.0, 1.0, torch.backends.cudnn.enabled)
 
 
 def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | None, invstd: Tensor,
@@ -555,7 +558,7 @@ class ActBatchNormFunction(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.shape = x.shape
         if need_x or need_w:
-            normalized = _normalizer(mean, invstd, eps)
+            normalized = _normalizer(mean, invstd)
             if x.numel() < MIN_VALUES_PER_CHANNEL * x.shape[1]:
                 # statistics over a handful of values amplify any error: keep this small tensor exact
                 packed = normalized(x)
