@@ -156,6 +156,8 @@ class AffineTerm:
             bias = None if bias is None else scale * bias
         if values is None:
             values = decoded
+            if weight is not None and bias is not None:  # w * x + b in one pass, rounded once
+                return in_place(values, _scale_shift_, weight, bias)
             if weight is not None:
                 in_place(values, Tensor.mul_, weight)
         elif weight is not None:
@@ -165,6 +167,11 @@ class AffineTerm:
         if bias is not None:
             in_place(values, Tensor.add_, bias)
         return values
+
+
+def _scale_shift_(values: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``values = weight * values + bias`` in place (``torch.addcmul`` into ``values``)."""
+    return torch.addcmul(bias, values, weight, out=values)
 
 
 def _sum_of(terms, dtype: torch.dtype) -> Tensor:
