@@ -146,16 +146,18 @@ def test_constant_tables_are_cached_only_in_plain_eager_execution():
     zero = _constants.zero_scalar(grad)
     assert zero.shape == () and zero.dtype == torch.bfloat16 and zero.item() == 0
     assert _constants.zero_scalar(grad) is zero and _constants.zero_scalar(shifts) is not zero  # per dtype
-    channel_zeros, channel_ones = norm._unit_statistics((4,), shifts)  # BatchNorm's, one per channel
-    assert channel_zeros.shape == channel_ones.shape == (4,)
-    assert norm._unit_statistics((4,), shifts)[1] is channel_ones
+    invstd = torch.ones(4)
+    channel_zeros, channel_ones = norm._unit_statistics((4,), invstd)  # BatchNorm's, one per channel
+    assert channel_zeros.shape == channel_ones.shape == (4,) and channel_ones.dtype == torch.float32
+    assert norm._unit_statistics((4,), invstd)[1] is channel_ones
+    assert norm._unit_statistics((4,), invstd.double())[1].dtype == torch.float64  # per dtype
     powers = quantizer._powers_of_two(shifts, torch.float32, negate=True)
     assert type(powers) is torch.Tensor and powers.tolist() == [1.0, 2.0**-3, 2.0**-24]
-    zeros, ones = norm._unit_statistics((6, 1), shifts)
+    zeros, ones = norm._unit_statistics((6, 1), invstd)
     assert type(zeros) is torch.Tensor and zeros.shape == (6, 1) and not zeros.any() and bool((ones == 1).all())
-    assert norm._unit_statistics((6, 1), shifts)[0] is zeros  # made once
+    assert norm._unit_statistics((6, 1), invstd)[0] is zeros  # made once
     assert quantizer._cached_power_table.cache_info().currsize == 1
-    assert norm._cached_unit_statistics.cache_info().currsize == 2  # (6, 1) and (4,)
+    assert norm._cached_unit_statistics.cache_info().currsize == 3  # (6, 1), (4,) and (4,) in fp64
 
 
 def test_few_bit_tables_are_cached_only_for_plain_tensors():

@@ -153,14 +153,15 @@ def _inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _unit_statistics(shape: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor]:
-    """``(zeros, ones)`` of ``shape`` in fp32 on ``like``'s device: the mean and rstd of an input already normalized
-    (a LayerNorm's ``(rows, 1)``, a BatchNorm's ``(channels,)``), made once per shape and device for plain tensors
-    (aten's backward only reads them; a fake or traced ``like`` gets new ones)."""
-    return reused(_cached_unit_statistics, like, shape, like.device)
+    """``(zeros, ones)`` of ``shape`` in ``like``'s dtype and on its device: the mean and rstd of an input already
+    normalized (a LayerNorm's ``(rows, 1)``, a BatchNorm's ``(channels,)``), made once per shape, device and dtype
+    for plain tensors (aten's backward only reads them; a fake or traced ``like`` gets new ones)."""
+    return reused(_cached_unit_statistics, like, shape, like.device, like.dtype)
 
 
-def _make_unit_statistics(shape: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-    return torch.zeros(shape, device=device), torch.ones(shape, device=device)
+def _make_unit_statistics(shape: tuple[int, ...], device: torch.device,
+                          dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return torch.zeros(shape, device=device, dtype=dtype), torch.ones(shape, device=device, dtype=dtype)
 
 
 _cached_unit_statistics = functools.lru_cache(maxsize=64)(_make_unit_statistics)
@@ -506,25 +507,28 @@ def _normalizer(mean: Tensor, invstd: Tensor) -> Callable[[Tensor], Tensor]:
     an inference-mode batch norm with ``invstd`` as its weight, ``mean`` as its running mean and a running variance
     of 0 beside an epsilon of 1, so that the variance's own factor, ``1 / sqrt(0 + 1)``, is exactly 1."""
     zeros = _unit_statistics(tuple(mean.shape), mean)[0]
-    if zeros.dtype != mean.dtype:  # fp64 statistics of an fp64 input
-        zeros = zeros.to(mean.dtype)
     return lambda x: torch.batch_norm(x, invstd, None, mean, zeros, False, 0.0, 1.0, torch.backends.cudnn.enabled)
 
 
 def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | None, invstd: Tensor,
                             mask: list[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Training BatchNorm's ``(grad_x, grad_weight, grad_bias)`` (``mask`` says which) from the normalized input
-    ``x_hat`` (``grad_out``'s dtype) and the per-channel ``invstd``: aten's backward of an input whose mean is 0
-    and invstd 1, its input gradient scaled by ``invstd`` in place. No full-size fp32 copy is made (aten
-    accumulates in fp32 inside its kernels)."""
+    ``x_hat`` (``grad_out``'s dtype) and the per-channel ``invstd`` (the forward's statistics dtype): aten's
+    backward of an input whose mean is 0 and invstd 1 (statistics of ``invstd``'s dtype, as aten's forward hands its
+    backward), with ``weight * invstd`` as the weight, which scales only the input gradient: no pass over it
+    afterwards. A weight of another dtype than the statistics (a bf16 model's, on a GPU) is passed as it is, and the
+    input gradient scaled by ``invstd`` in place. No full-size fp32 copy is made (aten accumulates in fp32 inside its
+    kernels)."""
     c = x_hat.shape[1]
     if not grad_out.is_contiguous():
         grad_out = grad_out.contiguous()
-    zeros, ones = _unit_statistics((c,), x_hat)
+    zeros, ones = _unit_statistics((c,), invstd)
+    folded = weight is None or weight.dtype == invstd.dtype
+    scale = invstd if weight is None else weight * invstd if folded else weight
     grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
-        grad_out, x_hat, weight, None, None, zeros, ones, True, 0.0, mask)
-    if grad_x is not None:
-        in_place(grad_x, Tensor.mul_, invstd.float().view((1, c) + (1,) * (x_hat.dim() - 2)))
+        grad_out, x_hat, scale, None, None, zeros, ones, True, 0.0, mask)
+    if grad_x is not None and not folded:
+        in_place(grad_x, Tensor.mul_, invstd.view((1, c) + (1,) * (x_hat.dim() - 2)))
     return grad_x, grad_w, grad_b
 
 

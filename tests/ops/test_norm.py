@@ -565,6 +565,26 @@ def test_batch_norm_forward_stats_and_grads(dtype, dims, shape, momentum, track)
     _check_grads(f"BN{dims}d {dtype} {shape} m={momentum} track={track}", gx, gp, rx, rp, _min_db(dtype))
 
 
+@pytest.mark.parametrize("mixin", [ActBatchNormMixin, ActBatchNormActMixin])
+@pytest.mark.parametrize("dtype,min_db", [(torch.float64, SQNR_MIN[8]), (torch.float16, SQNR_MIN[8]),
+                                          (torch.bfloat16, SQNR_MIN_BF16_8)])
+def test_batch_norm_cast_with_its_model_trains(mixin, dtype, min_db):
+    """A BatchNorm cast with its model (``model.double()``, ``.half()``, ``.bfloat16()``: parameters, statistics
+    and input of one dtype, no autocast) trains: aten's backward gets unit statistics of the dtype its forward made
+    (fp32 ones failed with "expected scalar type BFloat16 but found Float"), and its gradients match float64's."""
+    torch.manual_seed(19)
+    bn = _randomize(nn.BatchNorm2d(5)).to(dtype)
+    act = _act(bn, mixin)
+    x = (torch.randn(3, 5, 4, 4, dtype=torch.float64) * 2 + 0.3).to(dtype)
+    g = torch.randn(3, 5, 4, 4, dtype=torch.float64).to(dtype)
+    y_ref, *_ = _run(bn, x, g)
+    y, gx, gp = _run(act, x, g)
+    assert torch.equal(y, y_ref)
+    assert gx.dtype == dtype and all(p.dtype == dtype for p in gp.values())
+    rx, rp = _grads_f64(bn, x, g)
+    _check_grads(f"{mixin.__name__} cast to {dtype}", gx, gp, rx, rp, min_db)
+
+
 def _full_size_fp32_made(fn, numel: int) -> int:
     """How many float32 storages of at least ``numel`` elements the ops ``fn()`` dispatches return."""
     return len({t.untyped_storage().data_ptr() for _, outputs in dispatched(fn) for t in outputs
