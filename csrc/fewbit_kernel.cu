@@ -29,21 +29,13 @@ namespace {
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// Elements [i, i+cnt) (cnt <= 8) widened to acc_t<T>; 16-byte loads when `vec` (aligned) and the octet is full.
+// Elements [0, cnt) of `p` (cnt <= 8) widened to acc_t<T>, zeros past cnt.
 template <typename T>
-__device__ __forceinline__ void load_octet_values(const T* __restrict__ p, int cnt, bool vec, acc_t<T> (&v)[8]) {
-  if (vec && cnt == 8) {
-    constexpr int kVec = sizeof(T) * 8 / 16;
-    uint4 raw[kVec];
+__device__ __forceinline__ void load_octet_widened(const T* __restrict__ p, int cnt, bool vec, acc_t<T> (&v)[8]) {
+  alignas(16) T raw[8];
+  load_octet_values(p, cnt, vec, raw);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) raw[k] = reinterpret_cast<const uint4*>(p)[k];
-    const T* e = reinterpret_cast<const T*>(raw);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = static_cast<acc_t<T>>(e[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = j < cnt ? static_cast<acc_t<T>>(p[j]) : acc_t<T>(0);
-  }
+  for (int j = 0; j < 8; ++j) v[j] = j < cnt ? static_cast<acc_t<T>>(raw[j]) : acc_t<T>(0);
 }
 
 template <typename T, int B>
@@ -58,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
   if (i >= n) return;
   const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
   acc_t<T> v[8];
-  load_octet_values(x + i, cnt, vec, v);
+  load_octet_widened(x + i, cnt, vec, v);
   uint64_t word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -88,17 +80,11 @@ __global__ void __launch_bounds__(kThreads) fewbit_grad_kernel(
   const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
   const uint64_t word = load_octet<B>(payload + o * B, (cnt * B + 7) / 8);
   acc_t<T> g[8];
-  load_octet_values(grad + i, cnt, vec, g);
+  load_octet_widened(grad + i, cnt, vec, g);
   alignas(16) T vals[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) vals[j] = static_cast<T>(g[j] * sv[(word >> (j * B)) & kMask]);
-  if (vec && cnt == 8) {
-    constexpr int kVec = sizeof(T) * 8 / 16;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(out + i)[k] = reinterpret_cast<const uint4*>(vals)[k];
-  } else {
-    for (int j = 0; j < cnt; ++j) out[i + j] = vals[j];
-  }
+  store_octet_values(out + i, vals, cnt, vec);
 }
 
 // `dst` may be `src` (in place): no __restrict__ on either.
@@ -110,20 +96,13 @@ __global__ void __launch_bounds__(kThreads) zero_unmasked_kernel(const T* src, c
   if (i >= n) return;
   const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
   const unsigned bits = mask[o];  // one byte holds the octet's eight bits
-  constexpr int kVec = sizeof(T) * 8 / 16;
   alignas(16) T vals[8];
-  if (vec && cnt == 8) {
+  load_octet_values(src + i, cnt, vec, vals);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(vals)[k] = reinterpret_cast<const uint4*>(src + i)[k];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (!((bits >> j) & 1u)) vals[j] = T(0);
-    }
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(dst + i)[k] = reinterpret_cast<const uint4*>(vals)[k];
-  } else {
-    for (int j = 0; j < cnt; ++j) dst[i + j] = (bits >> j) & 1u ? src[i + j] : T(0);
+  for (int j = 0; j < 8; ++j) {
+    if (!((bits >> j) & 1u)) vals[j] = T(0);
   }
+  store_octet_values(dst + i, vals, cnt, vec);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -37,4 +37,29 @@ __device__ __forceinline__ uint64_t load_octet(const uint8_t* __restrict__ src, 
   return word;
 }
 
+// Reads src[0..cnt) into vals (the rest left as they are); 16-byte loads when `vec` (src 16-byte aligned) and the
+// octet is full.
+template <typename T>
+__device__ __forceinline__ void load_octet_values(const T* src, int cnt, bool vec, T (&vals)[8]) {
+  if (vec && cnt == 8) {
+    constexpr int kVec = sizeof(T) * 8 / 16;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(vals)[k] = reinterpret_cast<const uint4*>(src)[k];
+  } else {
+    for (int j = 0; j < cnt; ++j) vals[j] = src[j];
+  }
+}
+
+// Writes vals[0..cnt) at `dst`; 16-byte stores when `vec` (dst 16-byte aligned) and the octet is full.
+template <typename T>
+__device__ __forceinline__ void store_octet_values(T* dst, const T (&vals)[8], int cnt, bool vec) {
+  if (vec && cnt == 8) {
+    constexpr int kVec = sizeof(T) * 8 / 16;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(vals)[k];
+  } else {
+    for (int j = 0; j < cnt; ++j) dst[j] = vals[j];
+  }
+}
+
 }  // namespace act_hf

@@ -166,19 +166,13 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   const int64_t g = i / group_size;
   const float lo = ZeroPoint<T>::decode(lo_in[g]);
   const float scale = bf16_bits_to_float(scale_in[g]);
-  T vals[8];
+  alignas(16) T vals[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float code = static_cast<float>((word >> (j * B)) & kMask);
     vals[j] = from_float<T>(__fadd_rn(lo, __fmul_rn(code, scale)));
   }
-  if (cnt == 8 && sizeof(T) * 8 % 16 == 0) {
-    constexpr int kVec = sizeof(T) * 8 / 16;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(out + i)[k] = reinterpret_cast<const uint4*>(vals)[k];
-  } else {
-    for (int j = 0; j < cnt; ++j) out[i + j] = vals[j];
-  }
+  store_octet_values(out + i, vals, cnt, true);  // `out` is a new tensor: aligned
 }
 
 template <int B>
