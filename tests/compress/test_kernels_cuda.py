@@ -131,7 +131,7 @@ def test_fewbit_activation_on_gpu_equals_the_cpu(ext, name, dtype):
     x = (torch.randn(3, 5, 4099, dtype=torch.float64) * 3).to(dtype)
     x[0, 0, :5] = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0], dtype=dtype)
     grad = torch.randn(x.shape, dtype=torch.float64).to(dtype)
-    for bits in (1, 2, 3, 4):
+    for bits in sorted({spec.code_bits(b) for b in (1, 2, 3, 4)}):
         payload = spec.encode_packed(x, bits)
         gpu = spec.encode_packed(x.cuda(), bits)
         assert torch.equal(gpu.cpu(), payload)
