@@ -50,7 +50,8 @@ def test_opcheck_fewbit_encode_pack_and_grad(dtype):
 def test_opcheck_zero_unmasked():
     values, mask = torch.randn(77), torch.randint(0, 256, (10,), dtype=torch.uint8)
     torch.library.opcheck(torch.ops.act_hf.zero_unmasked.default, (values, mask), test_utils=OPCHECK_TESTS)
-    torch.library.opcheck(torch.ops.act_hf.zero_unmasked_.default, (values, mask), test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(torch.ops.act_hf.zero_unmasked_inplace.default, (values, mask),
+                          test_utils=OPCHECK_TESTS)
 
 
 def test_compile_fullgraph_sees_the_ops():

@@ -375,8 +375,8 @@ def test_residual_forward_is_unchanged_and_gradients_match_at_8_bits(add):
 
 def test_a_residual_relu_mask_is_applied_from_its_packed_bits(monkeypatch):
     """A conv reading ``relu(bn(.) + shortcut)`` zeroes what the ReLU dropped straight from its packed mask (one
-    ``act_hf::zero_unmasked_``, whose CPU kernel unpacks a slice at a time, here 16 elements): no 1-byte mask of the
-    whole tensor is made, and the gradients are those of the whole mask, bit for bit."""
+    ``act_hf::zero_unmasked_inplace``, whose CPU kernel unpacks a slice at a time, here 16 elements): no 1-byte mask
+    of the whole tensor is made, and the gradients are those of the whole mask, bit for bit."""
     from act_hf.compress import reference
     from tests.utils import dispatched
 
@@ -395,7 +395,7 @@ def test_a_residual_relu_mask_is_applied_from_its_packed_bits(monkeypatch):
     whole, _ = step(1 << 20)
     sliced, ops = step(16)
     numel = _input().numel()
-    assert any("act_hf.zero_unmasked_" in str(func) for func, _ in ops)
+    assert any("act_hf.zero_unmasked_inplace" in str(func) for func, _ in ops)
     assert not [t for func, outs in ops if "unpack_bits" in str(func) for t in outs if t.numel() >= numel]
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
 

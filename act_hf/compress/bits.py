@@ -46,13 +46,13 @@ def zero_unmasked(values: torch.Tensor, mask: torch.Tensor, *, in_place: bool = 
     """``torch.where(unpack_mask(mask, values.shape), values, 0)``: ``values`` with the elements whose bit in
     ``mask`` (a 1-bit mask packed in ``values``' logical order) is 0 set to ``+0``, as a new tensor or, with
     ``in_place``, in ``values`` itself (returned). For a contiguous ``values`` one ``act_hf::zero_unmasked`` /
-    ``zero_unmasked_``: on the GPU the mask is read packed, never unpacked into memory."""
+    ``zero_unmasked_inplace``: on the GPU the mask is read packed, never unpacked into memory."""
     if mask.dtype != torch.uint8:
         raise ActHFValueError(f"mask must be a uint8 tensor, got dtype {mask.dtype}")
     if not values.is_contiguous():
         keep = unpack_mask(mask, values.shape)
         return values.masked_fill_(~keep, 0) if in_place else torch.where(keep, values, values.new_zeros(()))
     if in_place:
-        _library.run(_library.zero_unmasked_, values.view(-1), mask)
+        _library.run(_library.zero_unmasked_inplace, values.view(-1), mask)
         return values
     return _library.run(_library.zero_unmasked, values.view(-1), mask).view(values.shape)

@@ -22,7 +22,7 @@ from ..compress import reference
 from ..errors import ActHFWarning
 
 __all__ = ["fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "run", "unpack_bits",
-           "unpack_dequantize", "zero_unmasked", "zero_unmasked_"]
+           "unpack_dequantize", "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -225,11 +225,12 @@ def _zero_unmasked_inplace_cuda(values: Tensor, mask: Tensor) -> None:
         module.zero_unmasked(values, mask, True)
 
 
-zero_unmasked_ = torch.library.custom_op("act_hf::zero_unmasked_", _zero_unmasked_inplace, mutates_args=("values",))
-zero_unmasked_.register_kernel("cuda", _zero_unmasked_inplace_cuda)
+zero_unmasked_inplace = torch.library.custom_op("act_hf::zero_unmasked_inplace", _zero_unmasked_inplace,
+                                                mutates_args=("values",))
+zero_unmasked_inplace.register_kernel("cuda", _zero_unmasked_inplace_cuda)
 
 
-@zero_unmasked_.register_fake
+@zero_unmasked_inplace.register_fake
 def _(values: Tensor, mask: Tensor) -> None:
     return None
 
@@ -243,7 +244,7 @@ _IMPLEMENTATIONS = {
     fewbit_encode_pack: {"cpu": _fewbit_encode_pack, "cuda": _fewbit_encode_pack_cuda},
     fewbit_grad: {"cpu": _fewbit_grad, "cuda": _fewbit_grad_cuda},
     zero_unmasked: {"cpu": _zero_unmasked, "cuda": _zero_unmasked_cuda},
-    zero_unmasked_: {"cpu": _zero_unmasked_inplace, "cuda": _zero_unmasked_inplace_cuda},
+    zero_unmasked_inplace: {"cpu": _zero_unmasked_inplace, "cuda": _zero_unmasked_inplace_cuda},
 }
 
 

@@ -531,7 +531,7 @@ def test_zero_unmasked_is_where_of_the_unpacked_mask(dtype):
     inplace = values.clone()
     assert zero_unmasked(inplace, mask, in_place=True) is inplace and same(inplace)
     inplace = flat.clone()
-    torch.ops.act_hf.zero_unmasked_(inplace, mask)
+    torch.ops.act_hf.zero_unmasked_inplace(inplace, mask)
     assert same(inplace.view(values.shape))
     transposed = values.t()  # not contiguous: the mask in its logical order
     mask_t = pack_bits(keep.t(), 1)
