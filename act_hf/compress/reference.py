@@ -361,11 +361,13 @@ def fewbit_grad_chunked(grad: torch.Tensor, payload: torch.Tensor, values: torch
     return out
 
 
-def zero_unmasked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def zero_unmasked(values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.where(keep, values, 0)`` for a flat ``values`` and ``mask``, its 1-bit ``keep`` packed
-    (:func:`pack_bits` at 1 bit): a new tensor, the dropped elements ``+0``."""
+    (:func:`pack_bits` at 1 bit): the dropped elements ``+0``, in a new tensor or in ``out`` (which may be
+    ``values`` itself)."""
     keep = unpack_bits(mask, 1, values.numel()).view(torch.bool)
-    return torch.where(keep, values, values.new_zeros(()))
+    zero = values.new_zeros(())
+    return torch.where(keep, values, zero) if out is None else torch.where(keep, values, zero, out=out)
 
 
 def zero_unmasked_chunked(values: torch.Tensor, mask: torch.Tensor, *, in_place: bool = False,
@@ -376,5 +378,5 @@ def zero_unmasked_chunked(values: torch.Tensor, mask: torch.Tensor, *, in_place:
     step = max(8, chunk // 8 * 8)
     for start in range(0, values.numel(), step):
         stop = min(values.numel(), start + step)
-        out[start:stop] = zero_unmasked(values[start:stop], mask[start // 8 : -(-stop // 8)])
+        zero_unmasked(values[start:stop], mask[start // 8 : -(-stop // 8)], out=out[start:stop])
     return out

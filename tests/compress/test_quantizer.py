@@ -527,6 +527,7 @@ def test_zero_unmasked_is_where_of_the_unpacked_mask(dtype):
     flat = values.reshape(-1)
     assert same(zero_unmasked(values, mask)) and same(R.zero_unmasked(flat, mask).view(values.shape))
     assert same(R.zero_unmasked_chunked(flat, mask, chunk=1000).view(values.shape))
+    assert same(R.zero_unmasked_chunked(flat.clone(), mask, in_place=True, chunk=1000).view(values.shape))
     assert same(torch.ops.act_hf.zero_unmasked(flat, mask).view(values.shape))
     inplace = values.clone()
     assert zero_unmasked(inplace, mask, in_place=True) is inplace and same(inplace)
