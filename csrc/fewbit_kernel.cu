@@ -17,27 +17,15 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "dispatch.h"
+#include "fewbit_octets.cuh"
 #include "octets.cuh"
 
 namespace act_hf {
 namespace {
 
-// The type x and the bounds are compared in, and grad and its factor multiplied in.
-template <typename T>
-using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
-// Elements [0, cnt) of `p` (cnt <= 8) widened to acc_t<T>, zeros past cnt.
-template <typename T>
-__device__ __forceinline__ void load_octet_widened(const T* __restrict__ p, int cnt, bool vec, acc_t<T> (&v)[8]) {
-  alignas(16) T raw[8];
-  load_octet_values(p, cnt, vec, raw);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = j < cnt ? static_cast<acc_t<T>>(raw[j]) : acc_t<T>(0);
-}
-
+// One thread per octet; the octet's work is fewbit_octets.cuh's.
 template <typename T, int B>
 __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
     const T* __restrict__ x, int64_t n, const T* __restrict__ bounds, int n_bounds, bool vec,
@@ -48,43 +36,20 @@ __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
   if (i >= n) return;
-  const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
-  acc_t<T> v[8];
-  load_octet_widened(x + i, cnt, vec, v);
-  uint64_t word = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (j < cnt) {
-      int code = n_bounds;  // NaN: above every bound, as torch.bucketize places it
-      if (!isnan(v[j])) {
-        code = 0;
-        for (int k = 0; k < n_bounds; ++k) code += sb[k] <= v[j];
-      }
-      word |= static_cast<uint64_t>(code) << (j * B);
-    }
-  }
-  store_octet<B>(payload + o * B, word, (cnt * B + 7) / 8);
+  encode_octet<T, B>(x + i, static_cast<int>(n - i < 8 ? n - i : 8), vec, sb, n_bounds, payload + o * B);
 }
 
 template <typename T, int B>
 __global__ void __launch_bounds__(kThreads) fewbit_grad_kernel(
     const T* __restrict__ grad, const uint8_t* __restrict__ payload, const T* __restrict__ values, int64_t n,
     bool vec, T* __restrict__ out) {
-  constexpr uint64_t kMask = (1u << B) - 1;
   __shared__ acc_t<T> sv[1 << B];
   for (int k = threadIdx.x; k < (1 << B); k += blockDim.x) sv[k] = static_cast<acc_t<T>>(values[k]);
   __syncthreads();
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
   if (i >= n) return;
-  const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
-  const uint64_t word = load_octet<B>(payload + o * B, (cnt * B + 7) / 8);
-  acc_t<T> g[8];
-  load_octet_widened(grad + i, cnt, vec, g);
-  alignas(16) T vals[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) vals[j] = static_cast<T>(g[j] * sv[(word >> (j * B)) & kMask]);
-  store_octet_values(out + i, vals, cnt, vec);
+  grad_octet<T, B>(grad + i, payload + o * B, static_cast<int>(n - i < 8 ? n - i : 8), vec, sv, out + i);
 }
 
 // `dst` may be `src` (in place): no __restrict__ on either.
@@ -94,15 +59,7 @@ __global__ void __launch_bounds__(kThreads) zero_unmasked_kernel(const T* src, c
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
   if (i >= n) return;
-  const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
-  const unsigned bits = mask[o];  // one byte holds the octet's eight bits
-  alignas(16) T vals[8];
-  load_octet_values(src + i, cnt, vec, vals);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (!((bits >> j) & 1u)) vals[j] = T(0);
-  }
-  store_octet_values(dst + i, vals, cnt, vec);
+  zero_unmasked_octet(src + i, mask[o], static_cast<int>(n - i < 8 ? n - i : 8), vec, dst + i);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -5,6 +5,13 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define ACT_HD __host__ __device__ __forceinline__
+#else  // a host build of the per-octet logic, for the CPU tests (tests/compress/test_kernel_logic.py)
+#include <vector_types.h>
+#define ACT_HD inline
+#endif
+
 namespace act_hf {
 
 constexpr int kThreads = 256;
@@ -13,7 +20,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Writes the low `nbytes` bytes of `word` at `dst`; one store for a full octet at 1/2/4/8 bits.
 template <int B>
-__device__ __forceinline__ void store_octet(uint8_t* __restrict__ dst, uint64_t word, int nbytes) {
+ACT_HD void store_octet(uint8_t* __restrict__ dst, uint64_t word, int nbytes) {
   if (nbytes == B && (B == 1 || B == 2 || B == 4 || B == 8)) {
     if constexpr (B == 1) *dst = static_cast<uint8_t>(word);
     if constexpr (B == 2) *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(word);
@@ -25,7 +32,7 @@ __device__ __forceinline__ void store_octet(uint8_t* __restrict__ dst, uint64_t 
 }
 
 template <int B>
-__device__ __forceinline__ uint64_t load_octet(const uint8_t* __restrict__ src, int nbytes) {
+ACT_HD uint64_t load_octet(const uint8_t* __restrict__ src, int nbytes) {
   if (nbytes == B && (B == 1 || B == 2 || B == 4 || B == 8)) {
     if constexpr (B == 1) return *src;
     if constexpr (B == 2) return *reinterpret_cast<const uint16_t*>(src);
@@ -40,7 +47,7 @@ __device__ __forceinline__ uint64_t load_octet(const uint8_t* __restrict__ src, 
 // Reads src[0..cnt) into vals (the rest left as they are); 16-byte loads when `vec` (src 16-byte aligned) and the
 // octet is full.
 template <typename T>
-__device__ __forceinline__ void load_octet_values(const T* src, int cnt, bool vec, T (&vals)[8]) {
+ACT_HD void load_octet_values(const T* src, int cnt, bool vec, T (&vals)[8]) {
   if (vec && cnt == 8) {
     constexpr int kVec = sizeof(T) * 8 / 16;
 #pragma unroll
@@ -52,7 +59,7 @@ __device__ __forceinline__ void load_octet_values(const T* src, int cnt, bool ve
 
 // Writes vals[0..cnt) at `dst`; 16-byte stores when `vec` (dst 16-byte aligned) and the octet is full.
 template <typename T>
-__device__ __forceinline__ void store_octet_values(T* dst, const T (&vals)[8], int cnt, bool vec) {
+ACT_HD void store_octet_values(T* dst, const T (&vals)[8], int cnt, bool vec) {
   if (vec && cnt == 8) {
     constexpr int kVec = sizeof(T) * 8 / 16;
 #pragma unroll

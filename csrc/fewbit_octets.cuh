@@ -1,0 +1,77 @@
+// What one thread of a few-bit kernel (fewbit_kernel.cu) does with its octet of eight elements, as host and device
+// functions: the kernels call them on the GPU, and tests/compress/test_kernel_logic.py builds them for the CPU and
+// compares them with the reference (act_hf/compress/reference.py) where no GPU is at hand.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "octets.cuh"
+
+namespace act_hf {
+
+// The type x and the bounds are compared in, and grad and its factor multiplied in.
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename A>
+ACT_HD bool is_nan(A v) { return v != v; }
+
+// Elements [0, cnt) of `p` (cnt <= 8) widened to acc_t<T>, zeros past cnt.
+template <typename T>
+ACT_HD void load_octet_widened(const T* __restrict__ p, int cnt, bool vec, acc_t<T> (&v)[8]) {
+  alignas(16) T raw[8];
+  load_octet_values(p, cnt, vec, raw);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = j < cnt ? static_cast<acc_t<T>>(raw[j]) : acc_t<T>(0);
+}
+
+// The codes #{k : bounds[k] <= x[j]} (NaN: n_bounds, above every bound) of x[0..cnt), packed at B bits into the
+// stream's bytes at `dst`.
+template <typename T, int B>
+ACT_HD void encode_octet(const T* __restrict__ x, int cnt, bool vec, const acc_t<T>* bounds, int n_bounds,
+                         uint8_t* __restrict__ dst) {
+  acc_t<T> v[8];
+  load_octet_widened(x, cnt, vec, v);
+  uint64_t word = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (j < cnt) {
+      int code = n_bounds;
+      if (!is_nan(v[j])) {
+        code = 0;
+        for (int k = 0; k < n_bounds; ++k) code += bounds[k] <= v[j];
+      }
+      word |= static_cast<uint64_t>(code) << (j * B);
+    }
+  }
+  store_octet<B>(dst, word, (cnt * B + 7) / 8);
+}
+
+// out[j] = grad[j] * values[code j] for j < cnt, the codes read from the stream's bytes at `src`.
+template <typename T, int B>
+ACT_HD void grad_octet(const T* __restrict__ grad, const uint8_t* __restrict__ src, int cnt, bool vec,
+                       const acc_t<T>* values, T* __restrict__ out) {
+  constexpr uint64_t kMask = (1u << B) - 1;
+  const uint64_t word = load_octet<B>(src, (cnt * B + 7) / 8);
+  acc_t<T> g[8];
+  load_octet_widened(grad, cnt, vec, g);
+  alignas(16) T vals[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) vals[j] = static_cast<T>(g[j] * values[(word >> (j * B)) & kMask]);
+  store_octet_values(out, vals, cnt, vec);
+}
+
+// dst[j] = bit j of `bits` ? src[j] : +0 for j < cnt; `dst` may be `src`.
+template <typename T>
+ACT_HD void zero_unmasked_octet(const T* src, unsigned bits, int cnt, bool vec, T* dst) {
+  alignas(16) T vals[8];
+  load_octet_values(src, cnt, vec, vals);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (!((bits >> j) & 1u)) vals[j] = T(0);
+  }
+  store_octet_values(dst, vals, cnt, vec);
+}
+
+}  // namespace act_hf

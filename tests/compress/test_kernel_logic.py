@@ -1,0 +1,158 @@
+"""The few-bit kernels' per-octet logic (``csrc/fewbit_octets.cuh``), built for the CPU and called the way the
+kernels call it (one call per octet of eight elements, 16-byte accesses where aligned and full): the reference's
+bits and values, checked where no GPU is at hand. The GPU's own run of the kernels is ``test_kernels_cuda.py``."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from act_hf import _ext
+from act_hf.compress import reference as R
+
+HARNESS = r"""
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "dispatch.h"
+#include "fewbit_octets.cuh"
+
+namespace {
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+int octet_count(int64_t n, int64_t i) { return static_cast<int>(std::min<int64_t>(8, n - i)); }
+
+template <typename T>
+std::vector<act_hf::acc_t<T>> widened(const at::Tensor& t) {
+  std::vector<act_hf::acc_t<T>> out(t.numel());
+  for (int64_t k = 0; k < t.numel(); ++k) out[k] = static_cast<act_hf::acc_t<T>>(t.data_ptr<T>()[k]);
+  return out;
+}
+}  // namespace
+
+// Unwritten bytes stay 0xAB, so a byte an octet fails to write shows.
+at::Tensor encode(const at::Tensor& x, const at::Tensor& bounds, int64_t bits, bool allow_vec) {
+  const int64_t n = x.numel();
+  auto payload = at::full({act_hf::ceil_div(n * bits, 8)}, 0xAB, x.options().dtype(at::kByte));
+  const bool vec = allow_vec && aligned16(x.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "encode", [&] {
+    const auto b = widened<scalar_t>(bounds);
+    ACT_BITS_SWITCH(bits, B, [&] {
+      for (int64_t i = 0; i < n; i += 8) {
+        act_hf::encode_octet<scalar_t, B>(x.data_ptr<scalar_t>() + i, octet_count(n, i), vec, b.data(),
+                                          static_cast<int>(b.size()), payload.data_ptr<uint8_t>() + i / 8 * B);
+      }
+    });
+  });
+  return payload;
+}
+
+at::Tensor grad(const at::Tensor& g, const at::Tensor& payload, const at::Tensor& values, int64_t bits,
+                bool allow_vec) {
+  const int64_t n = g.numel();
+  auto out = at::empty({n}, g.options());
+  const bool vec = allow_vec && aligned16(g.data_ptr()) && aligned16(out.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "grad", [&] {
+    const auto v = widened<scalar_t>(values);
+    ACT_BITS_SWITCH(bits, B, [&] {
+      for (int64_t i = 0; i < n; i += 8) {
+        act_hf::grad_octet<scalar_t, B>(g.data_ptr<scalar_t>() + i, payload.data_ptr<uint8_t>() + i / 8 * B,
+                                        octet_count(n, i), vec, v.data(), out.data_ptr<scalar_t>() + i);
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool in_place, bool allow_vec) {
+  const int64_t n = values.numel();
+  auto out = in_place ? values : at::empty({n}, values.options());
+  const bool vec = allow_vec && aligned16(values.data_ptr()) && aligned16(out.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "zero_unmasked", [&] {
+    for (int64_t i = 0; i < n; i += 8) {
+      act_hf::zero_unmasked_octet(values.data_ptr<scalar_t>() + i, mask.data_ptr<uint8_t>()[i / 8],
+                                  octet_count(n, i), vec, out.data_ptr<scalar_t>() + i);
+    }
+  });
+  return out;
+}
+"""
+
+LENGTHS = [1, 7, 8, 9, 255, 1000, 4099]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+@pytest.fixture(scope="module")
+def octets():
+    """The harness, built once per version of the headers (``$ACT_HF_CACHE``), with the CUDA toolkit's vector
+    types; skipped where no toolkit or compiler is found."""
+    from torch.utils import cpp_extension
+
+    cuda_home = _ext._find_cuda_home()
+    if cuda_home is None or not (Path(cuda_home) / "include" / "vector_types.h").is_file():
+        pytest.skip("no CUDA toolkit headers (vector_types.h) to build the per-octet logic with")
+    digest = hashlib.sha256(HARNESS.encode())
+    for name in ("dispatch.h", "octets.cuh", "fewbit_octets.cuh"):
+        digest.update((_ext.CSRC_DIR / name).read_bytes())
+    name = f"act_hf_octets_cpu_{digest.hexdigest()[:12]}"
+    build = Path(os.environ.get("ACT_HF_CACHE", Path.home() / ".cache" / "act_hf")) / "octets_cpu" / name
+    build.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load_inline(name=name, cpp_sources=HARNESS, functions=["encode", "grad", "zero_unmasked"],
+                                     extra_include_paths=[str(_ext.CSRC_DIR), str(Path(cuda_home) / "include")],
+                                     extra_cflags=["-O1"], build_directory=str(build))
+
+
+def _views(t: torch.Tensor, n: int):
+    """``t[0:n]`` (16-byte aligned) and ``t[3:3 + n]`` (not)."""
+    return [(0, t[:n]), (3, t[3:3 + n])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_encode_and_grad_octets_give_the_reference(octets, dtype, bits):
+    """Codes against sorted bounds (a duplicate bound, ties, NaN, +-inf) packed at ``bits``, and the gradient times
+    each code's value (inf gradients too), with and without 16-byte accesses."""
+    gen = torch.Generator().manual_seed(bits)
+    bounds = (torch.randn((1 << bits) - 1, generator=gen, dtype=torch.float64) * 2).to(dtype).sort().values
+    if bounds.numel() > 2:
+        bounds[1] = bounds[2]
+    values = torch.randn(1 << bits, generator=gen, dtype=torch.float64).to(dtype)
+    for n in LENGTHS:
+        x = (torch.randn(n + 3, generator=gen, dtype=torch.float64) * 3).to(dtype)
+        head = torch.cat([torch.tensor([math.nan, math.inf, -math.inf, 0.0], dtype=dtype), bounds])
+        x[:min(n, head.numel())] = head[:n]
+        g = torch.randn(n + 3, generator=gen, dtype=torch.float64).to(dtype)
+        g[n // 2] = math.inf
+        for (start, xs), (_, gs) in zip(_views(x, n), _views(g, n)):
+            want = R.fewbit_encode_pack(xs, bounds, bits)
+            for allow_vec in (True, False):
+                payload = octets.encode(xs, bounds, bits, allow_vec)
+                assert torch.equal(payload, want), f"codes differ (n={n}, start={start}, vec={allow_vec})"
+                got, ref = octets.grad(gs, payload, values, bits, allow_vec), R.fewbit_grad(gs, payload, values, bits)
+                assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num()), (
+                    f"gradients differ (n={n}, start={start}, vec={allow_vec})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_unmasked_octets_give_the_reference(octets, dtype):
+    """``where(mask, values, 0)`` from the packed mask, bit for bit (dropped NaN and inf become +0), into a new
+    tensor and in place, with and without 16-byte accesses."""
+    gen = torch.Generator().manual_seed(7)
+    for n in LENGTHS:
+        values = torch.randn(n + 3, generator=gen, dtype=torch.float64).to(dtype)
+        values[:min(n, 3)] = torch.tensor([math.nan, math.inf, -1.0], dtype=dtype)[:min(n, 3)]
+        keep = torch.rand(n + 3, generator=gen) < 0.5
+        for start, v in _views(values, n):
+            mask = R.pack_bits(keep[start:start + n].to(torch.uint8), 1)
+            want = R.zero_unmasked(v, mask).view(torch.uint8)
+            for allow_vec in (True, False):
+                assert torch.equal(octets.zero_unmasked(v, mask, False, allow_vec).view(torch.uint8), want)
+                inplace = v.clone()
+                octets.zero_unmasked(inplace, mask, True, allow_vec)
+                assert torch.equal(inplace.view(torch.uint8), want), f"in place differs (n={n}, vec={allow_vec})"
