@@ -356,7 +356,8 @@ def test_fused_encode_pack_and_grad_equal_the_codec_and_torch_mul(dtype, bits):
     assert torch.equal(R.fewbit_encode_pack_chunked(x, bounds, bits, chunk=1000), stream)
     assert torch.equal(torch.ops.act_hf.fewbit_encode_pack(x, bounds, bits), stream)
     want = grad * decode(codes, table, dtype)
-    for got in (R.fewbit_grad(grad, stream, values, bits), R.fewbit_grad_chunked(grad, stream, values, bits, chunk=1000),
+    for got in (R.fewbit_grad(grad, stream, values, bits),
+                R.fewbit_grad_chunked(grad, stream, values, bits, chunk=1000),
                 torch.ops.act_hf.fewbit_grad(grad, stream, values, bits)):
         assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got.nan_to_num(), want.nan_to_num())

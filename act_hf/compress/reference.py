@@ -337,11 +337,12 @@ def fewbit_encode_pack_chunked(x: torch.Tensor, bounds: torch.Tensor, bits: int,
     return out
 
 
-def fewbit_grad(grad: torch.Tensor, payload: torch.Tensor, values: torch.Tensor, bits: int) -> torch.Tensor:
+def fewbit_grad(grad: torch.Tensor, payload: torch.Tensor, values: torch.Tensor, bits: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``grad * values[code]`` for a flat ``grad`` and the packed codes of its elements (:func:`fewbit_encode_pack`),
-    ``values`` (``2**bits`` of them) in ``grad``'s dtype: ``torch.mul``'s result, a new tensor."""
-    codes = unpack_bits(payload, bits, grad.numel())
-    return torch.mul(grad, values.index_select(0, codes.to(torch.int32)))
+    ``values`` (``2**bits`` of them) in ``grad``'s dtype: ``torch.mul``'s result, in a new tensor or in ``out``."""
+    factors = values.index_select(0, unpack_bits(payload, bits, grad.numel()).to(torch.int32))
+    return torch.mul(grad, factors) if out is None else torch.mul(grad, factors, out=out)
 
 
 def fewbit_grad_chunked(grad: torch.Tensor, payload: torch.Tensor, values: torch.Tensor, bits: int,
@@ -353,11 +354,9 @@ def fewbit_grad_chunked(grad: torch.Tensor, payload: torch.Tensor, values: torch
         return fewbit_grad(grad, payload, values, bits)
     out = torch.empty_like(grad)
     for start in range(0, n, step):
-        count = min(step, n - start)
-        first = start * bits // 8
-        part = payload[first : first + math.ceil(count * bits / 8)]
-        torch.mul(grad[start : start + count],
-                  values.index_select(0, unpack_bits(part, bits, count).to(torch.int32)), out=out[start : start + count])
+        stop = min(n, start + step)
+        part = payload[start * bits // 8 : math.ceil(stop * bits / 8)]
+        fewbit_grad(grad[start:stop], part, values, bits, out=out[start:stop])
     return out
 
 
