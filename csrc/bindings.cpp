@@ -51,12 +51,18 @@ bool is_float_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
 }
 
+// `t` (named `name` in the message) is 1-D and of a floating dtype the kernels take.
+void check_flat_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 1, std::string(name) + " must be flat (1-D), got " + std::to_string(t.dim()) + " dims");
+  TORCH_CHECK(is_float_type(t.scalar_type()), std::string(name) +
+                                                  " must be float32, float16, bfloat16 or float64, got " +
+                                                  c10::toString(t.scalar_type()));
+}
+
 std::vector<at::Tensor> quantize_pack(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
   CHECK_CUDA(x);
   CHECK_CONTIGUOUS(x);
-  TORCH_CHECK(x.dim() == 1, "x must be flat (1-D), got " + std::to_string(x.dim()) + " dims");
-  TORCH_CHECK(is_float_type(x.scalar_type()),
-              std::string("x must be float32, float16, bfloat16 or float64, got ") + c10::toString(x.scalar_type()));
+  check_flat_float(x, "x");
   check_bits(bits);
   check_group_size(group_size);
   py::gil_scoped_release no_gil;
@@ -119,9 +125,7 @@ at::Tensor fewbit_encode_pack(const at::Tensor& x, const at::Tensor& bounds, int
   CHECK_CONTIGUOUS(x);
   CHECK_CONTIGUOUS(bounds);
   check_same_device(x, bounds, "bounds");
-  TORCH_CHECK(x.dim() == 1, "x must be flat (1-D), got " + std::to_string(x.dim()) + " dims");
-  TORCH_CHECK(is_float_type(x.scalar_type()),
-              std::string("x must be float32, float16, bfloat16 or float64, got ") + c10::toString(x.scalar_type()));
+  check_flat_float(x, "x");
   CHECK_DTYPE(bounds, x.scalar_type());
   check_bits(bits);
   TORCH_CHECK(bounds.dim() == 1 && bounds.numel() < (int64_t{1} << bits),
@@ -138,10 +142,7 @@ at::Tensor fewbit_grad(const at::Tensor& grad, const at::Tensor& payload, const 
   CHECK_CONTIGUOUS(values);
   check_same_device(grad, payload, "payload");
   check_same_device(grad, values, "values");
-  TORCH_CHECK(grad.dim() == 1, "grad must be flat (1-D), got " + std::to_string(grad.dim()) + " dims");
-  TORCH_CHECK(is_float_type(grad.scalar_type()),
-              std::string("grad must be float32, float16, bfloat16 or float64, got ") +
-                  c10::toString(grad.scalar_type()));
+  check_flat_float(grad, "grad");
   CHECK_DTYPE(payload, at::kByte);
   CHECK_DTYPE(values, grad.scalar_type());
   check_bits(bits);
@@ -161,10 +162,7 @@ at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool 
   CHECK_CONTIGUOUS(values);
   CHECK_CONTIGUOUS(mask);
   check_same_device(values, mask, "mask");
-  TORCH_CHECK(values.dim() == 1, "values must be flat (1-D), got " + std::to_string(values.dim()) + " dims");
-  TORCH_CHECK(is_float_type(values.scalar_type()),
-              std::string("values must be float32, float16, bfloat16 or float64, got ") +
-                  c10::toString(values.scalar_type()));
+  check_flat_float(values, "values");
   CHECK_DTYPE(mask, at::kByte);
   TORCH_CHECK(mask.numel() >= ceil_div(values.numel(), 8),
               "mask holds " + std::to_string(mask.numel()) + " bytes, fewer than ceil(values.numel() / 8) = " +
