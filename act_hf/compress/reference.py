@@ -299,12 +299,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(payload: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: ``numel`` codes as ``uint8``."""
+    """Inverse of :func:`pack_bits`: ``numel`` codes as ``uint8``. Bytes of ``payload`` past the codes are
+    ignored (a mask packed for more elements than are read, say)."""
     if bits == 8:
         return payload[:numel].clone()
     n_octets = -(-numel // 8)
     need = n_octets * bits
-    p = payload.to(torch.int64)
+    p = payload[:need].to(torch.int64)
     if need > p.numel():
         p = torch.cat([p, p.new_zeros(need - p.numel())])
     byte_shifts = torch.arange(bits, device=payload.device, dtype=torch.int64) * 8

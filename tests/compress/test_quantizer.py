@@ -398,6 +398,16 @@ def test_pack_bits_round_trip(bits):
         assert torch.equal(unpack_bits(payload, bits, n), codes)
 
 
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_unpack_bits_reads_a_prefix_of_a_longer_payload(bits):
+    """A payload packed for more codes than are read (a dropout mask of the whole tensor, read for its first
+    elements): the first ``n`` codes, the bytes after them ignored."""
+    codes = torch.randint(0, 2**bits, (21,), dtype=torch.uint8)
+    payload = pack_bits(codes, bits)
+    for n in [1, 7, 8, 9, 20]:
+        assert torch.equal(unpack_bits(payload, bits, n), codes[:n])
+
+
 def test_bit_stream_layout_is_little_endian():
     # element i at bits [i*b, (i+1)*b); stream bit k is bit k%8 of byte k//8
     codes = torch.tensor([1, 0, 3, 2, 7], dtype=torch.uint8)
