@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_session.sh curves       # throughput against batch size (ActNN Fig. 1, GACT Fig. 4)
 #   bash benchmarks/gpu_session.sh dropout      # bert-large with BERT's own attention dropout 0.1 (fused SDPA
 #                                               # kernels with dropout, mask redrawn in backward)
+#   bash benchmarks/gpu_session.sh peaks        # ~5 minutes: build, the kernel tests, what is alive at the peaks of
+#                                               # the three missed memory targets (swin-tiny and resnet50 at 2 bits,
+#                                               # bert-large CB1), then the other cuda tests while time is left
 #
 # Results go under $OUT (or benchmarks/results/gpu when OUT is unset); logs beside them.
 set -uo pipefail
@@ -20,7 +23,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.
 OUT="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$OUT"
-phase="${1:?usage: gpu_session.sh all|build-test|memory|targets|ckpt-swap|curves|dropout}"
+phase="${1:?usage: gpu_session.sh all|build-test|memory|targets|ckpt-swap|curves|dropout|peaks}"
 log="$OUT/$phase.log"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -55,6 +58,21 @@ case "$phase" in
   dropout)
     timeout 570 python3 benchmarks/benchmark_gpu_training.py --models bert-large --settings unpatched bits3 ckpt8+bits3 \
       --attention-dropout 0.1 --cap 16GiB --resolution 0.05 --no-curve --out "$OUT/dropout" >>"$log" 2>&1
+    ;;
+  peaks)
+    t0=$SECONDS
+    TORCH_CUDA_ARCH_LIST="9.0" timeout 150 python3 -m act_hf.cli build-ext >>"$log" 2>&1
+    timeout 60 python3 -m pytest -q -m cuda tests/compress/test_kernels_cuda.py -p no:cacheprovider -rfE >>"$log" 2>&1
+    for spec in swin-tiny:bits2:64:128 resnet50:bits2:64:128 bert-large:ckpt4+bits3:32:64; do
+      IFS=: read -r model setting b1 b2 <<<"$spec"
+      echo "== memory at peak: $model $setting ($((SECONDS - t0)) s in)" >>"$log"
+      timeout 90 python3 benchmarks/memory_at_peak.py --model "$model" --setting "$setting" --device cuda \
+        --batches "$b1" "$b2" --out "$OUT" >>"$log" 2>&1
+      head -n 1 "$OUT/memory_at_peak_${model}_${setting}.md" >>"$log" 2>&1; rm -f "$OUT"/*.png  # 8 files come back
+    done
+    left=$(( 280 - (SECONDS - t0) )); (( left < 10 )) && left=10
+    timeout $left python3 -m pytest -q -m cuda tests --ignore=tests/compress/test_kernels_cuda.py \
+      -p no:cacheprovider -rfE >>"$log" 2>&1
     ;;
   *)
     echo "unknown phase: $phase" >&2
