@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+#: the benchmark scripts' folder
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 #: aten ops that make the host wait for the device (on a GPU): a value read back, or an output sized by data
 HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal",
@@ -100,3 +106,16 @@ def assert_grads_match(ref: torch.nn.Module, model: torch.nn.Module, *, cos: flo
         assert c >= cos or err <= tol * total, (
             f"{name} {n}: cosine {c:.5f}, error {err:.3g} = {err / total:.2g} of the total gradient norm")
     return worst
+
+
+def load_benchmark(name: str):
+    """The benchmark script ``benchmarks/<name>.py`` as a module (its folder on the path while it loads)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
