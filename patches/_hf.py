@@ -10,6 +10,7 @@ import logging
 import warnings
 
 import torch
+import torch.nn.functional as F
 import transformers
 from packaging import version
 from torch import nn
@@ -19,10 +20,20 @@ from transformers.pytorch_utils import Conv1D
 from act_hf.config import ActConfig
 from act_hf.errors import ActHFWarning
 from act_hf.nn._base import ActModule
+from act_hf.nn.activation import ActActivationMixin, activation_of_owned
 from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output
-from act_hf.patcher import Rule, add_cleanup, hf_head_paths, is_selected, patch_modules, remove_handles
+from act_hf.patcher import (
+    Rule,
+    add_cleanup,
+    code_fingerprint,
+    hf_head_paths,
+    is_selected,
+    patch_modules,
+    remove_handles,
+)
 
-__all__ = ["HF_ACTIVATIONS", "enable_lm_loss", "hf_rules", "patch_hf", "rms_norm_rule"]
+__all__ = ["FC_MLP_FORWARD", "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "ActFcMLPMixin", "ActHFGELUMixin",
+           "ActIntermediateMixin", "enable_lm_loss", "hf_rules", "patch_hf", "rms_norm_rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +56,60 @@ HF_ACTIVATIONS: dict[type, str] = {
 }
 
 
-def _activation_rules() -> list[Rule]:
-    from act_hf.nn import activation
+class ActHFGELUMixin(ActActivationMixin):
+    """transformers' ``GELUActivation``, whose in-place form is ``aten::gelu_`` when it calls ``F.gelu`` (not with
+    ``use_gelu_python``)."""
 
+    def act_inplace_forward(self):
+        return torch._C._nn.gelu_ if getattr(self, "act", None) is F.gelu else None
+
+
+class ActIntermediateMixin(ActModule):
+    """An HF MLP's first half, ``intermediate_act_fn(dense(x))`` (BERT's ``BertIntermediate`` and every copy of
+    it), with the activation written into the linear's output (:func:`activation_of_owned`): the widest two
+    tensors of a transformer layer's forward are never alive together. The rule converts a module only when its
+    ``forward`` is that code (:data:`INTERMEDIATE_FORWARD`); its submodules are converted by their own rules."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.act_enabled(hidden_states):
+            return super().forward(hidden_states)
+        return activation_of_owned(self.intermediate_act_fn, self.dense(hidden_states), self.dense)
+
+
+#: :func:`code_fingerprint` of ``BertIntermediate.forward`` and its copies (RoBERTa, ELECTRA, ...; transformers 5.x).
+INTERMEDIATE_FORWARD = "ac09a89f37fa3cb8"
+
+
+class ActFcMLPMixin(ActModule):
+    """An HF MLP ``fc2(activation_fn(fc1(x)))`` (CLIP's ``CLIPMLP``, ``ViTMLP``, BEiT's and every copy) with the
+    activation written into ``fc1``'s output (:func:`activation_of_owned`). Converted only when its ``forward`` is
+    that code (:data:`FC_MLP_FORWARD`); its submodules are converted by their own rules."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.act_enabled(hidden_states):
+            return super().forward(hidden_states)
+        return self.fc2(activation_of_owned(self.activation_fn, self.fc1(hidden_states), self.fc1))
+
+
+#: :func:`code_fingerprint` of ``CLIPMLP.forward`` and its copies (transformers 5.x).
+FC_MLP_FORWARD = "371607dd9de69485"
+
+
+def _is_hf_code(m: nn.Module, suffixes: tuple[str, ...], code: str) -> bool:
+    """A transformers class named ``*<suffix>`` whose ``forward`` has :func:`code_fingerprint` ``code``."""
+    cls = type(m)
+    return cls.__name__.endswith(suffixes) and cls.__module__.startswith("transformers.") \
+        and code_fingerprint(cls.forward) == code
+
+
+def _activation_rules() -> list[Rule]:
     return [
-        Rule("activation", lambda m: type(m) in HF_ACTIVATIONS, lambda m: activation.ActActivationMixin,
+        Rule("activation", lambda m: type(m) in HF_ACTIVATIONS,
+             lambda m: ActHFGELUMixin if type(m) is hf_act.GELUActivation else ActActivationMixin,
              attrs=lambda m, c: {"act_fn_name": HF_ACTIVATIONS[type(m)]}, bits=lambda c: c.derivative_bits),
+        Rule("activation", lambda m: _is_hf_code(m, ("Intermediate",), INTERMEDIATE_FORWARD),
+             lambda m: ActIntermediateMixin),
+        Rule("activation", lambda m: _is_hf_code(m, ("MLP", "Mlp"), FC_MLP_FORWARD), lambda m: ActFcMLPMixin),
     ]
 
 

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from act_hf.context import store
 from act_hf.derived import note_scaled
 from act_hf.nn._base import ActModule
+from act_hf.nn.activation import activation_of_owned
 from act_hf.ops.linear import act_channel_scale, act_scale
 from act_hf.ops.linear_attention import act_linear_attention
 from act_hf.ops.star_relu import act_star_relu
@@ -85,6 +86,26 @@ CONVNEXT_BLOCK_FORWARD = "cdd3c4d3d5b5eefe"
 
 def _is_convnext_block(m: nn.Module) -> bool:
     return _is_timm(m, "ConvNeXtBlock") and code_fingerprint(type(m).forward) == CONVNEXT_BLOCK_FORWARD
+
+
+class ActMlpMixin(ActModule):
+    """timm's ``Mlp`` (ViT, Swin, ConvNeXt's channels-last MLP, ...) with its activation written into ``fc1``'s
+    output (:func:`activation_of_owned`): the two hidden-width tensors, the widest of the block's forward, are
+    never alive together. The rest is timm's forward step for step; the rule converts an MLP only when its
+    ``forward`` is that code (:data:`MLP_FORWARD`), and its submodules are converted by their own rules."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        x = activation_of_owned(self.act, self.fc1(x), self.fc1)
+        x = self.drop1(x)
+        x = self.norm(x)
+        x = self.fc2(x)
+        return self.drop2(x)
+
+
+#: :func:`code_fingerprint` of the ``Mlp.forward`` that :class:`ActMlpMixin` reproduces (timm 1.0.x).
+MLP_FORWARD = "9c91f9f17692083b"
 
 
 class ActLiteMLAMixin(ActModule):
@@ -304,6 +325,7 @@ def timm_rules() -> list[Rule]:
         Rule("norm", lambda m: _is_timm(m, "BatchNormAct2d"), lambda m: norm.ActBatchNormAct2dMixin,
              attrs=lambda m, c: {"act_share_bn_relu": c.share_bn_relu}),
         Rule("linear", _is_convnext_block, lambda m: ActConvNeXtBlockMixin),
+        Rule("activation", lambda m: _is_timm_code(m, "Mlp", MLP_FORWARD), lambda m: ActMlpMixin),
         Rule("linear", lambda m: _squeeze_excite_gate(m) is not None, lambda m: ActSqueezeExciteMixin,
              attrs=lambda m, c: {"act_se_gate": _squeeze_excite_gate(m), "act_share_residual": c.share_residual}),
         Rule("linear", lambda m: _is_timm_code(m, "SplitAttn", SPLIT_ATTN_CODE), lambda m: ActSplitAttnMixin),

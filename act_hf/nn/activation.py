@@ -18,10 +18,13 @@ Configurations without a matching derivative table run the original op unchanged
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
 from ..errors import ActHFValueError
 from ..ops.activation import ACTIVATION_NAMES, ActivationSpec, act_activation, check_activation_name
@@ -58,6 +61,7 @@ __all__ = [
     "ActSoftplusMixin",
     "ActTanh",
     "ActTanhMixin",
+    "activation_of_owned",
 ]
 
 logger = logging.getLogger(__name__)
@@ -112,14 +116,38 @@ class ActActivationMixin(ActModule):
             )
         return _spec_from_module(check_activation_name(name), self)  # type: ignore[arg-type]
 
-    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+    def act_inplace_forward(self) -> Callable[[Tensor], Tensor] | None:
+        """A function that computes this module's ``forward`` bit for bit into its input and returns it, for a
+        caller that owns the input (:func:`activation_of_owned`); ``None`` where there is none (the default)."""
+        return None
+
+    def forward(self, x: Tensor, *args, act_input_owned: bool = False, **kwargs) -> Tensor:
+        """The module's own forward, saving few-bit codes; with ``act_input_owned`` (:func:`activation_of_owned`)
+        written into ``x`` by :meth:`act_inplace_forward` where there is one."""
         if args or kwargs or not isinstance(x, Tensor) or not self.act_enabled(x):
             return super().forward(x, *args, **kwargs)
         spec = self.act_activation_spec()
         if spec is None:
             return super().forward(x)
+        in_place = self.act_inplace_forward() if act_input_owned else None
+        if in_place is not None:
+            return act_activation(x, spec, self.act_settings("input"), fn=in_place, inplace=True)
         return act_activation(x, spec, self.act_settings("input"), fn=super().forward,
                               inplace=bool(getattr(self, "inplace", False)))
+
+
+def activation_of_owned(act: nn.Module, x: Tensor, producer: nn.Module) -> Tensor:
+    """``act(x)`` for a caller that owns ``x``, the fresh output of its submodule ``producer`` (an MLP's first
+    linear) that nothing reads after this call: an act_hf activation with an in-place form
+    (:meth:`ActActivationMixin.act_inplace_forward`) writes its output into ``x``, so the two full-size tensors,
+    an MLP's widest, are never alive together, and saves its codes as usual. The values and gradients are
+    ``act(x)``'s. Hooks that could keep ``x`` or read it after the call (forward hooks of ``producer``, any
+    hook of ``act``, global module hooks) keep the out-of-place call."""
+    if (isinstance(act, ActActivationMixin) and act.act_inplace_forward() is not None
+            and not (producer._forward_hooks or act._forward_hooks or act._forward_pre_hooks
+                     or _module._global_forward_hooks or _module._global_forward_pre_hooks)):
+        return act(x, act_input_owned=True)
+    return act(x)
 
 
 class ActGELUMixin(ActActivationMixin):
@@ -127,6 +155,10 @@ class ActGELUMixin(ActActivationMixin):
 
     def act_activation_spec(self) -> ActivationSpec | None:
         return ActivationSpec("gelu_tanh" if self.approximate == "tanh" else "gelu")
+
+    def act_inplace_forward(self) -> Callable[[Tensor], Tensor] | None:
+        """``aten::gelu_``: ``F.gelu``'s kernel writing into its input (autocast casts neither)."""
+        return functools.partial(torch._C._nn.gelu_, approximate=self.approximate)
 
 
 class ActSiLUMixin(ActActivationMixin):

@@ -1,0 +1,131 @@
+"""MLPs whose activation writes into its first linear's output (``activation_of_owned``): timm's ``Mlp`` and HF's
+``*Intermediate``. The in-place form must be the out-of-place one bit for bit, forward and backward, and must step
+aside wherever a hook could keep or read the overwritten tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import act_hf
+from tests.patches.models import ALL_CASES, loss_of
+from tests.utils import load_benchmark
+
+CASES = {c.name: c for c in ALL_CASES if c.name in ("timm-vit", "timm-swin", "bert-seqcls", "vit-hf")}
+MLPS = {"timm-vit": "ActMlpMixin", "timm-swin": "ActMlpMixin", "bert-seqcls": "ActIntermediateMixin",
+        "vit-hf": "ActFcMLPMixin"}
+
+
+class _GeluCalls(TorchDispatchMode):
+    """Counts ``aten.gelu`` and ``aten.gelu_`` calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"gelu": 0, "gelu_": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.calls:
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _patched(name: str, bits: int = 3):
+    torch.manual_seed(0)
+    model, inputs = CASES[name].factory()
+    act_hf.patch(model, bits=bits)
+    return model.train(), inputs
+
+
+def _mlps(model, name: str) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if any(c.__name__ == MLPS[name] for c in type(m).__mro__)]
+
+
+def _step(name: str, model, inputs, autocast: bool):
+    act_hf.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = loss_of(CASES[name], model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_mlp_activation_runs_in_place_with_the_out_of_place_results(name, autocast):
+    """Every MLP is converted and runs ``gelu_`` instead of ``gelu``; loss and every gradient equal those of the
+    out-of-place call (a forward hook on each first linear forces it), bit for bit, at 3 bits."""
+    model, inputs = _patched(name)
+    mlps = _mlps(model, name)
+    assert mlps, f"no {MLPS[name]} in {name}"
+    with _GeluCalls() as calls:
+        loss, grads = _step(name, model, inputs, autocast)
+    assert calls.calls == {"gelu": 0, "gelu_": len(mlps)}, calls.calls
+    first = [m.fc1 if hasattr(m, "fc1") else m.dense for m in mlps]
+    handles = [linear.register_forward_hook(lambda mod, args, out: None) for linear in first]
+    with _GeluCalls() as calls:
+        loss_ref, grads_ref = _step(name, model, inputs, autocast)
+    assert calls.calls == {"gelu": len(mlps), "gelu_": 0}, calls.calls
+    for h in handles:
+        h.remove()
+    assert torch.equal(loss, loss_ref)
+    assert grads.keys() == grads_ref.keys()
+    for key in grads:
+        assert torch.equal(grads[key], grads_ref[key]), key
+
+
+def test_a_hook_that_keeps_the_linear_output_sees_it_unchanged():
+    """A forward hook on the first linear that keeps its output (feature extraction) gets the linear's values, not
+    the activation's: the MLP then calls the activation out of place. So do hooks on the activation itself."""
+    model, inputs = _patched("timm-vit")
+    mlp = _mlps(model, "timm-vit")[0]
+    kept = {}
+    handle = mlp.fc1.register_forward_hook(lambda mod, args, out: kept.update(fc1=(args[0], out)))
+    loss_of(CASES["timm-vit"], model, inputs).backward()
+    handle.remove()
+    x, out = kept["fc1"]
+    with torch.no_grad():
+        assert torch.equal(out, torch.nn.functional.linear(x, mlp.fc1.weight, mlp.fc1.bias))
+    seen = {}
+    handle = mlp.act.register_forward_hook(lambda mod, args, out: seen.update(act=(args[0].clone(), out)))
+    with _GeluCalls() as calls:
+        loss_of(CASES["timm-vit"], model, inputs)
+    handle.remove()
+    assert calls.calls["gelu_"] == len(_mlps(model, "timm-vit")) - 1
+    assert not torch.equal(seen["act"][0], seen["act"][1])
+
+
+def test_eval_and_unpatch_run_the_original_mlp():
+    model, inputs = _patched("bert-seqcls")
+    model.eval()
+    with torch.no_grad(), _GeluCalls() as calls:
+        loss_of(CASES["bert-seqcls"], model, inputs)
+    assert calls.calls["gelu_"] == 0
+    act_hf.unpatch(model)
+    assert not _mlps(model, "bert-seqcls")
+
+
+def test_the_activation_output_and_the_linear_output_are_never_alive_together(monkeypatch):
+    """The highest point of an MLP's forward (its input made outside) stays below two hidden-width tensors, which
+    the out-of-place call holds at once: measured from the profiler's allocations, with the codec's CPU
+    reference stubbed out as on a GPU, where its kernels make no temporaries (the reference's chunks would set
+    the peak here)."""
+    from act_hf.compress import reference
+
+    for name, stub in load_benchmark("benchmark_host_overhead").STUBS.items():
+        monkeypatch.setattr(reference, name, stub)
+    profile_peak = load_benchmark("memory_at_peak").profile_peak
+    model, _ = _patched("timm-vit")
+    mlp = model.blocks[0].mlp
+    x = torch.randn(4, 17, mlp.fc1.in_features, requires_grad=True)
+    hidden = x.shape[0] * x.shape[1] * mlp.fc1.out_features * 4  # fp32 bytes of fc1's output
+
+    def forward_peak() -> int:
+        return profile_peak(lambda: mlp(x).square().sum(), x.device)["phases"]["forward"]["peak"]
+
+    in_place = forward_peak()
+    handle = mlp.fc1.register_forward_hook(lambda mod, args, out: None)
+    out_of_place = forward_peak()
+    handle.remove()
+    assert in_place < 2 * hidden <= out_of_place, (in_place, out_of_place, hidden)
