@@ -70,6 +70,7 @@ case "$phase" in
         --batches "$b1" "$b2" --out "$OUT" >>"$log" 2>&1
       head -n 1 "$OUT/memory_at_peak_${model}_${setting}.md" >>"$log" 2>&1; rm -f "$OUT"/*.png  # 8 files come back
     done
+    for f in "$OUT"/*+*; do [[ -e "$f" ]] && mv "$f" "${f//+/_}"; done  # '+' is no name the device call returns
     left=$(( 280 - (SECONDS - t0) )); (( left < 10 )) && left=10
     timeout $left python3 -m pytest -q -m cuda tests --ignore=tests/compress/test_kernels_cuda.py \
       -p no:cacheprovider -rfE >>"$log" 2>&1
