@@ -30,7 +30,7 @@ from act_hf.nn.activation import activation_of_owned
 from act_hf.ops.linear import act_channel_scale, act_scale
 from act_hf.ops.linear_attention import act_linear_attention
 from act_hf.ops.star_relu import act_star_relu
-from act_hf.patcher import Rule, code_fingerprint, patch_modules, register_patch, same_forward
+from act_hf.patcher import Rule, callee, code_fingerprint, patch_modules, register_patch, same_forward
 
 __all__ = ["patch_timm"]
 
@@ -106,6 +106,66 @@ class ActMlpMixin(ActModule):
 
 #: :func:`code_fingerprint` of the ``Mlp.forward`` that :class:`ActMlpMixin` reproduces (timm 1.0.x).
 MLP_FORWARD = "9c91f9f17692083b"
+
+
+class ActSwinBlockMixin(ActModule):
+    """timm's ``SwinTransformerBlock`` computing what its ``forward`` and ``_attn`` compute, step for step, with the
+    attention's input made in a call of its own (:meth:`_act_windows`) whose full-size intermediates are gone when
+    attention runs: timm's ``_attn`` holds its argument (the LayerNorm output), the shifted copy and the padded
+    one until it returns, two of them beside the windows at swin-tiny's first stage (1.15 MiB a sample each in fp32
+    under autocast); a padding of zero is no copy here. The rule converts a block only when ``forward``, ``_attn``
+    and the window helpers are the code this reproduces (:data:`SWIN_BLOCK_CODE`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        B, H, W, C = x.shape
+        windows, attn_mask, padded = self._act_windows(self.norm1(x))
+        attn_windows = self.attn(windows, mask=attn_mask)
+        del windows
+        x = x + self.drop_path1(self._act_merge(attn_windows, H, W, padded))
+        x = x.reshape(B, -1, C)
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x.reshape(B, H, W, C)
+
+    def _act_windows(self, x: Tensor) -> tuple[Tensor, Tensor | None, tuple[int, int]]:
+        """``_attn``'s way in: the windows ``(nW*B, window_area, C)`` of ``x`` shifted and padded, the attention
+        mask, and the padded height and width."""
+        from timm.models.swin_transformer import window_partition
+
+        _, H, W, C = x.shape
+        if any(self.shift_size):
+            x = torch.roll(x, shifts=(-self.shift_size[0], -self.shift_size[1]), dims=(1, 2))
+        pad_h = (self.window_size[0] - H % self.window_size[0]) % self.window_size[0]
+        pad_w = (self.window_size[1] - W % self.window_size[1]) % self.window_size[1]
+        if pad_h or pad_w:
+            x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
+        attn_mask = self.get_attn_mask(x) if getattr(self, "dynamic_mask", False) else self.attn_mask
+        return window_partition(x, self.window_size).view(-1, self.window_area, C), attn_mask, (x.shape[1], x.shape[2])
+
+    def _act_merge(self, attn_windows: Tensor, H: int, W: int, padded: tuple[int, int]) -> Tensor:
+        """``_attn``'s way out: the windows merged, the padding cut and the shift reversed."""
+        from timm.models.swin_transformer import window_reverse
+
+        C = attn_windows.shape[-1]
+        attn_windows = attn_windows.view(-1, self.window_size[0], self.window_size[1], C)
+        x = window_reverse(attn_windows, self.window_size, *padded)[:, :H, :W, :].contiguous()
+        return torch.roll(x, shifts=self.shift_size, dims=(1, 2)) if any(self.shift_size) else x
+
+
+#: :func:`code_fingerprint` of the code :class:`ActSwinBlockMixin` reproduces (timm 1.0.x): the block's ``forward``
+#: and ``_attn``, and the ``window_partition`` and ``window_reverse`` they call.
+SWIN_BLOCK_CODE = {"forward": "0e33604a75ed1c6b", "_attn": "365aa81776e97561", "window_partition": "f4ed84a36e7231bf",
+                   "window_reverse": "b561c3e67a560e67"}
+
+
+def _is_swin_block(m: nn.Module) -> bool:
+    if not _is_timm(m, "SwinTransformerBlock"):
+        return False
+    cls = type(m)
+    code = {"forward": cls.forward, "_attn": cls._attn, "window_partition": callee(cls._attn, "window_partition"),
+            "window_reverse": callee(cls._attn, "window_reverse")}
+    return all(fn is not None and code_fingerprint(fn) == SWIN_BLOCK_CODE[name] for name, fn in code.items())
 
 
 class ActLiteMLAMixin(ActModule):
@@ -326,6 +386,7 @@ def timm_rules() -> list[Rule]:
              attrs=lambda m, c: {"act_share_bn_relu": c.share_bn_relu}),
         Rule("linear", _is_convnext_block, lambda m: ActConvNeXtBlockMixin),
         Rule("activation", lambda m: _is_timm_code(m, "Mlp", MLP_FORWARD), lambda m: ActMlpMixin),
+        Rule("attention", _is_swin_block, lambda m: ActSwinBlockMixin),
         Rule("linear", lambda m: _squeeze_excite_gate(m) is not None, lambda m: ActSqueezeExciteMixin,
              attrs=lambda m, c: {"act_se_gate": _squeeze_excite_gate(m), "act_share_residual": c.share_residual}),
         Rule("linear", lambda m: _is_timm_code(m, "SplitAttn", SPLIT_ATTN_CODE), lambda m: ActSplitAttnMixin),
