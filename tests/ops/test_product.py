@@ -57,3 +57,33 @@ def test_saves_only_what_the_gradients_need():
     assert set(saved.by_slot) == {"m:gate_act", "m:up"} and saved.bytes < 2 * a.numel() * 4 / 8
     broadcast = act_product(a, b[:1], A, B)  # different shapes: the plain product
     assert torch.equal(broadcast, a * b[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_product_into_a_is_the_product_and_its_gradients(dtype):
+    """``into_a``: the product written into ``a`` (returned, the same storage) after both operands are packed: the
+    values and both gradients of the out-of-place product, bit for bit, with ``a`` made by an op upstream."""
+    torch.manual_seed(0)
+    leaf_a, b = torch.randn(3, 7, 64, dtype=dtype), torch.randn(3, 7, 64, dtype=dtype)
+    results = []
+    for into_a in (False, True):
+        la, lb = leaf_a.clone().requires_grad_(), b.clone().requires_grad_()
+        a = la * 2  # not a leaf: an activation's output, say
+        manual_seed(3)
+        y = act_product(a, lb, A, B, into_a=into_a)
+        assert (y.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()) == into_a
+        y.backward(torch.ones_like(y))
+        results.append((y.detach(), la.grad, lb.grad))
+    assert all(torch.equal(p, q) for p, q in zip(*results))
+
+
+def test_the_product_into_a_steps_aside_where_it_cannot_write_into_a():
+    """A leaf that needs a gradient, an operand sharing ``a``'s memory, or a product of a wider dtype than ``a``'s:
+    the out-of-place product, as without ``into_a``."""
+    a, b = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64)
+    for x, y in ((a, b), (a * 1, None), (torch.randn(4, 64, dtype=torch.bfloat16), b)):
+        y = x if y is None else y
+        before = x.detach().clone()
+        out = act_product(x, y, A, B, into_a=True)
+        assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        assert torch.equal(x.detach(), before) and torch.equal(out, before * y.detach())
