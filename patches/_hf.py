@@ -33,7 +33,7 @@ from act_hf.patcher import (
 )
 
 __all__ = ["FC_MLP_FORWARD", "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "ActFcMLPMixin", "ActHFGELUMixin",
-           "ActIntermediateMixin", "enable_lm_loss", "hf_rules", "patch_hf", "rms_norm_rule"]
+           "ActHFSiLUMixin", "ActIntermediateMixin", "enable_lm_loss", "hf_rules", "patch_hf", "rms_norm_rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,13 @@ class ActHFGELUMixin(ActActivationMixin):
 
     def act_inplace_forward(self):
         return torch._C._nn.gelu_ if getattr(self, "act", None) is F.gelu else None
+
+
+class ActHFSiLUMixin(ActActivationMixin):
+    """transformers' ``SiLUActivation`` (``F.silu``), whose in-place form is ``F.silu(x, inplace=True)``."""
+
+    def act_inplace_forward(self):
+        return functools.partial(F.silu, inplace=True)
 
 
 class ActIntermediateMixin(ActModule):
@@ -102,10 +109,14 @@ def _is_hf_code(m: nn.Module, suffixes: tuple[str, ...], code: str) -> bool:
         and code_fingerprint(cls.forward) == code
 
 
+#: transformers activation classes with an in-place form (the others get ``ActActivationMixin``)
+_HF_ACTIVATION_MIXINS = {hf_act.GELUActivation: ActHFGELUMixin, hf_act.SiLUActivation: ActHFSiLUMixin}
+
+
 def _activation_rules() -> list[Rule]:
     return [
         Rule("activation", lambda m: type(m) in HF_ACTIVATIONS,
-             lambda m: ActHFGELUMixin if type(m) is hf_act.GELUActivation else ActActivationMixin,
+             lambda m: _HF_ACTIVATION_MIXINS.get(type(m), ActActivationMixin),
              attrs=lambda m, c: {"act_fn_name": HF_ACTIVATIONS[type(m)]}, bits=lambda c: c.derivative_bits),
         Rule("activation", lambda m: _is_hf_code(m, ("Intermediate",), INTERMEDIATE_FORWARD),
              lambda m: ActIntermediateMixin),

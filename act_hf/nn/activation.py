@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
@@ -62,6 +63,7 @@ __all__ = [
     "ActTanh",
     "ActTanhMixin",
     "activation_of_owned",
+    "output_is_owned",
 ]
 
 logger = logging.getLogger(__name__)
@@ -136,6 +138,18 @@ class ActActivationMixin(ActModule):
                               inplace=bool(getattr(self, "inplace", False)))
 
 
+def _hooks_could_see(*modules: nn.Module) -> bool:
+    """Whether a module hook (of ``modules``, or a global one) could keep a tensor or read it after the call."""
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+
+
+def output_is_owned(act: nn.Module) -> bool:
+    """Whether ``act(x)``'s output, for a caller that owns it, may be overwritten: ``act`` is an act_hf activation
+    whose backward keeps codes (never its output) and no hook could hold the output."""
+    return isinstance(act, ActActivationMixin) and act.act_activation_spec() is not None and not _hooks_could_see(act)
+
+
 def activation_of_owned(act: nn.Module, x: Tensor, producer: nn.Module) -> Tensor:
     """``act(x)`` for a caller that owns ``x``, the fresh output of its submodule ``producer`` (an MLP's first
     linear) that nothing reads after this call: an act_hf activation with an in-place form
@@ -143,9 +157,8 @@ def activation_of_owned(act: nn.Module, x: Tensor, producer: nn.Module) -> Tenso
     an MLP's widest, are never alive together, and saves its codes as usual. The values and gradients are
     ``act(x)``'s. Hooks that could keep ``x`` or read it after the call (forward hooks of ``producer``, any
     hook of ``act``, global module hooks) keep the out-of-place call."""
-    if (isinstance(act, ActActivationMixin) and act.act_inplace_forward() is not None
-            and not (producer._forward_hooks or act._forward_hooks or act._forward_pre_hooks
-                     or _module._global_forward_hooks or _module._global_forward_pre_hooks)):
+    if isinstance(act, ActActivationMixin) and act.act_inplace_forward() is not None \
+            and not (producer._forward_hooks or _hooks_could_see(act)):
         return act(x, act_input_owned=True)
     return act(x)
 
@@ -165,6 +178,10 @@ class ActSiLUMixin(ActActivationMixin):
     """``nn.SiLU``."""
 
     act_fn_name = "silu"
+
+    def act_inplace_forward(self) -> Callable[[Tensor], Tensor] | None:
+        """``F.silu(x, inplace=True)``: ``F.silu``'s kernel writing into its input."""
+        return functools.partial(F.silu, inplace=True)
 
 
 class ActTanhMixin(ActActivationMixin):

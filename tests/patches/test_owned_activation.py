@@ -12,17 +12,18 @@ import act_hf
 from tests.patches.models import ALL_CASES, loss_of
 from tests.utils import load_benchmark
 
-CASES = {c.name: c for c in ALL_CASES if c.name in ("timm-vit", "timm-swin", "bert-seqcls", "vit-hf")}
+CASES = {c.name: c for c in ALL_CASES if c.name in ("timm-vit", "timm-swin", "bert-seqcls", "vit-hf", "llama")}
 MLPS = {"timm-vit": "ActMlpMixin", "timm-swin": "ActMlpMixin", "bert-seqcls": "ActIntermediateMixin",
-        "vit-hf": "ActFcMLPMixin"}
+        "vit-hf": "ActFcMLPMixin", "llama": "ActGatedMLPMixin"}
+ACTIVATION = {"llama": "silu"}  # the others' is GELU
 
 
 class _GeluCalls(TorchDispatchMode):
-    """Counts ``aten.gelu`` and ``aten.gelu_`` calls."""
+    """Counts the calls of an activation's aten op, out of place and in place (``gelu``, ``gelu_``)."""
 
-    def __init__(self):
+    def __init__(self, name: str = "gelu"):
         super().__init__()
-        self.calls = {"gelu": 0, "gelu_": 0}
+        self.calls = {name: 0, name + "_": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -54,19 +55,22 @@ def _step(name: str, model, inputs, autocast: bool):
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_mlp_activation_runs_in_place_with_the_out_of_place_results(name, autocast):
-    """Every MLP is converted and runs ``gelu_`` instead of ``gelu``; loss and every gradient equal those of the
-    out-of-place call (a forward hook on each first linear forces it), bit for bit, at 3 bits."""
+    """Every MLP is converted and runs ``gelu_`` instead of ``gelu`` (LLaMA's: ``silu_``, and its product into the
+    activation's output); loss and every gradient equal those of the out-of-place calls (forward hooks on each
+    first linear, and on LLaMA's activation, force them), bit for bit, at 3 bits."""
     model, inputs = _patched(name)
     mlps = _mlps(model, name)
     assert mlps, f"no {MLPS[name]} in {name}"
-    with _GeluCalls() as calls:
+    act = ACTIVATION.get(name, "gelu")
+    with _GeluCalls(act) as calls:
         loss, grads = _step(name, model, inputs, autocast)
-    assert calls.calls == {"gelu": 0, "gelu_": len(mlps)}, calls.calls
-    first = [m.fc1 if hasattr(m, "fc1") else m.dense for m in mlps]
-    handles = [linear.register_forward_hook(lambda mod, args, out: None) for linear in first]
-    with _GeluCalls() as calls:
+    assert calls.calls == {act: 0, act + "_": len(mlps)}, calls.calls
+    first = [getattr(m, "fc1", None) or getattr(m, "dense", None) or m.gate_proj for m in mlps]
+    handles = [m.register_forward_hook(lambda mod, args, out: None)
+               for m in first + [m.act_fn for m in mlps if hasattr(m, "act_fn")]]
+    with _GeluCalls(act) as calls:
         loss_ref, grads_ref = _step(name, model, inputs, autocast)
-    assert calls.calls == {"gelu": len(mlps), "gelu_": 0}, calls.calls
+    assert calls.calls == {act: len(mlps), act + "_": 0}, calls.calls
     for h in handles:
         h.remove()
     assert torch.equal(loss, loss_ref)
@@ -129,3 +133,27 @@ def test_the_activation_output_and_the_linear_output_are_never_alive_together(mo
     out_of_place = forward_peak()
     handle.remove()
     assert in_place < 2 * hidden <= out_of_place, (in_place, out_of_place, hidden)
+
+
+def test_a_gated_mlp_holds_at_most_two_intermediate_tensors(monkeypatch):
+    """LLaMA's MLP, ``down(act(gate(x)) * up(x))``: the activation into ``gate``'s output, the product into the
+    activation's, so the forward's highest point stays below three intermediate-width tensors, which the
+    out-of-place calls hold at once (a hook on the activation forces them); codec stubbed as above."""
+    from act_hf.compress import reference
+
+    for name, stub in load_benchmark("benchmark_host_overhead").STUBS.items():
+        monkeypatch.setattr(reference, name, stub)
+    profile_peak = load_benchmark("memory_at_peak").profile_peak
+    model, _ = _patched("llama")
+    mlp = _mlps(model, "llama")[0]
+    x = torch.randn(4, 33, mlp.gate_proj.in_features, requires_grad=True)
+    wide = x.shape[0] * x.shape[1] * mlp.gate_proj.out_features * 4  # fp32 bytes of one intermediate tensor
+
+    def forward_peak() -> int:
+        return profile_peak(lambda: mlp(x).square().sum(), x.device)["phases"]["forward"]["peak"]
+
+    in_place = forward_peak()
+    handle = mlp.act_fn.register_forward_hook(lambda mod, args, out: None)
+    out_of_place = forward_peak()
+    handle.remove()
+    assert in_place < 3 * wide <= out_of_place, (in_place, out_of_place, wide)
