@@ -157,3 +157,32 @@ def test_a_gated_mlp_holds_at_most_two_intermediate_tensors(monkeypatch):
     out_of_place = forward_peak()
     handle.remove()
     assert in_place < 3 * wide <= out_of_place, (in_place, out_of_place, wide)
+
+
+def _cuda_forward_peak(forward, x: torch.Tensor) -> int:
+    """Bytes allocated at the highest point of ``forward(x)`` under bf16 autocast, above what was allocated before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", torch.bfloat16):
+        out = forward(x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    del out
+    return peak
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_an_mlp_never_holds_fc1_and_activation_outputs_together():
+    """The same property on a GPU, with the CUDA kernels and bf16 autocast: timm ViT's MLP forward peaks below two
+    bf16 hidden-width tensors beyond fc1's bf16 input copy, and the out-of-place call (a hook on fc1) above."""
+    model, _ = _patched("timm-vit")
+    model.cuda()
+    mlp = model.blocks[0].mlp
+    x = torch.randn(64, 197, mlp.fc1.in_features, device="cuda", requires_grad=True)
+    hidden = x.shape[0] * x.shape[1] * mlp.fc1.out_features * 2
+    in_place = _cuda_forward_peak(mlp, x)
+    handle = mlp.fc1.register_forward_hook(lambda mod, args, out: None)
+    out_of_place = _cuda_forward_peak(mlp, x)
+    handle.remove()
+    assert out_of_place - in_place >= 0.9 * hidden, (in_place, out_of_place, hidden)

@@ -75,3 +75,28 @@ def test_the_attention_input_is_made_without_timms_intermediates_alive(monkeypat
     torch.manual_seed(0)
     timms = forward_peak(functools.partial(_timm_forward, block))
     assert timms - ours >= 1.9 * size, (ours, timms, size)  # two tensors, less small blocks freed between
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_the_attention_input_is_made_without_timms_intermediates_alive():
+    """On a GPU under bf16 autocast: a shifted block's forward peaks at least two fp32 block-sized tensors (the
+    LayerNorm output and the padded copy) below timm's forward of the same block."""
+    block = next(b for b in _blocks(_swin(56, mlp_ratio=1.0)) if any(b.shift_size)).cuda()
+    x = torch.randn(64, *block.input_resolution, block.norm1.normalized_shape[0], device="cuda", requires_grad=True)
+    size = x.numel() * 4
+
+    def peak(forward) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", torch.bfloat16):
+            out = forward(x)
+        torch.cuda.synchronize()
+        del out
+        return torch.cuda.max_memory_allocated() - start
+
+    torch.manual_seed(0)
+    ours = peak(block)
+    torch.manual_seed(0)
+    timms = peak(functools.partial(_timm_forward, block))
+    assert timms - ours >= 1.9 * size, (ours, timms, size)
