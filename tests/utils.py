@@ -119,3 +119,30 @@ def load_benchmark(name: str):
         return module
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def stub_codec(monkeypatch) -> None:
+    """Replace the codec's CPU reference (quantize, pack, few-bit codes) with ``benchmark_host_overhead``'s
+    stand-ins, which allocate the outputs and nothing else, as a GPU's kernels do: a memory test then sees the
+    working set of the ops around the codec rather than the reference's chunked temporaries. Values meaningless."""
+    from act_hf.compress import reference
+
+    for name, stub in load_benchmark("benchmark_host_overhead").STUBS.items():
+        monkeypatch.setattr(reference, name, stub)
+
+
+def forward_peak(forward, x: torch.Tensor) -> int:
+    """Bytes at the highest point of ``forward(x)`` above those allocated before: on a GPU from the allocator's
+    statistics, under bf16 autocast; on the CPU from the profiler's allocations (``memory_at_peak.profile_peak``,
+    the forward of ``forward(x).square().sum()``)."""
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", torch.bfloat16):
+            out = forward(x)
+        torch.cuda.synchronize()
+        del out
+        return torch.cuda.max_memory_allocated() - start
+    profile_peak = load_benchmark("memory_at_peak").profile_peak
+    return profile_peak(lambda: forward(x).square().sum(), x.device)["phases"]["forward"]["peak"]

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import act_hf
 from tests.patches.models import ALL_CASES, loss_of
-from tests.utils import load_benchmark
+from tests.utils import forward_peak, stub_codec
 
 CASES = {c.name: c for c in ALL_CASES if c.name in ("timm-vit", "timm-swin", "bert-seqcls", "vit-hf", "llama")}
 MLPS = {"timm-vit": "ActMlpMixin", "timm-swin": "ActMlpMixin", "bert-seqcls": "ActIntermediateMixin",
@@ -110,27 +110,20 @@ def test_eval_and_unpatch_run_the_original_mlp():
     assert not _mlps(model, "bert-seqcls")
 
 
-def test_the_activation_output_and_the_linear_output_are_never_alive_together(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_activation_output_and_the_linear_output_are_never_alive_together(monkeypatch, device):
     """The highest point of an MLP's forward (its input made outside) stays below two hidden-width tensors, which
-    the out-of-place call holds at once: measured from the profiler's allocations, with the codec's CPU
-    reference stubbed out as on a GPU, where its kernels make no temporaries (the reference's chunks would set
-    the peak here)."""
-    from act_hf.compress import reference
-
-    for name, stub in load_benchmark("benchmark_host_overhead").STUBS.items():
-        monkeypatch.setattr(reference, name, stub)
-    profile_peak = load_benchmark("memory_at_peak").profile_peak
+    the out-of-place call (a hook on fc1) holds at once: on the CPU from the profiler's allocations, the codec's
+    reference stubbed, as a GPU's kernels make no temporaries; on a GPU under bf16 autocast, whose hidden tensors
+    are bf16."""
+    stub_codec(monkeypatch)
     model, _ = _patched("timm-vit")
-    mlp = model.blocks[0].mlp
-    x = torch.randn(4, 17, mlp.fc1.in_features, requires_grad=True)
-    hidden = x.shape[0] * x.shape[1] * mlp.fc1.out_features * 4  # fp32 bytes of fc1's output
-
-    def forward_peak() -> int:
-        return profile_peak(lambda: mlp(x).square().sum(), x.device)["phases"]["forward"]["peak"]
-
-    in_place = forward_peak()
+    mlp = model.to(device).blocks[0].mlp
+    x = torch.randn(4 if device == "cpu" else 64, 17, mlp.fc1.in_features, device=device, requires_grad=True)
+    hidden = x.shape[0] * x.shape[1] * mlp.fc1.out_features * (4 if device == "cpu" else 2)
+    in_place = forward_peak(mlp, x)
     handle = mlp.fc1.register_forward_hook(lambda mod, args, out: None)
-    out_of_place = forward_peak()
+    out_of_place = forward_peak(mlp, x)
     handle.remove()
     assert in_place < 2 * hidden <= out_of_place, (in_place, out_of_place, hidden)
 
@@ -139,50 +132,13 @@ def test_a_gated_mlp_holds_at_most_two_intermediate_tensors(monkeypatch):
     """LLaMA's MLP, ``down(act(gate(x)) * up(x))``: the activation into ``gate``'s output, the product into the
     activation's, so the forward's highest point stays below three intermediate-width tensors, which the
     out-of-place calls hold at once (a hook on the activation forces them); codec stubbed as above."""
-    from act_hf.compress import reference
-
-    for name, stub in load_benchmark("benchmark_host_overhead").STUBS.items():
-        monkeypatch.setattr(reference, name, stub)
-    profile_peak = load_benchmark("memory_at_peak").profile_peak
+    stub_codec(monkeypatch)
     model, _ = _patched("llama")
     mlp = _mlps(model, "llama")[0]
     x = torch.randn(4, 33, mlp.gate_proj.in_features, requires_grad=True)
     wide = x.shape[0] * x.shape[1] * mlp.gate_proj.out_features * 4  # fp32 bytes of one intermediate tensor
-
-    def forward_peak() -> int:
-        return profile_peak(lambda: mlp(x).square().sum(), x.device)["phases"]["forward"]["peak"]
-
-    in_place = forward_peak()
+    in_place = forward_peak(mlp, x)
     handle = mlp.act_fn.register_forward_hook(lambda mod, args, out: None)
-    out_of_place = forward_peak()
+    out_of_place = forward_peak(mlp, x)
     handle.remove()
     assert in_place < 3 * wide <= out_of_place, (in_place, out_of_place, wide)
-
-
-def _cuda_forward_peak(forward, x: torch.Tensor) -> int:
-    """Bytes allocated at the highest point of ``forward(x)`` under bf16 autocast, above what was allocated before."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    with torch.autocast("cuda", torch.bfloat16):
-        out = forward(x)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - start
-    del out
-    return peak
-
-
-@pytest.mark.cuda
-def test_on_the_gpu_an_mlp_never_holds_fc1_and_activation_outputs_together():
-    """The same property on a GPU, with the CUDA kernels and bf16 autocast: timm ViT's MLP forward peaks below two
-    bf16 hidden-width tensors beyond fc1's bf16 input copy, and the out-of-place call (a hook on fc1) above."""
-    model, _ = _patched("timm-vit")
-    model.cuda()
-    mlp = model.blocks[0].mlp
-    x = torch.randn(64, 197, mlp.fc1.in_features, device="cuda", requires_grad=True)
-    hidden = x.shape[0] * x.shape[1] * mlp.fc1.out_features * 2
-    in_place = _cuda_forward_peak(mlp, x)
-    handle = mlp.fc1.register_forward_hook(lambda mod, args, out: None)
-    out_of_place = _cuda_forward_peak(mlp, x)
-    handle.remove()
-    assert out_of_place - in_place >= 0.9 * hidden, (in_place, out_of_place, hidden)

@@ -10,7 +10,7 @@ import torch
 
 import act_hf
 from act_hf.patches.timm_models import ActSwinBlockMixin
-from tests.utils import load_benchmark
+from tests.utils import forward_peak, stub_codec
 
 
 def _swin(img_size: int, mlp_ratio: float = 4.0):
@@ -54,49 +54,19 @@ def test_the_block_is_timms_bit_for_bit(img_size, autocast):
         assert all(torch.equal(a, b) for a, b in zip(gp, gp_ref))
 
 
-def test_the_attention_input_is_made_without_timms_intermediates_alive(monkeypatch):
-    """The highest point of a shifted block's forward is lower than timm's by about the two block-sized
-    tensors timm's ``_attn`` holds beside the windows (the codec's CPU reference stubbed, as on a GPU; an MLP
-    as wide as the block, so that attention holds the highest point)."""
-    from act_hf.compress import reference
-
-    for name, stub in load_benchmark("benchmark_host_overhead").STUBS.items():
-        monkeypatch.setattr(reference, name, stub)
-    profile_peak = load_benchmark("memory_at_peak").profile_peak
-    block = next(b for b in _blocks(_swin(56, mlp_ratio=1.0)) if any(b.shift_size))
-    x = torch.randn(8, *block.input_resolution, block.norm1.normalized_shape[0], requires_grad=True)
-    size = x.numel() * x.element_size()
-
-    def forward_peak(forward) -> int:
-        return profile_peak(lambda: forward(x).square().sum(), x.device)["phases"]["forward"]["peak"]
-
-    torch.manual_seed(0)
-    ours = forward_peak(block)
-    torch.manual_seed(0)
-    timms = forward_peak(functools.partial(_timm_forward, block))
-    assert timms - ours >= 1.9 * size, (ours, timms, size)  # two tensors, less small blocks freed between
-
-
-@pytest.mark.cuda
-def test_on_the_gpu_the_attention_input_is_made_without_timms_intermediates_alive():
-    """On a GPU under bf16 autocast: a shifted block's forward peaks at least two fp32 block-sized tensors (the
-    LayerNorm output and the padded copy) below timm's forward of the same block."""
-    block = next(b for b in _blocks(_swin(56, mlp_ratio=1.0)) if any(b.shift_size)).cuda()
-    x = torch.randn(64, *block.input_resolution, block.norm1.normalized_shape[0], device="cuda", requires_grad=True)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_attention_input_is_made_without_timms_intermediates_alive(monkeypatch, device):
+    """The highest point of a shifted block's forward is lower than timm's by about the two block-sized fp32
+    tensors timm's ``_attn`` holds beside the windows (the LayerNorm output and the padded copy; fp32 under autocast
+    too). An MLP as wide as the block, so that attention holds the highest point; on the CPU the codec's reference
+    is stubbed, as a GPU's kernels make no temporaries; a GPU runs under bf16 autocast."""
+    stub_codec(monkeypatch)
+    block = next(b for b in _blocks(_swin(56, mlp_ratio=1.0)) if any(b.shift_size)).to(device)
+    x = torch.randn(8 if device == "cpu" else 64, *block.input_resolution, block.norm1.normalized_shape[0],
+                    device=device, requires_grad=True)
     size = x.numel() * 4
-
-    def peak(forward) -> int:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        with torch.autocast("cuda", torch.bfloat16):
-            out = forward(x)
-        torch.cuda.synchronize()
-        del out
-        return torch.cuda.max_memory_allocated() - start
-
     torch.manual_seed(0)
-    ours = peak(block)
+    ours = forward_peak(block, x)
     torch.manual_seed(0)
-    timms = peak(functools.partial(_timm_forward, block))
-    assert timms - ours >= 1.9 * size, (ours, timms, size)
+    timms = forward_peak(functools.partial(_timm_forward, block), x)
+    assert timms - ours >= 1.9 * size, (ours, timms, size)  # two tensors, less small blocks freed between
