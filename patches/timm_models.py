@@ -111,8 +111,8 @@ MLP_FORWARD = "9c91f9f17692083b"
 class ActSwinBlockMixin(ActModule):
     """timm's ``SwinTransformerBlock`` computing what its ``forward`` and ``_attn`` compute, step for step, with the
     attention's input made in a call of its own (:meth:`_act_windows`) whose full-size intermediates are gone when
-    attention runs: timm's ``_attn`` holds its argument (the LayerNorm output), the shifted copy and the padded
-    one until it returns, two of them beside the windows at swin-tiny's first stage (1.15 MiB a sample each in fp32
+    attention runs: timm's ``_attn`` holds its argument (the LayerNorm output) and the shifted, padded copy until it
+    returns, two block-sized tensors beside the windows (1.15 MiB a sample each at swin-tiny's first stage, fp32
     under autocast); a padding of zero is no copy here. The rule converts a block only when ``forward``, ``_attn``
     and the window helpers are the code this reproduces (:data:`SWIN_BLOCK_CODE`)."""
 
