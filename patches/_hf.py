@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import warnings
 
 import torch
@@ -33,7 +34,8 @@ from act_hf.patcher import (
 )
 
 __all__ = ["FC_MLP_FORWARD", "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "ActFcMLPMixin", "ActHFGELUMixin",
-           "ActHFSiLUMixin", "ActIntermediateMixin", "enable_lm_loss", "hf_rules", "patch_hf", "rms_norm_rule"]
+           "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin", "enable_lm_loss", "hf_rules",
+           "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,29 @@ class ActHFSiLUMixin(ActActivationMixin):
 
     def act_inplace_forward(self):
         return functools.partial(F.silu, inplace=True)
+
+
+def new_gelu_with_one_temporary(x: torch.Tensor) -> torch.Tensor:
+    """``NewGELUActivation``'s ``0.5 * x * (1.0 + tanh(sqrt(2 / pi) * (x + 0.044715 * pow(x, 3.0))))`` (GPT-2's
+    ``gelu_new``), bit for bit: the same ops on the same operands in the same order, each written into the one
+    temporary ``torch.pow`` makes (in autocast's dtype: fp32 on CUDA, ``x``'s on the CPU), which is also the result's
+    dtype; only the operands of ``+`` and ``*`` are swapped, and both commute. Beside ``x`` a call holds that
+    temporary and ``0.5 * x``, where the formula held three temporaries (``0.5 * x`` and two steps of the chain;
+    under CUDA autocast the two are fp32). For autocast on the CPU and CUDA (whose policies leave ``mul``, ``add``
+    and ``tanh`` alone) and without autocast."""
+    t = torch.pow(x, 3.0)
+    t.mul_(0.044715).add_(x).mul_(math.sqrt(2.0 / math.pi)).tanh_().add_(1.0)
+    return t.mul_(0.5 * x)
+
+
+class ActHFNewGELUMixin(ActActivationMixin):
+    """transformers' ``NewGELUActivation``, its formula computed by :func:`new_gelu_with_one_temporary` where
+    autocast's policy is known (off, or on the CPU or CUDA)."""
+
+    def act_output_fn(self, x: torch.Tensor):
+        if torch.is_autocast_enabled(x.device.type) and x.device.type not in ("cpu", "cuda"):
+            return super().act_output_fn(x)
+        return new_gelu_with_one_temporary
 
 
 class ActIntermediateMixin(ActModule):
@@ -110,7 +135,8 @@ def _is_hf_code(m: nn.Module, suffixes: tuple[str, ...], code: str) -> bool:
 
 
 #: transformers activation classes with an in-place form (the others get ``ActActivationMixin``)
-_HF_ACTIVATION_MIXINS = {hf_act.GELUActivation: ActHFGELUMixin, hf_act.SiLUActivation: ActHFSiLUMixin}
+_HF_ACTIVATION_MIXINS = {hf_act.GELUActivation: ActHFGELUMixin, hf_act.SiLUActivation: ActHFSiLUMixin,
+                         hf_act.NewGELUActivation: ActHFNewGELUMixin}
 
 
 def _activation_rules() -> list[Rule]:

@@ -134,8 +134,13 @@ class ActActivationMixin(ActModule):
         in_place = self.act_inplace_forward() if act_input_owned else None
         if in_place is not None:
             return act_activation(x, spec, self.act_settings("input"), fn=in_place, inplace=True)
-        return act_activation(x, spec, self.act_settings("input"), fn=super().forward,
+        return act_activation(x, spec, self.act_settings("input"), fn=self.act_output_fn(x),
                               inplace=bool(getattr(self, "inplace", False)))
+
+    def act_output_fn(self, x: Tensor) -> Callable[[Tensor], Tensor]:
+        """The function that computes the output of ``x`` on act_hf's path: the module's own ``forward`` (the
+        default), or one that gives the same bits with fewer temporaries."""
+        return super().forward
 
 
 def _hooks_could_see(*modules: nn.Module) -> bool:
