@@ -21,8 +21,9 @@ from transformers.pytorch_utils import Conv1D
 from act_hf.config import ActConfig
 from act_hf.errors import ActHFWarning
 from act_hf.nn._base import ActModule
-from act_hf.nn.activation import ActActivationMixin, activation_of_owned
+from act_hf.nn.activation import ActActivationMixin, activation_of_owned, output_is_owned
 from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output
+from act_hf.ops.product import act_product
 from act_hf.patcher import (
     Rule,
     add_cleanup,
@@ -33,9 +34,9 @@ from act_hf.patcher import (
     remove_handles,
 )
 
-__all__ = ["FC_MLP_FORWARD", "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "ActFcMLPMixin", "ActHFGELUMixin",
-           "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin", "enable_lm_loss", "hf_rules",
-           "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
+__all__ = ["FC_MLP_FORWARD", "GATED_ACT_DENSE_FORWARD", "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "ActFcMLPMixin",
+           "ActGatedActDenseMixin", "ActHFGELUMixin", "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin",
+           "enable_lm_loss", "hf_rules", "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,32 @@ class ActFcMLPMixin(ActModule):
 FC_MLP_FORWARD = "371607dd9de69485"
 
 
+class ActGatedActDenseMixin(ActModule):
+    """T5's gated feed-forward, ``wo(dropout(act(wi_0(x)) * wi_1(x)))`` (flan-T5, mT5, UMT5, ...), its product through
+    :func:`act_product`: both operands packed (slots ``<path>:gate_act`` and ``<path>:up``), where autograd's ``mul``
+    kept both at full width; the activation written into ``wi_0``'s output and the product into the activation's
+    where nothing else can hold them (:func:`activation_of_owned`). T5's cast before ``wo`` as in its forward. The
+    rule converts a module only when its ``forward`` is that code (:data:`GATED_ACT_DENSE_FORWARD`)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.act_enabled(hidden_states):
+            return super().forward(hidden_states)
+        owned = output_is_owned(self.act)
+        gate = activation_of_owned(self.act, self.wi_0(hidden_states), self.wi_0)
+        hidden_states = act_product(gate, self.wi_1(hidden_states), self.act_settings("gate_act"),
+                                    self.act_settings("up"), into_a=owned)
+        hidden_states = self.dropout(hidden_states)
+        if isinstance(self.wo.weight, torch.Tensor) and hidden_states.dtype != self.wo.weight.dtype \
+                and self.wo.weight.dtype != torch.int8:
+            hidden_states = hidden_states.to(self.wo.weight.dtype)
+        return self.wo(hidden_states)
+
+
+#: :func:`code_fingerprint` of ``T5DenseGatedActDense.forward`` and its copies (mT5, UMT5, UDOP, Pix2Struct,
+#: Pop2Piano; transformers 5.x).
+GATED_ACT_DENSE_FORWARD = "52ee87e30f51f8b9"
+
+
 def _is_hf_code(m: nn.Module, suffixes: tuple[str, ...], code: str) -> bool:
     """A transformers class named ``*<suffix>`` whose ``forward`` has :func:`code_fingerprint` ``code``."""
     cls = type(m)
@@ -147,6 +174,8 @@ def _activation_rules() -> list[Rule]:
         Rule("activation", lambda m: _is_hf_code(m, ("Intermediate",), INTERMEDIATE_FORWARD),
              lambda m: ActIntermediateMixin),
         Rule("activation", lambda m: _is_hf_code(m, ("MLP", "Mlp"), FC_MLP_FORWARD), lambda m: ActFcMLPMixin),
+        Rule("activation", lambda m: _is_hf_code(m, ("GatedActDense",), GATED_ACT_DENSE_FORWARD),
+             lambda m: ActGatedActDenseMixin),
     ]
 
 

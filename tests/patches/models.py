@@ -146,11 +146,11 @@ def seq2seq_lm(model_type="bart"):
     return model, _text_inputs(99, labels="lm", pad_last=False)
 
 
-def t5(dropout=0.0):
+def t5(dropout=0.0, feed_forward_proj="relu"):
     import transformers as tf
 
     cfg = tf.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=dropout,
-                      decoder_start_token_id=0, pad_token_id=0)
+                      decoder_start_token_id=0, pad_token_id=0, feed_forward_proj=feed_forward_proj)
     inputs = _text_inputs(99, labels="lm")
     return tf.T5ForConditionalGeneration(cfg), inputs
 
@@ -279,6 +279,7 @@ HF_CASES = [
     Case("gemma", lambda dropout=0.0: decoder(dropout, "gemma"), "gemma"),
     Case("gemma3", lambda dropout=0.0: decoder(dropout, "gemma3_text"), "gemma3_text"),
     Case("t5", t5, "t5"),
+    Case("flan-t5", lambda dropout=0.0: t5(dropout, "gated-gelu"), "t5"),
     Case("vit-hf", vit_hf, "vit"),
     Case("swin-hf", swin_hf, "swin"),
     Case("swinv2-hf", swinv2_hf, "swinv2"),

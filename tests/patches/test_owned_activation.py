@@ -142,3 +142,30 @@ def test_a_gated_mlp_holds_at_most_two_intermediate_tensors(monkeypatch):
     out_of_place = forward_peak(mlp, x)
     handle.remove()
     assert in_place < 3 * wide <= out_of_place, (in_place, out_of_place, wide)
+
+
+def test_t5s_gated_feed_forward_keeps_its_product_operands_packed():
+    """flan-T5's ``wo(act(wi_0(x)) * wi_1(x))``: both operands of the product packed in the slots ``:gate_act`` and
+    ``:up``, where autograd's ``mul`` kept both at full width: no float tensor of the feed-forward's width is saved."""
+    case = next(c for c in ALL_CASES if c.name == "flan-t5")
+    torch.manual_seed(0)
+    model, inputs = case.factory()
+    act_hf.patch(model, bits=3).train()
+    ffn = model.encoder.block[0].layer[1].DenseReluDense
+    assert any(c.__name__ == "ActGatedActDenseMixin" for c in type(ffn).__mro__)
+    wide = []
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dim() == 3 and t.shape[-1] == ffn.wi_0.out_features:
+            wide.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        loss_of(case, model, inputs).backward()
+    assert not wide, wide
+    with act_hf.track_saved(model) as saved:  # its own saved-tensor hooks: a run of its own
+        loss = loss_of(case, model, inputs)
+    loss.backward()
+    width = inputs["input_ids"].numel() * ffn.wi_0.out_features * 4  # fp32 bytes of one encoder operand
+    packed = saved.by_slot["encoder.block.0.layer.1.DenseReluDense:gate_act"]
+    assert 0 < packed < width / 4 and saved.by_slot["encoder.block.0.layer.1.DenseReluDense:up"] == packed
