@@ -82,6 +82,10 @@ MODELS = {
     # language models that compute their own loss (every position labelled): a masked LM, T5, BART (fallback)
     "bert-base-mlm": _hf("BertConfig", "BertForMaskedLM", attention_probs_dropout_prob=0.0),
     "t5-small": _hf("T5Config", "T5ForConditionalGeneration", decoder_start_token_id=0, pad_token_id=0),
+    # flan-T5's gated-GELU feed-forward (T5 v1.1 sizes: untied head, wider d_ff, 6 heads of 64)
+    "flan-t5-small": _hf("T5Config", "T5ForConditionalGeneration", d_ff=1024, num_layers=8, num_heads=6,
+                         feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0,
+                         pad_token_id=0),
     "bart-base": _hf("BartConfig", "BartForConditionalGeneration"),
     "vit-base": _timm("vit_base_patch16_224"),
     "swin-tiny": _timm("swin_tiny_patch4_window7_224"),
