@@ -13,6 +13,7 @@ input packed (:mod:`act_hf.ops.grn`). The classifier stays exact.
 from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
+from act_hf.nn.activation import activation_of_owned
 from act_hf.nn.linear import same_pad
 from act_hf.ops.attention import act_sdpa
 from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
@@ -245,16 +246,17 @@ def vision_conv_rules() -> list[Rule]:
 class ActConvNextLayerMixin(ActModule):
     """transformers' ``ConvNextLayer`` with its layer scale ``gamma * x`` through
     :func:`act_hf.ops.linear.act_channel_scale` (slot ``<path>:layer_scale``): autograd's ``mul`` kept the MLP
-    output at full width for gamma's gradient, as in timm's ConvNeXt. The rest is transformers' forward step for
-    step (the product is the same, type promotion included); the rule converts a layer only when its ``forward``
-    is the code this copies (:data:`CONVNEXT_LAYER_FORWARD`)."""
+    output at full width for gamma's gradient, as in timm's ConvNeXt; the activation written into ``pwconv1``'s
+    output (:func:`activation_of_owned`). The rest is transformers' forward step for step (the product is the same,
+    type promotion included); the rule converts a layer only when its ``forward`` is the code this copies
+    (:data:`CONVNEXT_LAYER_FORWARD`)."""
 
     def forward(self, features: Tensor) -> Tensor:
         if self.layer_scale_parameter is None or not self.act_enabled(features):
             return super().forward(features)
         residual = features
         features = self.dwconv(features).permute(0, 2, 3, 1)
-        features = self.pwconv2(self.act(self.pwconv1(self.layernorm(features))))
+        features = self.pwconv2(activation_of_owned(self.act, self.pwconv1(self.layernorm(features)), self.pwconv1))
         features = act_channel_scale(features, self.layer_scale_parameter, -1, self.act_settings("layer_scale"))
         return residual + self.drop_path(features.permute(0, 3, 1, 2))
 

@@ -12,9 +12,9 @@ import act_hf
 from tests.patches.models import ALL_CASES, loss_of
 from tests.utils import forward_peak, stub_codec
 
-CASES = {c.name: c for c in ALL_CASES if c.name in ("timm-vit", "timm-swin", "bert-seqcls", "vit-hf", "llama")}
 MLPS = {"timm-vit": "ActMlpMixin", "timm-swin": "ActMlpMixin", "bert-seqcls": "ActIntermediateMixin",
-        "vit-hf": "ActFcMLPMixin", "llama": "ActGatedMLPMixin"}
+        "vit-hf": "ActFcMLPMixin", "llama": "ActGatedMLPMixin", "convnext-hf": "ActConvNextLayerMixin"}
+CASES = {c.name: c for c in ALL_CASES if c.name in MLPS}
 ACTIVATION = {"llama": "silu"}  # the others' is GELU
 
 
@@ -65,7 +65,7 @@ def test_the_mlp_activation_runs_in_place_with_the_out_of_place_results(name, au
     with _GeluCalls(act) as calls:
         loss, grads = _step(name, model, inputs, autocast)
     assert calls.calls == {act: 0, act + "_": len(mlps)}, calls.calls
-    first = [getattr(m, "fc1", None) or getattr(m, "dense", None) or m.gate_proj for m in mlps]
+    first = [next(getattr(m, n) for n in ("fc1", "dense", "gate_proj", "pwconv1") if hasattr(m, n)) for m in mlps]
     handles = [m.register_forward_hook(lambda mod, args, out: None)
                for m in first + [m.act_fn for m in mlps if hasattr(m, "act_fn")]]
     with _GeluCalls(act) as calls:
