@@ -26,9 +26,10 @@ from torch import Tensor, nn
 from act_hf.context import store
 from act_hf.derived import note_scaled
 from act_hf.nn._base import ActModule
-from act_hf.nn.activation import activation_of_owned
+from act_hf.nn.activation import activation_of_owned, output_is_owned
 from act_hf.ops.linear import act_channel_scale, act_scale
 from act_hf.ops.linear_attention import act_linear_attention
+from act_hf.ops.product import act_product
 from act_hf.ops.star_relu import act_star_relu
 from act_hf.patcher import Rule, callee, code_fingerprint, patch_modules, register_patch, same_forward
 
@@ -106,6 +107,46 @@ class ActMlpMixin(ActModule):
 
 #: :func:`code_fingerprint` of the ``Mlp.forward`` that :class:`ActMlpMixin` reproduces (timm 1.0.x).
 MLP_FORWARD = "9c91f9f17692083b"
+
+
+class ActSwiGLUMixin(ActModule):
+    """timm's ``SwiGLU`` (``fc2(norm(act(fc1_g(x)) * fc1_x(x)))``: EVA-02 and the ``*_swiglu`` ViTs), its product
+    through :func:`act_product` (slots ``<path>:gate_act`` and ``<path>:up``), where autograd's ``mul`` kept both
+    operands at full width; the activation written into ``fc1_g``'s output and the product into the activation's
+    where nothing else can hold them. The rule converts a module only when its ``forward`` is timm's
+    (:data:`SWIGLU_FORWARD`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        owned = output_is_owned(self.act)
+        gate = activation_of_owned(self.act, self.fc1_g(x), self.fc1_g)
+        x = act_product(gate, self.fc1_x(x), self.act_settings("gate_act"), self.act_settings("up"), into_a=owned)
+        return self.drop2(self.fc2(self.norm(self.drop1(x))))
+
+
+#: :func:`code_fingerprint` of the ``SwiGLU.forward`` that :class:`ActSwiGLUMixin` reproduces (timm 1.0.x).
+SWIGLU_FORWARD = "3356ff52751a79a3"
+
+
+class ActGluMlpMixin(ActModule):
+    """timm's ``GluMlp`` (``fc1`` then the gated product of its two halves), the product through
+    :func:`act_product` (slots ``<path>:gate_act`` and ``<path>:up``): both operands packed, where autograd's ``mul``
+    kept them at full width. The rule converts a module only when its ``forward`` is timm's
+    (:data:`GLU_MLP_FORWARD`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.act_enabled(x):
+            return super().forward(x)
+        x1, x2 = self.fc1(x).chunk(2, dim=self.chunk_dim)
+        gate_act, up = self.act_settings("gate_act"), self.act_settings("up")
+        x = act_product(x1, self.act(x2), up, gate_act) if self.gate_last else \
+            act_product(self.act(x1), x2, gate_act, up)
+        return self.drop2(self.fc2(self.norm(self.drop1(x))))
+
+
+#: :func:`code_fingerprint` of the ``GluMlp.forward`` that :class:`ActGluMlpMixin` reproduces (timm 1.0.x).
+GLU_MLP_FORWARD = "86986d5325d331ac"
 
 
 class ActSwinBlockMixin(ActModule):
@@ -386,6 +427,8 @@ def timm_rules() -> list[Rule]:
              attrs=lambda m, c: {"act_share_bn_relu": c.share_bn_relu}),
         Rule("linear", _is_convnext_block, lambda m: ActConvNeXtBlockMixin),
         Rule("activation", lambda m: _is_timm_code(m, "Mlp", MLP_FORWARD), lambda m: ActMlpMixin),
+        Rule("activation", lambda m: _is_timm_code(m, "SwiGLU", SWIGLU_FORWARD), lambda m: ActSwiGLUMixin),
+        Rule("activation", lambda m: _is_timm_code(m, "GluMlp", GLU_MLP_FORWARD), lambda m: ActGluMlpMixin),
         Rule("attention", _is_swin_block, lambda m: ActSwinBlockMixin),
         Rule("linear", lambda m: _squeeze_excite_gate(m) is not None, lambda m: ActSqueezeExciteMixin,
              attrs=lambda m, c: {"act_se_gate": _squeeze_excite_gate(m), "act_share_residual": c.share_residual}),

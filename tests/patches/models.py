@@ -235,6 +235,17 @@ def timm_swinv2(name: str, **kwargs):
     return factory
 
 
+def timm_gated_vit(mlp_layer: str):
+    """A tiny timm ViT whose MLPs are timm's gated ``SwiGLU`` or ``GluMlp`` (EVA-02-style)."""
+    def factory(dropout=0.0):
+        from timm import layers
+
+        return timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2,
+                          mlp_layer=getattr(layers, mlp_layer))(dropout)
+
+    return factory
+
+
 def timm_convnextv2(dropout=0.0):
     model, inputs = timm_model("convnextv2_atto")(dropout)
     return _random_grn(model), inputs
@@ -291,6 +302,8 @@ TIMM_CASES = [
     Case("timm-resnet", timm_model("resnet18"), "timm:ResNet", timm=True),
     Case("timm-vit", timm_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2), "timm:VisionTransformer",
          timm=True),
+    Case("timm-vit-swiglu", timm_gated_vit("SwiGLU"), "timm:VisionTransformer", timm=True),
+    Case("timm-vit-glu", timm_gated_vit("GluMlp"), "timm:VisionTransformer", timm=True),
     Case("timm-deit", timm_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2),
          "timm:VisionTransformer", timm=True),
     Case("timm-swin", timm_model("swin_tiny_patch4_window7_224", img_size=56, window_size=7, embed_dim=24,

@@ -13,9 +13,10 @@ from tests.patches.models import ALL_CASES, loss_of
 from tests.utils import forward_peak, stub_codec
 
 MLPS = {"timm-vit": "ActMlpMixin", "timm-swin": "ActMlpMixin", "bert-seqcls": "ActIntermediateMixin",
-        "vit-hf": "ActFcMLPMixin", "llama": "ActGatedMLPMixin", "convnext-hf": "ActConvNextLayerMixin"}
+        "vit-hf": "ActFcMLPMixin", "llama": "ActGatedMLPMixin", "convnext-hf": "ActConvNextLayerMixin",
+        "timm-vit-swiglu": "ActSwiGLUMixin"}
 CASES = {c.name: c for c in ALL_CASES if c.name in MLPS}
-ACTIVATION = {"llama": "silu"}  # the others' is GELU
+ACTIVATION = {"llama": "silu"}  # the others' is GELU (timm's ViT passes GELU to SwiGLU too)
 
 
 class _GeluCalls(TorchDispatchMode):
@@ -55,9 +56,9 @@ def _step(name: str, model, inputs, autocast: bool):
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_mlp_activation_runs_in_place_with_the_out_of_place_results(name, autocast):
-    """Every MLP is converted and runs ``gelu_`` instead of ``gelu`` (LLaMA's: ``silu_``, and its product into the
-    activation's output); loss and every gradient equal those of the out-of-place calls (forward hooks on each
-    first linear, and on LLaMA's activation, force them), bit for bit, at 3 bits."""
+    """Every MLP is converted and runs ``gelu_`` instead of ``gelu`` (LLaMA's: ``silu_``; the gated ones write their
+    product into the activation's output too); loss and every gradient equal those of the out-of-place calls
+    (forward hooks on each first linear, and on a gated MLP's activation, force them), bit for bit, at 3 bits."""
     model, inputs = _patched(name)
     mlps = _mlps(model, name)
     assert mlps, f"no {MLPS[name]} in {name}"
@@ -65,9 +66,11 @@ def test_the_mlp_activation_runs_in_place_with_the_out_of_place_results(name, au
     with _GeluCalls(act) as calls:
         loss, grads = _step(name, model, inputs, autocast)
     assert calls.calls == {act: 0, act + "_": len(mlps)}, calls.calls
-    first = [next(getattr(m, n) for n in ("fc1", "dense", "gate_proj", "pwconv1") if hasattr(m, n)) for m in mlps]
-    handles = [m.register_forward_hook(lambda mod, args, out: None)
-               for m in first + [m.act_fn for m in mlps if hasattr(m, "act_fn")]]
+    first = [next(getattr(m, n) for n in ("fc1", "dense", "gate_proj", "pwconv1", "fc1_g") if hasattr(m, n))
+             for m in mlps]
+    gated_acts = [m.act_fn if hasattr(m, "act_fn") else m.act for m in mlps if hasattr(m, "gate_proj")
+                  or hasattr(m, "fc1_g")]
+    handles = [m.register_forward_hook(lambda mod, args, out: None) for m in first + gated_acts]
     with _GeluCalls(act) as calls:
         loss_ref, grads_ref = _step(name, model, inputs, autocast)
     assert calls.calls == {act: len(mlps), act + "_": 0}, calls.calls
@@ -169,3 +172,24 @@ def test_t5s_gated_feed_forward_keeps_its_product_operands_packed():
     width = inputs["input_ids"].numel() * ffn.wi_0.out_features * 4  # fp32 bytes of one encoder operand
     packed = saved.by_slot["encoder.block.0.layer.1.DenseReluDense:gate_act"]
     assert 0 < packed < width / 4 and saved.by_slot["encoder.block.0.layer.1.DenseReluDense:up"] == packed
+
+
+@pytest.mark.parametrize("name", ["timm-vit-swiglu", "timm-vit-glu"])
+def test_timms_gated_mlps_keep_their_product_operands_packed(name):
+    """timm's ``SwiGLU`` and ``GluMlp``: the gated product through ``act_product``, so no float tensor of the
+    hidden width is saved (autograd's ``mul`` kept both operands)."""
+    case = next(c for c in ALL_CASES if c.name == name)
+    torch.manual_seed(0)
+    model, inputs = case.factory()
+    act_hf.patch(model, bits=3).train()
+    hidden = model.blocks[0].mlp.fc2.in_features
+    wide = []
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dim() == 3 and t.shape[-1] == hidden:
+            wide.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        loss_of(case, model, inputs).backward()
+    assert not wide, wide
