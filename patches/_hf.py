@@ -34,9 +34,10 @@ from act_hf.patcher import (
     remove_handles,
 )
 
-__all__ = ["FC_MLP_FORWARD", "GATED_ACT_DENSE_FORWARD", "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "ActFcMLPMixin",
-           "ActGatedActDenseMixin", "ActHFGELUMixin", "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin",
-           "enable_lm_loss", "hf_rules", "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
+__all__ = ["DENSE_ACT_DENSE_FORWARD", "FC_MLP_FORWARD", "GATED_ACT_DENSE_FORWARD", "HF_ACTIVATIONS",
+           "INTERMEDIATE_FORWARD", "ActDenseActDenseMixin", "ActFcMLPMixin", "ActGatedActDenseMixin", "ActHFGELUMixin",
+           "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin", "enable_lm_loss", "hf_rules",
+           "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +143,33 @@ class ActGatedActDenseMixin(ActModule):
         gate = activation_of_owned(self.act, self.wi_0(hidden_states), self.wi_0)
         hidden_states = act_product(gate, self.wi_1(hidden_states), self.act_settings("gate_act"),
                                     self.act_settings("up"), into_a=owned)
-        hidden_states = self.dropout(hidden_states)
-        if isinstance(self.wo.weight, torch.Tensor) and hidden_states.dtype != self.wo.weight.dtype \
-                and self.wo.weight.dtype != torch.int8:
-            hidden_states = hidden_states.to(self.wo.weight.dtype)
-        return self.wo(hidden_states)
+        return self.wo(_to_wo_dtype(self.dropout(hidden_states), self.wo))
+
+
+class ActDenseActDenseMixin(ActModule):
+    """T5's feed-forward, ``wo(dropout(act(wi(x))))`` (T5 v1.0, mT5, UMT5, LongT5, Switch Transformers' dense
+    layers, ...), its activation written into ``wi``'s output (:func:`activation_of_owned`; ReLU in place). T5's cast
+    before ``wo`` as in its forward. The rule converts a module only when its ``forward`` is that code
+    (:data:`DENSE_ACT_DENSE_FORWARD`)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.act_enabled(hidden_states):
+            return super().forward(hidden_states)
+        hidden_states = self.dropout(activation_of_owned(self.act, self.wi(hidden_states), self.wi))
+        return self.wo(_to_wo_dtype(hidden_states, self.wo))
+
+
+#: :func:`code_fingerprint` of ``T5DenseActDense.forward`` and its copies (transformers 5.x).
+DENSE_ACT_DENSE_FORWARD = "23f62776ca1b4a78"
+
+
+def _to_wo_dtype(hidden_states: torch.Tensor, wo: nn.Module) -> torch.Tensor:
+    """T5's cast of the feed-forward's product to ``wo``'s weight dtype (kept fp32 for 8-bit flan-T5-XXL), unless
+    that weight is int8."""
+    weight = wo.weight
+    if isinstance(weight, torch.Tensor) and hidden_states.dtype != weight.dtype and weight.dtype != torch.int8:
+        return hidden_states.to(weight.dtype)
+    return hidden_states
 
 
 #: :func:`code_fingerprint` of ``T5DenseGatedActDense.forward`` and its copies (mT5, UMT5, UDOP, Pix2Struct,
@@ -176,6 +199,8 @@ def _activation_rules() -> list[Rule]:
         Rule("activation", lambda m: _is_hf_code(m, ("MLP", "Mlp"), FC_MLP_FORWARD), lambda m: ActFcMLPMixin),
         Rule("activation", lambda m: _is_hf_code(m, ("GatedActDense",), GATED_ACT_DENSE_FORWARD),
              lambda m: ActGatedActDenseMixin),
+        Rule("activation", lambda m: _is_hf_code(m, ("DenseActDense",), DENSE_ACT_DENSE_FORWARD),
+             lambda m: ActDenseActDenseMixin),
     ]
 
 

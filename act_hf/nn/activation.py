@@ -242,6 +242,10 @@ class ActReLUMixin(ActActivationMixin):
 
     act_fn_name = "relu"
 
+    def act_inplace_forward(self) -> Callable[[Tensor], Tensor] | None:
+        """``F.relu(x, inplace=True)``: ``F.relu``'s kernel writing into its input."""
+        return functools.partial(F.relu, inplace=True)
+
 
 class ActLeakyReLUMixin(ActActivationMixin):
     """``nn.LeakyReLU``: exact 1-bit derivative."""

@@ -14,9 +14,9 @@ from tests.utils import forward_peak, stub_codec
 
 MLPS = {"timm-vit": "ActMlpMixin", "timm-swin": "ActMlpMixin", "bert-seqcls": "ActIntermediateMixin",
         "vit-hf": "ActFcMLPMixin", "llama": "ActGatedMLPMixin", "convnext-hf": "ActConvNextLayerMixin",
-        "timm-vit-swiglu": "ActSwiGLUMixin"}
+        "timm-vit-swiglu": "ActSwiGLUMixin", "t5": "ActDenseActDenseMixin"}
 CASES = {c.name: c for c in ALL_CASES if c.name in MLPS}
-ACTIVATION = {"llama": "silu"}  # the others' is GELU (timm's ViT passes GELU to SwiGLU too)
+ACTIVATION = {"llama": "silu", "t5": "relu"}  # the others' is GELU (timm's ViT passes GELU to SwiGLU too)
 
 
 class _GeluCalls(TorchDispatchMode):
@@ -66,7 +66,7 @@ def test_the_mlp_activation_runs_in_place_with_the_out_of_place_results(name, au
     with _GeluCalls(act) as calls:
         loss, grads = _step(name, model, inputs, autocast)
     assert calls.calls == {act: 0, act + "_": len(mlps)}, calls.calls
-    first = [next(getattr(m, n) for n in ("fc1", "dense", "gate_proj", "pwconv1", "fc1_g") if hasattr(m, n))
+    first = [next(getattr(m, n) for n in ("fc1", "dense", "gate_proj", "pwconv1", "fc1_g", "wi") if hasattr(m, n))
              for m in mlps]
     gated_acts = [m.act_fn if hasattr(m, "act_fn") else m.act for m in mlps if hasattr(m, "gate_proj")
                   or hasattr(m, "fc1_g")]
