@@ -129,6 +129,15 @@ class ActFcMLPMixin(ActModule):
 FC_MLP_FORWARD = "371607dd9de69485"
 
 
+def _to_wo_dtype(hidden_states: torch.Tensor, wo: nn.Module) -> torch.Tensor:
+    """T5's cast of the feed-forward's product to ``wo``'s weight dtype (kept fp32 for 8-bit flan-T5-XXL), unless
+    that weight is int8."""
+    weight = wo.weight
+    if isinstance(weight, torch.Tensor) and hidden_states.dtype != weight.dtype and weight.dtype != torch.int8:
+        return hidden_states.to(weight.dtype)
+    return hidden_states
+
+
 class ActGatedActDenseMixin(ActModule):
     """T5's gated feed-forward, ``wo(dropout(act(wi_0(x)) * wi_1(x)))`` (flan-T5, mT5, UMT5, ...), its product through
     :func:`act_product`: both operands packed (slots ``<path>:gate_act`` and ``<path>:up``), where autograd's ``mul``
@@ -144,6 +153,11 @@ class ActGatedActDenseMixin(ActModule):
         hidden_states = act_product(gate, self.wi_1(hidden_states), self.act_settings("gate_act"),
                                     self.act_settings("up"), into_a=owned)
         return self.wo(_to_wo_dtype(self.dropout(hidden_states), self.wo))
+
+
+#: :func:`code_fingerprint` of ``T5DenseGatedActDense.forward`` and its copies (mT5, UMT5, UDOP, Pix2Struct,
+#: Pop2Piano; transformers 5.x).
+GATED_ACT_DENSE_FORWARD = "52ee87e30f51f8b9"
 
 
 class ActDenseActDenseMixin(ActModule):
@@ -163,20 +177,6 @@ class ActDenseActDenseMixin(ActModule):
 DENSE_ACT_DENSE_FORWARD = "23f62776ca1b4a78"
 
 
-def _to_wo_dtype(hidden_states: torch.Tensor, wo: nn.Module) -> torch.Tensor:
-    """T5's cast of the feed-forward's product to ``wo``'s weight dtype (kept fp32 for 8-bit flan-T5-XXL), unless
-    that weight is int8."""
-    weight = wo.weight
-    if isinstance(weight, torch.Tensor) and hidden_states.dtype != weight.dtype and weight.dtype != torch.int8:
-        return hidden_states.to(weight.dtype)
-    return hidden_states
-
-
-#: :func:`code_fingerprint` of ``T5DenseGatedActDense.forward`` and its copies (mT5, UMT5, UDOP, Pix2Struct,
-#: Pop2Piano; transformers 5.x).
-GATED_ACT_DENSE_FORWARD = "52ee87e30f51f8b9"
-
-
 def _is_hf_code(m: nn.Module, suffixes: tuple[str, ...], code: str) -> bool:
     """A transformers class named ``*<suffix>`` whose ``forward`` has :func:`code_fingerprint` ``code``."""
     cls = type(m)
@@ -184,7 +184,8 @@ def _is_hf_code(m: nn.Module, suffixes: tuple[str, ...], code: str) -> bool:
         and code_fingerprint(cls.forward) == code
 
 
-#: transformers activation classes with an in-place form (the others get ``ActActivationMixin``)
+#: transformers activation classes with an in-place form or a cheaper way to the same output (the others get
+#: ``ActActivationMixin``)
 _HF_ACTIVATION_MIXINS = {hf_act.GELUActivation: ActHFGELUMixin, hf_act.SiLUActivation: ActHFSiLUMixin,
                          hf_act.NewGELUActivation: ActHFNewGELUMixin}
 
