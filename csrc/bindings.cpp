@@ -47,6 +47,12 @@ void check_group_size(int64_t group_size) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// `t` (named `name`) holds at least `need` bytes, `formula` saying how many its reader takes.
+void check_holds(const at::Tensor& t, int64_t need, const char* name, const char* formula) {
+  TORCH_CHECK(t.numel() >= need, std::string(name) + " holds " + std::to_string(t.numel()) + " bytes, fewer than " +
+                                     formula + " = " + std::to_string(need));
+}
+
 bool is_float_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
 }
@@ -108,9 +114,7 @@ at::Tensor unpack_bits(const at::Tensor& payload, int64_t bits, int64_t numel) {
   CHECK_DTYPE(payload, at::kByte);
   check_bits(bits);
   TORCH_CHECK(numel >= 0, "numel must be >= 0, got " + std::to_string(numel));
-  TORCH_CHECK(payload.numel() >= ceil_div(numel * bits, 8),
-              "payload holds " + std::to_string(payload.numel()) + " bytes, fewer than ceil(numel * bits / 8) = " +
-                  std::to_string(ceil_div(numel * bits, 8)));
+  check_holds(payload, ceil_div(numel * bits, 8), "payload", "ceil(numel * bits / 8)");
   py::gil_scoped_release no_gil;
   return act_hf::unpack_bits_cuda(payload, bits, numel);
 }
@@ -149,10 +153,7 @@ at::Tensor fewbit_grad(const at::Tensor& grad, const at::Tensor& payload, const 
   TORCH_CHECK(values.dim() == 1 && values.numel() == (int64_t{1} << bits),
               "values must be flat with 2**bits = " + std::to_string(int64_t{1} << bits) + " elements, got shape " +
                   act_hf::shape_str(values.sizes()));
-  TORCH_CHECK(payload.numel() >= ceil_div(grad.numel() * bits, 8),
-              "payload holds " + std::to_string(payload.numel()) +
-                  " bytes, fewer than ceil(grad.numel() * bits / 8) = " +
-                  std::to_string(ceil_div(grad.numel() * bits, 8)));
+  check_holds(payload, ceil_div(grad.numel() * bits, 8), "payload", "ceil(grad.numel() * bits / 8)");
   py::gil_scoped_release no_gil;
   return act_hf::fewbit_grad_cuda(grad, payload, values, bits);
 }
@@ -164,9 +165,7 @@ at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool 
   check_same_device(values, mask, "mask");
   check_flat_float(values, "values");
   CHECK_DTYPE(mask, at::kByte);
-  TORCH_CHECK(mask.numel() >= ceil_div(values.numel(), 8),
-              "mask holds " + std::to_string(mask.numel()) + " bytes, fewer than ceil(values.numel() / 8) = " +
-                  std::to_string(ceil_div(values.numel(), 8)));
+  check_holds(mask, ceil_div(values.numel(), 8), "mask", "ceil(values.numel() / 8)");
   py::gil_scoped_release no_gil;
   return act_hf::zero_unmasked_cuda(values, mask, in_place);
 }
