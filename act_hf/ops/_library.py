@@ -29,7 +29,8 @@ _warned = False
 
 
 def _cuda_ext():
-    """The extension for a CUDA call, or ``None`` after warning once that the reference is used instead."""
+    """The extension for a CUDA call, or ``None`` after warning once that the reference is used instead: each op's
+    CUDA implementation then runs its CPU one, the chunked reference, on the GPU's tensors."""
     global _warned
     module = _ext.load()
     if module is None and not _warned:
@@ -58,10 +59,8 @@ def _quantize_pack(x: Tensor, bits: int, group_size: int, seed: int) -> tuple[Te
 
 def _quantize_pack_cuda(x: Tensor, bits: int, group_size: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     module = _cuda_ext()
-    if module is None:
-        return reference.quantize_pack_chunked(x, bits, group_size, seed)
-    payload, lo, scale = module.quantize_pack(x, bits, group_size, seed)
-    return payload, lo, scale
+    payload, lo, scale = (_quantize_pack if module is None else module.quantize_pack)(x, bits, group_size, seed)
+    return payload, lo, scale  # the extension returns a list
 
 
 quantize_pack = torch.library.custom_op("act_hf::quantize_pack", _quantize_pack, mutates_args=())
@@ -89,9 +88,8 @@ def _unpack_dequantize(
 
 def _unpack_dequantize_cuda(payload, lo, scale, bits, group_size, numel, dtype):
     module = _cuda_ext()
-    if module is None:
-        return reference.unpack_dequantize_chunked(payload, lo, scale, bits, group_size, numel, dtype)
-    return module.unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype)
+    return (_unpack_dequantize if module is None else module.unpack_dequantize)(payload, lo, scale, bits, group_size,
+                                                                                numel, dtype)
 
 
 unpack_dequantize = torch.library.custom_op("act_hf::unpack_dequantize", _unpack_dequantize, mutates_args=())
@@ -112,9 +110,7 @@ def _pack_bits(codes: Tensor, bits: int) -> Tensor:
 
 def _pack_bits_cuda(codes: Tensor, bits: int) -> Tensor:
     module = _cuda_ext()
-    if module is None:
-        return reference.pack_bits_chunked(codes, bits)
-    return module.pack_bits(codes, bits)
+    return (_pack_bits if module is None else module.pack_bits)(codes, bits)
 
 
 pack_bits = torch.library.custom_op("act_hf::pack_bits", _pack_bits, mutates_args=())
@@ -133,9 +129,7 @@ def _unpack_bits(payload: Tensor, bits: int, numel: int) -> Tensor:
 
 def _unpack_bits_cuda(payload: Tensor, bits: int, numel: int) -> Tensor:
     module = _cuda_ext()
-    if module is None:
-        return reference.unpack_bits_chunked(payload, bits, numel)
-    return module.unpack_bits(payload, bits, numel)
+    return (_unpack_bits if module is None else module.unpack_bits)(payload, bits, numel)
 
 
 unpack_bits = torch.library.custom_op("act_hf::unpack_bits", _unpack_bits, mutates_args=())
@@ -155,9 +149,7 @@ def _fewbit_encode_pack(x: Tensor, bounds: Tensor, bits: int) -> Tensor:
 
 def _fewbit_encode_pack_cuda(x: Tensor, bounds: Tensor, bits: int) -> Tensor:
     module = _cuda_ext()
-    if module is None:
-        return reference.fewbit_encode_pack_chunked(x, bounds, bits)
-    return module.fewbit_encode_pack(x, bounds, bits)
+    return (_fewbit_encode_pack if module is None else module.fewbit_encode_pack)(x, bounds, bits)
 
 
 fewbit_encode_pack = torch.library.custom_op("act_hf::fewbit_encode_pack", _fewbit_encode_pack, mutates_args=())
@@ -176,9 +168,7 @@ def _fewbit_grad(grad: Tensor, payload: Tensor, values: Tensor, bits: int) -> Te
 
 def _fewbit_grad_cuda(grad: Tensor, payload: Tensor, values: Tensor, bits: int) -> Tensor:
     module = _cuda_ext()
-    if module is None:
-        return reference.fewbit_grad_chunked(grad, payload, values, bits)
-    return module.fewbit_grad(grad, payload, values, bits)
+    return (_fewbit_grad if module is None else module.fewbit_grad)(grad, payload, values, bits)
 
 
 fewbit_grad = torch.library.custom_op("act_hf::fewbit_grad", _fewbit_grad, mutates_args=())
@@ -198,9 +188,7 @@ def _zero_unmasked(values: Tensor, mask: Tensor) -> Tensor:
 
 def _zero_unmasked_cuda(values: Tensor, mask: Tensor) -> Tensor:
     module = _cuda_ext()
-    if module is None:
-        return reference.zero_unmasked_chunked(values, mask)
-    return module.zero_unmasked(values, mask, False)
+    return _zero_unmasked(values, mask) if module is None else module.zero_unmasked(values, mask, False)
 
 
 zero_unmasked = torch.library.custom_op("act_hf::zero_unmasked", _zero_unmasked, mutates_args=())
@@ -220,7 +208,7 @@ def _zero_unmasked_inplace(values: Tensor, mask: Tensor) -> None:
 def _zero_unmasked_inplace_cuda(values: Tensor, mask: Tensor) -> None:
     module = _cuda_ext()
     if module is None:
-        reference.zero_unmasked_chunked(values, mask, in_place=True)
+        _zero_unmasked_inplace(values, mask)
     else:
         module.zero_unmasked(values, mask, True)
 
