@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import sys
@@ -108,8 +109,10 @@ def assert_grads_match(ref: torch.nn.Module, model: torch.nn.Module, *, cos: flo
     return worst
 
 
+@functools.cache
 def load_benchmark(name: str):
-    """The benchmark script ``benchmarks/<name>.py`` as a module (its folder on the path while it loads)."""
+    """The benchmark script ``benchmarks/<name>.py`` as a module (its folder on the path while it loads), loaded
+    once per test session."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
