@@ -175,6 +175,24 @@ def _decoded_and_factors(packed: PackedTensor, fold: bool) -> tuple[Tensor, Tens
     return dequantize_with_factors(packed, torch.float32)
 
 
+def _undo_affine_(y: Tensor, weight: Tensor | None, bias: Tensor | None, factors: Tensor | None = None,
+                  view: tuple[int, ...] = (1, -1)) -> Tensor:
+    """``(y * factors - bias) / weight`` into ``y``, in one pass over it as ``y * (factors / weight) - bias /
+    weight``: one rounding more than a subtraction and a division, each a pass (far below the noise of a decoded
+    ``y``). ``weight``, ``bias`` and ``factors`` (any may be ``None``) broadcast against each other; their
+    results are reshaped to ``view``, which broadcasts against ``y``."""
+    if weight is not None:
+        mult = weight.reciprocal() if factors is None else factors / weight
+        shift = None if bias is None else bias / weight
+    else:
+        mult, shift = factors, bias
+    if shift is None:
+        return y if mult is None else y.mul_(mult.reshape(view))
+    if mult is None:
+        return y.sub_(shift.reshape(view))
+    return torch.addcmul(shift.neg().reshape(view), y, mult.reshape(view), out=y)
+
+
 def _rms_input_grad_(g: Tensor, x_hat: Tensor, rstd: Tensor, w_eff: Tensor | None) -> Tensor:
     """``d x`` of ``y = w * x * rstd`` with ``rstd = rsqrt(mean(x^2) + eps)`` over rows (fp32), overwriting
     ``x_hat`` (the caller's own tensor) to keep the full-size temporaries to one."""
@@ -251,11 +269,9 @@ class ActLayerNormFunction(torch.autograd.Function):
         if out_perm is not None and context == "output":  # the saved output is the permuted view
             saved = saved.permute(_inverse_perm(out_perm))
         saved = saved.reshape(rows, n)
-        if context == "output":  # x_hat, in place, fed to aten's backward as an input of mean 0 and rstd 1;
-            if bias is not None:  # the decoded tensor is this backward's own
-                saved.sub_((bias.float() if factors is None else bias.float() / factors).reshape(1, n))
-            if w is not None:
-                saved.div_((w if factors is None else w / factors).reshape(1, n))
+        if context == "output":  # x_hat, in place (the decoded tensor is this backward's own), fed to aten's
+            # backward as an input of mean 0 and rstd 1
+            _undo_affine_(saved, w, None if bias is None else bias.float(), factors, (1, n))
             mean, unit_rstd = _unit_statistics((rows, 1), g)
         else:
             unit_rstd = None
@@ -678,10 +694,8 @@ class ActBatchNormActFunction(torch.autograd.Function):
             z = torch.where(pos, z.clamp_min(0), z.clamp_max(0))
             g = torch.where(pos, g, g * (z + param).clamp_min(0).to(g.dtype))
             z = torch.where(pos, z, param * torch.log1p((z / param).clamp_min(-1 + 1e-6)))
-        if bias is not None:
-            z.sub_(bias.float().view(stats))
-        if weight is not None:
-            z.div_(weight.float().view(stats))
+        _undo_affine_(z, None if weight is None else weight.float(), None if bias is None else bias.float(),
+                      view=stats)
         x_hat = z.to(g.dtype)
         del z
         grad_x, grad_w, grad_b = _bn_backward_from_x_hat(g, x_hat, weight, invstd,
