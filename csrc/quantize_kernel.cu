@@ -1,6 +1,7 @@
 // Fused per-group stochastic quantization + bit packing, and the inverse. The format and every arithmetic
 // step are specified by act_hf/compress/reference.py; these kernels reproduce it bit for bit:
-//   - the uniforms are splitmix64(seed + i * golden) >> 40, scaled by 2^-24 (counter based, no state);
+//   - the uniforms are 24-bit fields of splitmix64(seed + p * golden), one hash per pair of elements p (counter
+//     based, no state), and a group's codes multiply by the reciprocal of its scale (quantize_octets.cuh);
 //   - all arithmetic is fp32 with explicit _rn intrinsics, so nvcc cannot contract a*b+c into an FMA;
 //   - 64-bit element indexing, current stream, no host synchronisation, no padded copy of the input.
 #include <ATen/ATen.h>
@@ -18,49 +19,12 @@
 
 #include "dispatch.h"
 #include "octets.cuh"
+#include "quantize_octets.cuh"
 
 namespace act_hf {
 namespace {
 
 constexpr int kWarp = 32;
-constexpr uint16_t kBf16Nan = 0x7FC0;
-constexpr uint16_t kFp16Nan = 0x7E00;
-
-__device__ __forceinline__ float uniform_from_hash(uint64_t seed, uint64_t idx) {
-  uint64_t z = seed + idx * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) * 5.9604644775390625e-8f;  // 2^-24
-}
-
-__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
-
-__device__ __forceinline__ uint16_t bf16_bits_round_down(float t) {
-  const uint32_t b = __float_as_uint(t);
-  uint32_t hi = b >> 16;
-  if ((b & 0xFFFFu) && (b >> 31)) hi += 1;  // negative and inexact: one more step of magnitude
-  return static_cast<uint16_t>(hi);
-}
-
-__device__ __forceinline__ uint16_t bf16_bits_round_up(float t) {  // t >= 0 or +inf
-  const uint32_t b = __float_as_uint(t);
-  return static_cast<uint16_t>((b >> 16) + ((b & 0xFFFFu) ? 1u : 0u));
-}
-
-// Zero-point storage: fp16 for fp16 inputs (the group minimum is exact), bf16 (rounded down) otherwise.
-template <typename T>
-struct ZeroPoint {
-  static constexpr uint16_t kNan = kBf16Nan;
-  __device__ static uint16_t encode(float m) { return bf16_bits_round_down(m); }
-  __device__ static float decode(uint16_t b) { return bf16_bits_to_float(b); }
-};
-template <>
-struct ZeroPoint<at::Half> {
-  static constexpr uint16_t kNan = kFp16Nan;
-  __device__ static uint16_t encode(float m) { return __half_as_ushort(__float2half_rn(m)); }
-  __device__ static float decode(uint16_t b) { return __half2float(__ushort_as_half(b)); }
-};
 
 template <typename T>
 __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
@@ -91,7 +55,6 @@ template <typename T, int B>
 __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
     const T* __restrict__ x, int64_t n, int64_t group_size, int64_t n_groups, uint64_t seed, bool vec,
     uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out, uint16_t* __restrict__ scale_out) {
-  constexpr int kLevels = (1 << B) - 1;
   const int lane = threadIdx.x % kWarp;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp;
   if (g >= n_groups) return;  // uniform across the warp
@@ -120,34 +83,19 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
     nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, off);
   }
 
-  uint16_t lo_bits = ZeroPoint<T>::encode(mn);
-  uint16_t scale_bits = bf16_bits_round_up(__fdiv_rn(__fsub_rn(mx, ZeroPoint<T>::decode(lo_bits)), float(kLevels)));
-  if (nonfinite) {
-    lo_bits = ZeroPoint<T>::kNan;
-    scale_bits = kBf16Nan;
-  }
+  uint16_t lo_bits, scale_bits;
+  group_metadata<T, B>(mn, mx, nonfinite, lo_bits, scale_bits);
   if (lane == 0) {
     lo_out[g] = lo_bits;
     scale_out[g] = scale_bits;
   }
-  const float lo = ZeroPoint<T>::decode(lo_bits);
-  const float scale = bf16_bits_to_float(scale_bits);
-  const bool has_scale = scale > 0.f;  // false for zero range and NaN: codes are 0
+  const GroupFactors factors = group_factors<T>(lo_bits, scale_bits);
 
   for (int64_t i = start + 8 * lane; i < end; i += 8 * kWarp) {
     const int cnt = static_cast<int>(end - i < 8 ? end - i : 8);
     float v[8];
     load8(x + i, cnt, vec, v);
-    uint64_t word = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (j < cnt) {
-        const float q = has_scale ? __fdiv_rn(__fsub_rn(v[j], lo), scale) : 0.f;
-        float c = floorf(__fadd_rn(q, uniform_from_hash(seed, static_cast<uint64_t>(i + j))));
-        c = fminf(fmaxf(c, 0.f), static_cast<float>(kLevels));
-        word |= static_cast<uint64_t>(c) << (j * B);
-      }
-    }
+    const uint64_t word = quantize_octet<B>(v, cnt, factors, seed, i);
     store_octet<B>(payload + (i / 8) * B, word, (cnt * B + 7) / 8);
   }
 }

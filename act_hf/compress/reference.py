@@ -12,16 +12,17 @@ Format of one quantized tensor of ``n`` elements, ``b`` bits, group size ``G``:
   needs no shape information. The last group may be partial; nothing is padded.
 * Per group two 16-bit numbers, stored as raw ``int16`` bit patterns: ``lo`` (the zero point: the group
   minimum rounded *down* to bf16, or stored exactly as fp16 for fp16 inputs) and ``scale`` (bf16,
-  ``(max - lo) / (2**b - 1)`` rounded *up*). Rounding outward keeps every element inside
-  ``[lo, lo + (2**b - 1) * scale]``, and quantization uses these stored values, so the estimator stays
-  exactly unbiased.
+  ``(max - lo) / (2**b - 1)`` rounded *up*, and when nonzero at least bf16's smallest normal number ``2**-126``).
+  Rounding outward keeps every element inside ``[lo, lo + (2**b - 1) * scale]``, and quantization uses these
+  stored values, so the estimator stays unbiased (up to the fp32 rounding of ``(x - lo) / scale``).
 * A group holding NaN or Inf stores ``lo = scale = NaN`` and decodes to NaN everywhere: compression never
   hides a divergence. A zero-range group stores ``scale = 0`` and decodes to ``lo`` exactly (exact whenever
   the constant is representable in the metadata dtype: always for fp16/bf16 inputs; for fp32 inputs when
   the value is a bf16 number such as 0, 1 or -10000; otherwise the group is rounded stochastically between
   its two neighbouring bf16 values, unbiased).
-* Codes: ``code = clamp(floor((x - lo) / scale + u), 0, 2**b - 1)`` in fp32, ``u`` uniform in ``[0, 1)``
-  from :func:`uniform_from_hash`; ``E[lo + code * scale] = x``.
+* Codes: ``code = clamp(floor((x - lo) * (1 / scale) + u), 0, 2**b - 1)`` in fp32 (each operation rounded, the
+  reciprocal once per group: a multiply per element, not a division), ``u`` uniform in ``[0, 1)`` from
+  :func:`uniform_from_hash`; ``E[lo + code * scale] = x``.
 * Payload: a dense little-endian bit stream, element ``i`` at bits ``[i*b, (i+1)*b)``, stream bit ``k``
   being bit ``k % 8`` of byte ``k // 8``; ``ceil(n * b / 8)`` bytes.
 * Decoding: ``lo + code * scale`` in fp32 (a multiply, then an add, each rounded), then cast (round to
@@ -64,6 +65,8 @@ __all__ = [
 
 BF16_NAN_BITS = 0x7FC0
 FP16_NAN_BITS = 0x7E00
+MIN_NORMAL_SCALE_BITS = 0x0080
+"""bf16's smallest normal number (``2**-126``), the least nonzero scale."""
 
 
 def _signed64(value: int) -> int:
@@ -83,21 +86,27 @@ def _xor_lsr_(z: torch.Tensor, k: int, tmp: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_from_hash(seed: int, numel: int, device: torch.device | str = "cpu", start: int = 0) -> torch.Tensor:
-    """The uniforms of stochastic rounding: ``splitmix64(seed + i * golden) >> 40`` scaled to ``[0, 1)``, for
-    elements ``i`` in ``[start, start + numel)``.
+    """The uniforms of stochastic rounding for elements ``i`` in ``[start, start + numel)``: one
+    ``z = splitmix64(seed + p * golden)`` for each pair of elements ``(2p, 2p + 1)``, element ``2p`` taking bits
+    40..63 of ``z`` and element ``2p + 1`` bits 16..39, each scaled by ``2**-24`` to ``[0, 1)``.
 
     Counter based: element ``i`` of a tensor always gets the same draw for the same seed, on any device, in
-    any kernel launch configuration. 24 bits are kept, so every value is exactly representable in fp32.
-    In-place int64 arithmetic (two buffers) keeps the CPU cost of this reference low.
+    any kernel launch configuration. 24 bits a draw, so every value is exactly representable in fp32; one hash
+    serves two elements (splitmix64's output bits are all well mixed). In-place int64 arithmetic (two buffers)
+    keeps the CPU cost of this reference low.
     """
-    z = torch.arange(start, start + numel, dtype=torch.int64, device=device)
+    first, stop = start // 2, -(-(start + numel) // 2)  # the pairs holding the elements
+    z = torch.arange(first, stop, dtype=torch.int64, device=device)
     tmp = torch.empty_like(z)
     z.mul_(_GOLDEN).add_(_signed64(seed & ((1 << 64) - 1)))
     _xor_lsr_(z, 30, tmp).mul_(_MIX1)
     _xor_lsr_(z, 27, tmp).mul_(_MIX2)
     _xor_lsr_(z, 31, tmp)
-    torch.bitwise_right_shift(z, 40, out=tmp)
-    return tmp.bitwise_and_((1 << 24) - 1).to(torch.float32).mul_(2.0**-24)
+    draws = torch.empty(stop - first, 2, dtype=torch.int64, device=device)
+    torch.bitwise_right_shift(z, 40, out=draws[:, 0]).bitwise_and_((1 << 24) - 1)
+    torch.bitwise_right_shift(z, 16, out=draws[:, 1]).bitwise_and_((1 << 24) - 1)
+    offset = start - 2 * first
+    return draws.view(-1)[offset:offset + numel].to(torch.float32).mul_(2.0**-24)
 
 
 def lo_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -163,14 +172,19 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int, *, sta
     # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal (not the kernel's
     # correctly rounded division); the CPU divides either way
     scale_bits = _bf16_bits_round_up((group_max - lo) / torch.full_like(group_max, float(levels)))
+    # a nonzero scale is at least bf16's smallest normal number, so its reciprocal is finite
+    scale_bits = torch.where((scale_bits > 0) & (scale_bits < MIN_NORMAL_SCALE_BITS),
+                             torch.tensor(MIN_NORMAL_SCALE_BITS, dtype=torch.int16, device=x.device), scale_bits)
     lo_bits = torch.where(finite, lo_bits, torch.tensor(nan_lo, dtype=torch.int16, device=x.device))
     scale_bits = torch.where(finite, scale_bits, torch.tensor(BF16_NAN_BITS, dtype=torch.int16, device=x.device))
     lo = metadata_to_float(lo_bits, lo_dtype)
     scale = metadata_to_float(scale_bits, torch.bfloat16)
 
-    has_scale = (scale > 0)[:, None]  # False for zero-range and NaN groups: their codes are 0
-    safe_scale = torch.where(has_scale, scale[:, None], torch.ones_like(scale[:, None]))
-    v = torch.where(has_scale, (groups - lo[:, None]) / safe_scale, torch.zeros_like(groups))
+    has_scale = scale > 0  # False for zero-range and NaN groups: their codes are 0
+    # the reciprocal correctly rounded on every device (a tensor divisor, above), 0 for the groups without a scale
+    inv_scale = torch.ones_like(scale) / torch.where(has_scale, scale, torch.ones_like(scale))
+    v = (groups - lo[:, None]).mul_(torch.where(has_scale, inv_scale, torch.zeros_like(scale))[:, None])
+    v.nan_to_num_(nan=0.0)  # a non-finite group's products with 0
     u = uniform_from_hash(seed, n_groups * group_size, x.device, start).view(n_groups, group_size)
     codes = torch.floor(v + u).clamp_(0, levels).to(torch.uint8).view(-1)[:n]
     return pack_bits(codes, bits), lo_bits, scale_bits

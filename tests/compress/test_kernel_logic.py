@@ -1,6 +1,8 @@
-"""The few-bit kernels' per-octet logic (``csrc/fewbit_octets.cuh``), built for the CPU and called the way the
-kernels call it (one call per octet of eight elements, 16-byte accesses where aligned and full): the reference's
-bits and values, checked where no GPU is at hand. The GPU's own run of the kernels is ``test_kernels_cuda.py``."""
+"""The kernels' per-octet logic (the few-bit kernels' ``csrc/fewbit_octets.cuh``, the quantize kernel's
+``csrc/quantize_octets.cuh``), built for the CPU and called the way the kernels call it (one call per octet of eight
+elements, 16-byte accesses where aligned and full; a group's minimum and maximum over its fp32 values): the
+reference's bits and values, checked where no GPU is at hand. The GPU's own run of the kernels is
+``test_kernels_cuda.py``."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ HARNESS = r"""
 
 #include "dispatch.h"
 #include "fewbit_octets.cuh"
+#include "quantize_octets.cuh"
 
 namespace {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -70,6 +73,44 @@ at::Tensor grad(const at::Tensor& g, const at::Tensor& payload, const at::Tensor
   return out;
 }
 
+// The quantize kernel's two passes over each group (its warp's min/max reduction done in a loop here).
+std::vector<at::Tensor> quantize(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
+  const int64_t n = x.numel();
+  const int64_t n_groups = act_hf::ceil_div(n, group_size);
+  auto payload = at::full({act_hf::ceil_div(n * bits, 8)}, 0xAB, x.options().dtype(at::kByte));
+  auto lo = at::empty({n_groups}, x.options().dtype(at::kShort));
+  auto scale = at::empty({n_groups}, x.options().dtype(at::kShort));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize", [&] {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    ACT_BITS_SWITCH(bits, B, [&] {
+      for (int64_t g = 0; g < n_groups; ++g) {
+        const int64_t start = g * group_size, end = std::min(n, start + group_size);
+        float mn = INFINITY, mx = -INFINITY;
+        bool nonfinite = false;
+        for (int64_t i = start; i < end; ++i) {
+          const float v = static_cast<float>(p[i]);
+          nonfinite |= !std::isfinite(v);
+          mn = std::fmin(mn, v);
+          mx = std::fmax(mx, v);
+        }
+        uint16_t lo_bits, scale_bits;
+        act_hf::group_metadata<scalar_t, B>(mn, mx, nonfinite, lo_bits, scale_bits);
+        lo.data_ptr<int16_t>()[g] = static_cast<int16_t>(lo_bits);
+        scale.data_ptr<int16_t>()[g] = static_cast<int16_t>(scale_bits);
+        const act_hf::GroupFactors factors = act_hf::group_factors<scalar_t>(lo_bits, scale_bits);
+        for (int64_t i = start; i < end; i += 8) {
+          const int cnt = octet_count(end, i);
+          float v[8] = {};
+          for (int j = 0; j < cnt; ++j) v[j] = static_cast<float>(p[i + j]);
+          const uint64_t word = act_hf::quantize_octet<B>(v, cnt, factors, static_cast<uint64_t>(seed), i);
+          act_hf::store_octet<B>(payload.data_ptr<uint8_t>() + i / 8 * B, word, (cnt * B + 7) / 8);
+        }
+      }
+    });
+  });
+  return {payload, lo, scale};
+}
+
 at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool in_place, bool allow_vec) {
   const int64_t n = values.numel();
   auto out = in_place ? values : at::empty({n}, values.options());
@@ -98,14 +139,14 @@ def octets():
     if cuda_home is None or not (Path(cuda_home) / "include" / "vector_types.h").is_file():
         pytest.skip("no CUDA toolkit headers (vector_types.h) to build the per-octet logic with")
     digest = hashlib.sha256(HARNESS.encode())
-    for name in ("dispatch.h", "octets.cuh", "fewbit_octets.cuh"):
+    for name in ("dispatch.h", "octets.cuh", "fewbit_octets.cuh", "quantize_octets.cuh"):
         digest.update((_ext.CSRC_DIR / name).read_bytes())
     name = f"act_hf_octets_cpu_{digest.hexdigest()[:12]}"
     build = Path(os.environ.get("ACT_HF_CACHE", Path.home() / ".cache" / "act_hf")) / "octets_cpu" / name
     build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load_inline(name=name, cpp_sources=HARNESS, functions=["encode", "grad", "zero_unmasked"],
+    return cpp_extension.load_inline(name=name, cpp_sources=HARNESS, functions=["encode", "grad", "quantize", "zero_unmasked"],
                                      extra_include_paths=[str(_ext.CSRC_DIR), str(Path(cuda_home) / "include")],
-                                     extra_cflags=["-O1"], build_directory=str(build))
+                                     extra_cflags=["-O1", "-ffp-contract=off"], build_directory=str(build))
 
 
 def _views(t: torch.Tensor, n: int):
@@ -156,3 +197,29 @@ def test_zero_unmasked_octets_give_the_reference(octets, dtype):
                 inplace = v.clone()
                 octets.zero_unmasked(inplace, mask, True, allow_vec)
                 assert torch.equal(inplace.view(torch.uint8), want), f"in place differs (n={n}, vec={allow_vec})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("group_size", [8, 64, 256])
+def test_quantize_octets_give_the_reference(octets, dtype, bits, group_size):
+    """Zero points, scales and codes of the quantize kernel's arithmetic, bit for bit with the reference: groups
+    of mixed magnitudes, a zero-range group, a group whose range is below bf16's smallest normal number (its
+    scale raised to 2^-126), NaN and Inf groups, and a partial last group."""
+    gen = torch.Generator().manual_seed(bits * 1000 + group_size)
+    for n in LENGTHS:
+        x = (torch.randn(n, generator=gen, dtype=torch.float64) * torch.logspace(-3, 3, n, dtype=torch.float64)
+             - 1).to(dtype)
+        if n > 3 * group_size:
+            x[group_size:2 * group_size] = 0.5  # zero range
+            if dtype != torch.float16:  # fp16 has no numbers this small
+                x[2 * group_size:3 * group_size] = torch.linspace(1e-38, 1.0001e-38, group_size,
+                                                                  dtype=torch.float64).to(dtype)
+        if n > 8:
+            x[n // 2] = math.nan
+            x[-1] = math.inf
+        for seed in (0, 1234 + n, (1 << 63) - 1):
+            got = octets.quantize(x, bits, group_size, seed)
+            want = R.quantize_pack(x, bits, group_size, seed)
+            for g, w, name in zip(got, want, ("payload", "lo", "scale")):
+                assert torch.equal(g, w), f"{name} differs (n={n}, seed={seed})"

@@ -1,0 +1,173 @@
+// The arithmetic of the quantize kernel (quantize_kernel.cu) as host and device functions: a group's stored zero
+// point and scale from its minimum and maximum, the rounding uniforms, and the codes of an octet of eight elements.
+// The kernel calls them on the GPU; tests/compress/test_kernel_logic.py builds them for the CPU (with
+// -ffp-contract=off, so that no a*b+c becomes a fused multiply-add there either) and compares a whole quantization
+// made of them with the reference (act_hf/compress/reference.py) where no GPU is at hand.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "octets.cuh"
+
+namespace act_hf {
+
+constexpr uint16_t kBf16Nan = 0x7FC0;
+constexpr uint16_t kFp16Nan = 0x7E00;
+constexpr uint16_t kBf16MinNormal = 0x0080;  // 2^-126: a nonzero scale is at least this, so 1/scale is finite
+
+ACT_HD uint32_t float_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+#endif
+}
+
+ACT_HD float bits_float(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  float v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+#endif
+}
+
+// Correctly rounded fp32 operations, never contracted into a fused multiply-add.
+ACT_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+ACT_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+ACT_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+ACT_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+ACT_HD float rcp_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(a);
+#else
+  return 1.0f / a;
+#endif
+}
+
+ACT_HD float bf16_bits_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+
+ACT_HD uint16_t bf16_bits_round_down(float t) {
+  const uint32_t b = float_bits(t);
+  uint32_t hi = b >> 16;
+  if ((b & 0xFFFFu) && (b >> 31)) hi += 1;  // negative and inexact: one more step of magnitude
+  return static_cast<uint16_t>(hi);
+}
+
+ACT_HD uint16_t bf16_bits_round_up(float t) {  // t >= 0 or +inf
+  const uint32_t b = float_bits(t);
+  return static_cast<uint16_t>((b >> 16) + ((b & 0xFFFFu) ? 1u : 0u));
+}
+
+// Zero-point storage: fp16 for fp16 inputs (the group minimum is exact), bf16 (rounded down) otherwise.
+template <typename T>
+struct ZeroPoint {
+  static constexpr uint16_t kNan = kBf16Nan;
+  ACT_HD static uint16_t encode(float m) { return bf16_bits_round_down(m); }
+  ACT_HD static float decode(uint16_t b) { return bf16_bits_to_float(b); }
+};
+template <>
+struct ZeroPoint<c10::Half> {
+  static constexpr uint16_t kNan = kFp16Nan;
+  ACT_HD static uint16_t encode(float m) { return c10::Half(m).x; }  // round to nearest even
+  ACT_HD static float decode(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
+};
+
+// A group's stored (zero point, scale) from its minimum and maximum (fp32) and whether it holds NaN or Inf.
+template <typename T, int B>
+ACT_HD void group_metadata(float mn, float mx, bool nonfinite, uint16_t& lo_bits, uint16_t& scale_bits) {
+  constexpr int kLevels = (1 << B) - 1;
+  lo_bits = ZeroPoint<T>::encode(mn);
+  scale_bits = bf16_bits_round_up(div_rn(sub_rn(mx, ZeroPoint<T>::decode(lo_bits)), float(kLevels)));
+  if (scale_bits != 0 && scale_bits < kBf16MinNormal) scale_bits = kBf16MinNormal;
+  if (nonfinite) {
+    lo_bits = ZeroPoint<T>::kNan;
+    scale_bits = kBf16Nan;
+  }
+}
+
+// The group's fp32 factors: codes are floor((x - lo) * inv_scale + u); inv_scale is 0 where there is no scale
+// (a zero-range or non-finite group, whose codes are 0).
+struct GroupFactors {
+  float lo;
+  float inv_scale;
+  bool has_scale;
+};
+
+template <typename T>
+ACT_HD GroupFactors group_factors(uint16_t lo_bits, uint16_t scale_bits) {
+  const float scale = bf16_bits_to_float(scale_bits);
+  const bool has_scale = scale > 0.f;  // false for zero range and NaN
+  return {ZeroPoint<T>::decode(lo_bits), has_scale ? rcp_rn(scale) : 0.f, has_scale};
+}
+
+// splitmix64 of a pair of elements (2p, 2p + 1): element 2p draws bits 40..63 of the hash, element 2p + 1 bits
+// 16..39, each 24 bits scaled by 2^-24 (exact in fp32). `z` is seed + p * golden.
+ACT_HD void uniform_pair(uint64_t z, float& even, float& odd) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  even = static_cast<float>(z >> 40) * 5.9604644775390625e-8f;  // 2^-24
+  odd = static_cast<float>((z >> 16) & 0xFFFFFFull) * 5.9604644775390625e-8f;
+}
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+// The B-bit codes of the octet of elements [i, i + cnt) (i a multiple of 8, cnt <= 8) whose fp32 values are v,
+// packed into the low cnt * B bits of the result.
+template <int B>
+ACT_HD uint64_t quantize_octet(const float (&v)[8], int cnt, const GroupFactors& f, uint64_t seed, int64_t i) {
+  constexpr int kLevels = (1 << B) - 1;
+  uint64_t z = seed + static_cast<uint64_t>(i / 2) * kGolden;
+  float u[8];
+#pragma unroll
+  for (int p = 0; p < 4; ++p, z += kGolden) uniform_pair(z, u[2 * p], u[2 * p + 1]);
+  uint64_t word = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (j < cnt) {
+      const float q = f.has_scale ? mul_rn(sub_rn(v[j], f.lo), f.inv_scale) : 0.f;
+      float c = floorf(add_rn(q, u[j]));
+      c = fminf(fmaxf(c, 0.f), static_cast<float>(kLevels));
+      word |= static_cast<uint64_t>(c) << (j * B);
+    }
+  }
+  return word;
+}
+
+}  // namespace act_hf
