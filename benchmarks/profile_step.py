@@ -3,7 +3,10 @@
 The issue's rule for a missed speed target: profile, then fix the hot spots. For each ``--settings`` word (the
 forms of benchmark_gpu_training.py) this builds the same trial as the speed benchmark, runs ``--warmup`` steps,
 profiles ``--steps`` more, and writes the ops and kernels sorted by their own device time (by CPU time on a CPU),
-plus the step time, to ``profile_<model>.md`` and ``profile_<model>.json`` under ``--out``.
+plus the step time, to ``profile_<model>.md`` and ``profile_<model>.json`` under ``--out``. Every kernel (every op
+on a CPU) is also summed by family (:func:`kernel_family`: act_hf's kernels each, matmuls, attention, casts and
+copies, each elementwise functor, ...), and each setting after the first gets the families' differences from the
+first: where its extra device time goes, the rows past the top ones included.
 
     python benchmarks/profile_step.py --model bert-large --settings unpatched bits3 --batch 32
 """
@@ -11,17 +14,72 @@ plus the step time, to ``profile_<model>.md`` and ``profile_<model>.json`` under
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_gpu_training import MODELS, Trial, parse_setting, prepare_step
 from benchmark_saved_memory import _meta
+
+
+_WRAPPERS = frozenset({"vectorized_elementwise_kernel", "unrolled_elementwise_kernel", "elementwise_kernel",
+                       "reduce_kernel", "gpu_kernel_impl_nocast", "gpu_kernel_impl", "ReduceOp", "func_wrapper_t",
+                       "memory", "detail", "TensorIteratorBase", "index_elementwise_kernel", "BinaryFunctor",
+                       "AUnaryFunctor", "BUnaryFunctor"})
+_FAMILIES = (("attention", ("sdpa", "flash", "fmha", "attention")),
+             ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_", "cublas")),
+             ("optimizer (foreach)", ("multi_tensor_apply",)),
+             ("layer norm", ("layer_norm", "LayerNorm", "GammaBeta")))
+
+
+def kernel_family(name: str) -> str:
+    """A short family for a kernel's name (an op's on a CPU, which stays as it is), so that settings compare:
+    each act_hf kernel with its template arguments, ``matmul``, ``attention``, ``optimizer (foreach)``, ``layer
+    norm``, ``elementwise <functor>`` and ``reduce <functor>`` for ATen's TensorIterator kernels, else the name's
+    first 60 characters."""
+    own = re.search(r"act_hf::(?:\(anonymous namespace\)::)?(\w+(?:<[^>]*>)?)", name)
+    if own:
+        return "act_hf " + own.group(1)
+    for family, marks in _FAMILIES:
+        if any(mark in name for mark in marks):
+            return family
+    for kind in ("elementwise", "reduce"):
+        if f"{kind}_kernel" in name:
+            found = re.findall(r"at::native::(?:\(anonymous namespace\)::)?((?:\w+::)*\w+)", name)
+            functors = [f.split("::")[-1] for f in found if f.split("::")[-1] not in _WRAPPERS]
+            return f"{kind} {functors[0] if functors else '?'}"
+    return name[:60]
+
+
+def by_family(events, key: str, steps: int) -> dict[str, dict]:
+    """``{family: {"calls", "us_per_step"}}`` of the kernel events (all events on a CPU) by own ``key`` time."""
+    families: dict[str, dict] = collections.defaultdict(lambda: {"calls": 0, "us_per_step": 0.0})
+    for e in events:
+        time_us = getattr(e, key)
+        if time_us > 0:
+            row = families[kernel_family(e.key)]
+            row["calls"] += e.count / steps
+            row["us_per_step"] += time_us / steps
+    return dict(families)
+
+
+def family_differences(base: dict[str, dict], other: dict[str, dict]) -> list[dict]:
+    """The families of two settings side by side, ``[{"family", "base_us", "us", "delta_us", "calls_base",
+    "calls"}]``, the largest growth first."""
+    rows = [{"family": f, "base_us": base.get(f, {}).get("us_per_step", 0.0),
+             "us": other.get(f, {}).get("us_per_step", 0.0), "calls_base": base.get(f, {}).get("calls", 0.0),
+             "calls": other.get(f, {}).get("calls", 0.0)} for f in set(base) | set(other)]
+    for r in rows:
+        r["delta_us"] = r["us"] - r["base_us"]
+    return sorted(rows, key=lambda r: -r["delta_us"])
 
 
 def profile_setting(trial: Trial, rows: int) -> dict:
@@ -45,8 +103,11 @@ def profile_setting(trial: Trial, rows: int) -> dict:
     top = [{"name": e.key, "calls": e.count, "self_us_per_step": getattr(e, key) / trial.steps,
             "share": getattr(e, key) / total, "cpu_us_per_step": e.self_cpu_time_total / trial.steps}
            for e in events[:rows]]
+    # kernels only on a GPU: an op's own device time is that of the kernels it launched itself (counted twice)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else events
     return {"setting": trial.setting, "step_ms_profiled": 1000 * elapsed / trial.steps,
-            "self_total_ms_per_step": total / 1000 / trial.steps, "top": top}
+            "self_total_ms_per_step": total / 1000 / trial.steps, "top": top,
+            "families": by_family(kernels, key, trial.steps)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     meta = _meta(torch.device(args.device)) | {k: getattr(args, k) for k in ("model", "batch", "seq", "dtype")}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"profile_{args.model}"
-    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     what = "device" if args.device.startswith("cuda") else "CPU"
     lines = [(f"{args.model}, batch {args.batch}, {args.dtype} autocast, {args.steps} profiled steps; "
               f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, act_hf @ {meta['commit']}."), ""]
@@ -87,6 +147,22 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"| {t['name'][:90].replace('|', '/')} | {t['calls']} | {t['self_us_per_step']:.0f} | "
                   f"{t['share']:.1%} | {t['cpu_us_per_step']:.0f} |" for t in r["top"]]
         lines.append("")
+    base = results[0]
+    for r in results[1:]:
+        diff = family_differences(base["families"], r["families"])
+        r["family_differences"] = diff
+        what_by = "kernel" if args.device.startswith("cuda") else "op"
+        lines += [(f"## {r['setting']} against {base['setting']}, by {what_by} family (own {what} us a step; the "
+                   f"{args.rows} largest changes either way)"), "",
+                  f"| family | {base['setting']} | {r['setting']} | change | calls {base['setting']} | "
+                  f"calls {r['setting']} |", "|---|---|---|---|---|---|"]
+        shown = sorted(diff, key=lambda d: -abs(d["delta_us"]))[:args.rows]
+        lines += [f"| {d['family'][:90].replace('|', '/')} | {d['base_us']:.0f} | {d['us']:.0f} | "
+                  f"{d['delta_us']:+.0f} | {d['calls_base']:g} | {d['calls']:g} |"
+                  for d in sorted(shown, key=lambda d: -d["delta_us"])]
+        lines += [f"| all | {sum(d['base_us'] for d in diff):.0f} | {sum(d['us'] for d in diff):.0f} | "
+                  f"{sum(d['delta_us'] for d in diff):+.0f} | | |", ""]
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (args.out / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

@@ -252,7 +252,32 @@ def test_profile_step_writes_the_hot_ops_on_cpu(tmp_path):
     results = json.loads((tmp_path / "profile_resnet50.json").read_text())["results"]
     assert [r["setting"] for r in results] == ["unpatched", "bits3"]
     assert all(len(r["top"]) == 4 and r["top"][0]["self_us_per_step"] > 0 for r in results)
-    assert "## bits3:" in (tmp_path / "profile_resnet50.md").read_text()
+    text = (tmp_path / "profile_resnet50.md").read_text()
+    assert "## bits3:" in text and "## bits3 against unpatched, by op family" in text
+    diff = {d["family"]: d for d in results[1]["family_differences"]}
+    assert diff["ActConvFunction"]["base_us"] == 0 and diff["ActConvFunction"]["delta_us"] > 0
+    assert diff["ActConvFunction"]["calls"] == 53  # resnet50's convolutions, all patched
+
+
+def test_profile_step_sorts_kernels_into_families():
+    """Kernel names as torch.profiler reports them on an H200 (torch 2.11) go to the families the differences
+    between settings are summed by."""
+    family = _load("profile_step").kernel_family
+    assert family("void act_hf::(anonymous namespace)::quantize_pack_kernel<c10::BFloat16, 3>(c10::BFloat16 "
+                  "const*, long)") == "act_hf quantize_pack_kernel<c10::BFloat16, 3>"
+    assert family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64") == "attention"
+    assert family("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::"
+                  "BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >"
+                  ) == "elementwise MulFunctor"
+    assert family("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda("
+                  "at::TensorIteratorBase&)::{lambda(float)#1}>") == "elementwise bfloat16_copy_kernel_cuda"
+    assert family("void at::native::reduce_kernel<128, 4, at::native::ReduceOp<c10::BFloat16, at::native::"
+                  "func_wrapper_t<c10::BFloat16, at::native::sum_functor<c10::BFloat16, float> > >") == (
+        "reduce sum_functor")
+    assert family("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous "
+                  "namespace)::TensorListMetadata<1>>") == "optimizer (foreach)"
+    assert family("aten::mm") == "aten::mm"
 
 
 def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
