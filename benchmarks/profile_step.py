@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_gpu_training import MODELS, Trial, parse_setting, prepare_step
 from benchmark_saved_memory import _meta
 
-
 _WRAPPERS = frozenset({"vectorized_elementwise_kernel", "unrolled_elementwise_kernel", "elementwise_kernel",
                        "reduce_kernel", "gpu_kernel_impl_nocast", "gpu_kernel_impl", "ReduceOp", "func_wrapper_t",
                        "memory", "detail", "TensorIteratorBase", "index_elementwise_kernel", "BinaryFunctor",
@@ -154,14 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         what_by = "kernel" if args.device.startswith("cuda") else "op"
         lines += [(f"## {r['setting']} against {base['setting']}, by {what_by} family (own {what} us a step; the "
                    f"{args.rows} largest changes either way)"), "",
-                  f"| family | {base['setting']} | {r['setting']} | change | calls {base['setting']} | "
-                  f"calls {r['setting']} |", "|---|---|---|---|---|---|"]
+                  (f"| family | {base['setting']} | {r['setting']} | change | calls {base['setting']} | "
+                   f"calls {r['setting']} |"), "|---|---|---|---|---|---|"]
         shown = sorted(diff, key=lambda d: -abs(d["delta_us"]))[:args.rows]
         lines += [f"| {d['family'][:90].replace('|', '/')} | {d['base_us']:.0f} | {d['us']:.0f} | "
                   f"{d['delta_us']:+.0f} | {d['calls_base']:g} | {d['calls']:g} |"
                   for d in sorted(shown, key=lambda d: -d["delta_us"])]
-        lines += [f"| all | {sum(d['base_us'] for d in diff):.0f} | {sum(d['us'] for d in diff):.0f} | "
-                  f"{sum(d['delta_us'] for d in diff):+.0f} | | |", ""]
+        lines += [(f"| all | {sum(d['base_us'] for d in diff):.0f} | {sum(d['us'] for d in diff):.0f} | "
+                   f"{sum(d['delta_us'] for d in diff):+.0f} | | |"), ""]
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (args.out / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
