@@ -104,14 +104,14 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
 template <typename T, int B>
 __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
     const uint8_t* __restrict__ payload, const uint16_t* __restrict__ lo_in, const uint16_t* __restrict__ scale_in,
-    int64_t n, int64_t group_size, T* __restrict__ out) {
+    int64_t n, int64_t group_size, int group_shift, T* __restrict__ out) {
   constexpr uint64_t kMask = (1u << B) - 1;
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
   if (i >= n) return;
   const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
   const uint64_t word = load_octet<B>(payload + o * B, (cnt * B + 7) / 8);
-  const int64_t g = i / group_size;
+  const int64_t g = group_shift >= 0 ? i >> group_shift : i / group_size;  // a 64-bit division is a long routine
   const float lo = ZeroPoint<T>::decode(lo_in[g]);
   const float scale = bf16_bits_to_float(scale_in[g]);
   alignas(16) T vals[8];
@@ -179,12 +179,17 @@ at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& l
   auto out = at::empty({numel}, payload.options().dtype(dtype));
   if (numel == 0) return out;
   const int64_t blocks = ceil_div(ceil_div(numel, 8), kThreads);
+  int group_shift = -1;  // log2(group_size) for a power of two
+  for (int k = 0; k < 63; ++k) {
+    if ((int64_t{1} << k) == group_size) group_shift = k;
+  }
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "act_hf_unpack_dequantize", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {
       unpack_dequantize_kernel<scalar_t, B><<<blocks, kThreads, 0, stream>>>(
           payload.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(lo.data_ptr<int16_t>()),
-          reinterpret_cast<const uint16_t*>(scale.data_ptr<int16_t>()), numel, group_size, out.data_ptr<scalar_t>());
+          reinterpret_cast<const uint16_t*>(scale.data_ptr<int16_t>()), numel, group_size, group_shift,
+          out.data_ptr<scalar_t>());
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -29,7 +29,7 @@ SHAPES = [1, 7, 8, 255, 256, 257, 1000, 4099, 65536 + 13]
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("group_size", [8, 64, 256, 1024])
+@pytest.mark.parametrize("group_size", [8, 24, 64, 256, 1024])  # 24: decoding's group index by division
 def test_quantize_pack_matches_reference(ext, bits, dtype, group_size):
     for n in SHAPES:
         x = (torch.randn(n, device="cuda") * 4 - 1).to(dtype)
