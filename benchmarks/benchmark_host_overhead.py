@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_saved_memory import _meta
 
 
-def _stub_quantize_pack(x, bits, group_size, seed, chunk=None):
+def _stub_quantize_pack(x, bits, group_size, seed, chunk=None, shifts=None):
     n, groups = x.numel(), -(-x.numel() // group_size)
     return (torch.zeros(-(-n * bits // 8), dtype=torch.uint8), torch.zeros(groups, dtype=torch.int16),
             torch.zeros(groups, dtype=torch.int16))

@@ -26,6 +26,8 @@
 
 namespace act_hf {
 std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed);
+std::vector<at::Tensor> quantize_pack_scaled_cuda(const at::Tensor& x, const at::Tensor& shifts, int64_t bits,
+                                                  int64_t group_size, int64_t seed);
 at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                   int64_t bits, int64_t group_size, int64_t numel, at::ScalarType dtype);
 at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits);
@@ -65,6 +67,11 @@ void check_flat_float(const at::Tensor& t, const char* name) {
                                                   c10::toString(t.scalar_type()));
 }
 
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.device() == b.device(), std::string(what) + " must be on " + a.device().str() + ", got " +
+                                            b.device().str());
+}
+
 std::vector<at::Tensor> quantize_pack(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
   CHECK_CUDA(x);
   CHECK_CONTIGUOUS(x);
@@ -73,6 +80,24 @@ std::vector<at::Tensor> quantize_pack(const at::Tensor& x, int64_t bits, int64_t
   check_group_size(group_size);
   py::gil_scoped_release no_gil;
   return act_hf::quantize_pack_cuda(x, bits, group_size, seed);
+}
+
+// The shifts (0..24, as act_hf.compress.quantizer makes them) are not read on the host: that would sync.
+std::vector<at::Tensor> quantize_pack_scaled(const at::Tensor& x, const at::Tensor& shifts, int64_t bits,
+                                             int64_t group_size, int64_t seed) {
+  CHECK_CUDA(x);
+  CHECK_CONTIGUOUS(x);
+  CHECK_CONTIGUOUS(shifts);
+  check_same_device(x, shifts, "shifts");
+  check_flat_float(x, "x");
+  CHECK_DTYPE(shifts, at::kInt);
+  TORCH_CHECK(shifts.dim() == 1 && shifts.numel() > 0,
+              "shifts must be flat with one entry per channel (at least one), got shape " +
+                  act_hf::shape_str(shifts.sizes()));
+  check_bits(bits);
+  check_group_size(group_size);
+  py::gil_scoped_release no_gil;
+  return act_hf::quantize_pack_scaled_cuda(x, shifts, bits, group_size, seed);
 }
 
 at::Tensor unpack_dequantize(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale, int64_t bits,
@@ -117,11 +142,6 @@ at::Tensor unpack_bits(const at::Tensor& payload, int64_t bits, int64_t numel) {
   check_holds(payload, ceil_div(numel * bits, 8), "payload", "ceil(numel * bits / 8)");
   py::gil_scoped_release no_gil;
   return act_hf::unpack_bits_cuda(payload, bits, numel);
-}
-
-void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* what) {
-  TORCH_CHECK(a.device() == b.device(), std::string(what) + " must be on " + a.device().str() + ", got " +
-                                            b.device().str());
 }
 
 at::Tensor fewbit_encode_pack(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
@@ -176,6 +196,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "act_hf CUDA kernels: per-group stochastic quantization, bit packing and few-bit codes";
   m.def("quantize_pack", &quantize_pack, "Quantize a flat tensor and pack its codes: (payload, lo, scale)",
         py::arg("x"), py::arg("bits"), py::arg("group_size"), py::arg("seed"));
+  m.def("quantize_pack_scaled", &quantize_pack_scaled,
+        "quantize_pack of a flat row-major tensor whose element i is first multiplied by 2^shifts[i % len(shifts)]",
+        py::arg("x"), py::arg("shifts"), py::arg("bits"), py::arg("group_size"), py::arg("seed"));
   m.def("unpack_dequantize", &unpack_dequantize, "Unpack and dequantize into a flat tensor of dtype", py::arg("payload"),
         py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"), py::arg("numel"), py::arg("dtype"));
   m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"));

@@ -49,24 +49,47 @@ __device__ __forceinline__ void load8(const T* __restrict__ p, int cnt, bool vec
   }
 }
 
+// Channel scaling of the quantize kernel: element i times 2^shifts[i % channels] (Scaled only). lane_step is
+// (8 * kWarp) % channels, a lane's move from one octet to its next; small_index: indices fit 32 bits.
+struct ChannelScaling {
+  const int32_t* shifts;
+  int64_t channels;
+  int64_t lane_step;
+  bool small_index;
+};
+
 // One warp per group. Pass 1: min, max and a non-finite flag over the group's octets; pass 2 (re-reading the
 // group from L1/L2): codes, packed one octet (8 elements = B bytes, byte aligned since G % 8 == 0) per lane.
-template <typename T, int B>
+// Scaled: each value is first multiplied by its channel's power of two (quantize_octets.cuh: scale_octet).
+template <typename T, int B, bool Scaled>
 __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
     const T* __restrict__ x, int64_t n, int64_t group_size, int64_t n_groups, uint64_t seed, bool vec,
-    uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out, uint16_t* __restrict__ scale_out) {
+    ChannelScaling scaling, uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out,
+    uint16_t* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp;
   if (g >= n_groups) return;  // uniform across the warp
   const int64_t start = g * group_size;
   const int64_t end = start + group_size < n ? start + group_size : n;
+  int64_t c0 = 0;  // the channel of the lane's first element (Scaled)
+  if constexpr (Scaled) {
+    const int64_t first = start + 8 * lane;
+    c0 = scaling.small_index
+             ? static_cast<int64_t>(static_cast<uint32_t>(first) % static_cast<uint32_t>(scaling.channels))
+             : first % scaling.channels;  // a 64-bit remainder is a long routine: once per lane and group
+  }
 
   float mn = INFINITY, mx = -INFINITY;
   int nonfinite = 0;
+  int64_t c = c0;
   for (int64_t i = start + 8 * lane; i < end; i += 8 * kWarp) {
     const int cnt = static_cast<int>(end - i < 8 ? end - i : 8);
     float v[8];
     load8(x + i, cnt, vec, v);
+    if constexpr (Scaled) {
+      scale_octet(v, cnt, scaling.shifts, scaling.channels, c);
+      c = advance_channel(c, scaling.lane_step, scaling.channels);
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (j < cnt) {
@@ -91,10 +114,15 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
   }
   const GroupFactors factors = group_factors<T>(lo_bits, scale_bits);
 
+  c = c0;
   for (int64_t i = start + 8 * lane; i < end; i += 8 * kWarp) {
     const int cnt = static_cast<int>(end - i < 8 ? end - i : 8);
     float v[8];
     load8(x + i, cnt, vec, v);
+    if constexpr (Scaled) {
+      scale_octet(v, cnt, scaling.shifts, scaling.channels, c);
+      c = advance_channel(c, scaling.lane_step, scaling.channels);
+    }
     const uint64_t word = quantize_octet<B>(v, cnt, factors, seed, i);
     store_octet<B>(payload + (i / 8) * B, word, (cnt * B + 7) / 8);
   }
@@ -150,7 +178,11 @@ __global__ void __launch_bounds__(kThreads) unpack_bits_kernel(const uint8_t* __
 
 }  // namespace
 
-std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
+namespace {
+
+// quantize_pack_cuda, scaled by channel when `shifts` is given (int32, one per channel of the last dimension).
+std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tensor* shifts, int64_t bits,
+                                             int64_t group_size, int64_t seed) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
   const int64_t n_groups = ceil_div(n, group_size);
@@ -160,17 +192,42 @@ std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, in
   if (n == 0) return {payload, lo, scale};
   const bool vec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   const int64_t blocks = ceil_div(n_groups, kThreads / kWarp);
+  ChannelScaling scaling{nullptr, 1, 0, true};
+  if (shifts != nullptr) {
+    scaling.shifts = shifts->data_ptr<int32_t>();
+    scaling.channels = shifts->numel();
+    scaling.lane_step = (8 * kWarp) % scaling.channels;
+    scaling.small_index = n + 8 * kWarp <= (int64_t{1} << 32);
+  }
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_hf_quantize_pack", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {
-      quantize_pack_kernel<scalar_t, B><<<blocks, kThreads, 0, stream>>>(
-          x.data_ptr<scalar_t>(), n, group_size, n_groups, static_cast<uint64_t>(seed), vec,
-          payload.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(lo.data_ptr<int16_t>()),
-          reinterpret_cast<uint16_t*>(scale.data_ptr<int16_t>()));
+      auto launch = [&](auto scaled) {  // std::true_type or std::false_type
+        quantize_pack_kernel<scalar_t, B, decltype(scaled)::value><<<blocks, kThreads, 0, stream>>>(
+            x.data_ptr<scalar_t>(), n, group_size, n_groups, static_cast<uint64_t>(seed), vec, scaling,
+            payload.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(lo.data_ptr<int16_t>()),
+            reinterpret_cast<uint16_t*>(scale.data_ptr<int16_t>()));
+      };
+      if (shifts != nullptr) {
+        launch(std::true_type{});
+      } else {
+        launch(std::false_type{});
+      }
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {payload, lo, scale};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
+  return launch_quantize_pack(x, nullptr, bits, group_size, seed);
+}
+
+std::vector<at::Tensor> quantize_pack_scaled_cuda(const at::Tensor& x, const at::Tensor& shifts, int64_t bits,
+                                                  int64_t group_size, int64_t seed) {
+  return launch_quantize_pack(x, &shifts, bits, group_size, seed);
 }
 
 at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,

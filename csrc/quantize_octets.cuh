@@ -148,6 +148,26 @@ ACT_HD void uniform_pair(uint64_t z, float& even, float& odd) {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 
+// 2^k for a channel shift k in 0..24: the exponent field alone, exact.
+ACT_HD float pow2(int32_t k) { return bits_float(static_cast<uint32_t>(k + 127) << 23); }
+
+// Channel scaling: v[j], the value of element i + j of a row-major tensor whose last dimension has `channels`
+// channels, times 2^shifts[(i + j) % channels] (exact: a power of two, and the shifts never carry a finite value
+// past the largest channel). `c` is (i % channels).
+ACT_HD void scale_octet(float (&v)[8], int cnt, const int32_t* __restrict__ shifts, int64_t channels, int64_t c) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (j < cnt) v[j] = mul_rn(v[j], pow2(shifts[c]));
+    if (++c == channels) c = 0;
+  }
+}
+
+// (i + step) % channels from c = i % channels, given step_mod = step % channels.
+ACT_HD int64_t advance_channel(int64_t c, int64_t step_mod, int64_t channels) {
+  c += step_mod;
+  return c >= channels ? c - channels : c;
+}
+
 // The B-bit codes of the octet of elements [i, i + cnt) (i a multiple of 8, cnt <= 8) whose fp32 values are v,
 // packed into the low cnt * B bits of the result.
 template <int B>

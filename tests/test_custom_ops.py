@@ -25,6 +25,14 @@ def test_opcheck_quantize_and_dequantize(dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_quantize_scaled(dtype):
+    x = torch.randn(1000).to(dtype)
+    shifts = torch.tensor([0, 3, 24, 1, 0, 7, 2], dtype=torch.int32)  # 7 channels: rows straddle the groups
+    torch.library.opcheck(torch.ops.act_hf.quantize_pack_scaled.default, (x, shifts, 3, 64, 7),
+                          test_utils=OPCHECK_TESTS)
+
+
 @pytest.mark.parametrize("bits", [1, 3, 8])
 def test_opcheck_pack_bits(bits):
     codes = torch.randint(0, 2**bits, (77,), dtype=torch.uint8)
@@ -75,6 +83,13 @@ def test_compile_fullgraph_sees_the_ops():
     assert counter.frame_count == 1
     code = "\n".join(g.code for g in graphs)
     assert "act_hf.quantize_pack" in code and "act_hf.unpack_dequantize" in code
+
+    graphs.clear()
+    scaled = torch.compile(lambda t: dequantize(quantize(t, 4, 64, seed=3, channel_scale=True)), backend=counter,
+                           fullgraph=True)
+    x = torch.randn(100, 8) * torch.logspace(0, 3, 8)
+    torch.testing.assert_close(scaled(x), dequantize(quantize(x, 4, 64, seed=3, channel_scale=True)))
+    assert "act_hf.quantize_pack_scaled" in "\n".join(g.code for g in graphs)  # no scaled copy in the graph
 
 
 def test_eager_calls_skip_the_dispatcher_and_modes_still_see_the_ops(monkeypatch):

@@ -72,7 +72,8 @@ def quantize(
     unbiased; decoding's division rounds only results below the dtype's smallest normal number (fp16:
     6.1e-5). It costs one byte per channel (``k``, at most 24, 15 for fp16), and it applies only when ``x`` has
     at least 2 dimensions and :data:`CHANNEL_SCALE_MIN_ROWS` rows; otherwise the result is unscaled
-    (``spec.channel_scaled`` says which).
+    (``spec.channel_scaled`` says which). A contiguous fp32, fp16 or bf16 ``x`` is scaled by the kernel as it reads
+    it (``quantize_pack_scaled``); other layouts and fp64 are scaled into a copy first. The bits are the same.
 
     Args:
         x: floating tensor (fp32, fp16, bf16; fp64 is accepted and computed in fp32), any shape and layout.
@@ -100,6 +101,12 @@ def quantize(
     check_group_size(group_size)
     x = x.detach()
     shifts = _channel_shifts(x) if channel_scale and _scalable(x) else None
+    if shifts is not None and x.is_contiguous() and x.dtype != torch.float64:
+        # the kernel scales each element as it reads it: no scaled copy of x (fp64 is scaled before its cast)
+        spec = PackedSpec(shape=x.shape, dtype=x.dtype, bits=bits, group_size=group_size, channel_scaled=True)
+        payload, lo, scale = _library.run(_library.quantize_pack_scaled, x.view(-1), shifts, bits, group_size,
+                                          resolve_seed(seed))
+        return PackedTensor(payload, lo, scale, spec, shifts.to(torch.int8))
     if shifts is not None:
         x = x * _powers_of_two(shifts, x.dtype)  # keeps x's layout
     order = _memory_order(x)

@@ -42,6 +42,8 @@ import torch
 __all__ = [
     "BF16_NAN_BITS",
     "FP16_NAN_BITS",
+    "MIN_NORMAL_SCALE_BITS",
+    "channel_powers",
     "empty_packed",
     "fewbit_encode_pack",
     "fewbit_encode_pack_chunked",
@@ -132,7 +134,17 @@ def _bf16_bits_round_up(t: torch.Tensor) -> torch.Tensor:
     return ((bits >> 16) + ((bits & 0xFFFF) != 0).to(torch.int32)).to(torch.int16)
 
 
-def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int, *, start: int = 0) -> tuple[torch.Tensor, ...]:
+def channel_powers(shifts: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    """``2**shifts[i % C]`` (fp32, exact; ``C = len(shifts)``, shifts in 0..24) for the elements ``i`` in
+    ``[start, start + numel)`` of a row-major tensor whose last dimension has ``C`` channels."""
+    powers = ((shifts.to(torch.int32) + 127) << 23).view(torch.float32)  # the exponent field alone
+    channels = powers.numel()
+    offset = start % channels
+    return powers.repeat(-(-(offset + numel) // channels))[offset:offset + numel]
+
+
+def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int, *, start: int = 0,
+                  shifts: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Quantize a flat tensor and pack it (see the module docstring for the format).
 
     Args:
@@ -142,6 +154,9 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int, *, sta
         seed: 63-bit seed of the rounding stream.
         start: index of ``x``'s first element in the whole tensor (the uniforms are drawn for the whole
             tensor's indices: :func:`quantize_pack_chunked` passes the chunk's offset).
+        shifts: channel scaling: ``x`` is a row-major tensor flattened whose last dimension has ``len(shifts)``
+            channels, and each element is first multiplied (in fp32, after the cast) by its channel's
+            ``2**shift`` (:func:`channel_powers`; shifts in 0..24, int32).
 
     Returns:
         ``(payload uint8[ceil(n*bits/8)], lo int16[n_groups], scale int16[n_groups])``.
@@ -153,6 +168,8 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int, seed: int, *, sta
         empty16 = torch.empty(0, dtype=torch.int16, device=x.device)
         return torch.empty(0, dtype=torch.uint8, device=x.device), empty16, empty16.clone()
     xf = x.reshape(-1).to(torch.float32)
+    if shifts is not None:
+        xf = xf * channel_powers(shifts, start, n)
     pad = n_groups * group_size - n
     if pad:  # replicate the last element: the partial group's min and max are unchanged
         xf = torch.cat([xf, xf[-1:].expand(pad)])
@@ -217,19 +234,19 @@ def _chunk_elements(group_size: int, chunk: int) -> int:
     return max(1, chunk // group_size) * group_size  # whole groups, hence a multiple of 8 elements: whole bytes
 
 
-def quantize_pack_chunked(x: torch.Tensor, bits: int, group_size: int, seed: int,
-                          chunk: int = 1 << 18) -> tuple[torch.Tensor, ...]:
+def quantize_pack_chunked(x: torch.Tensor, bits: int, group_size: int, seed: int, chunk: int = 1 << 18,
+                          shifts: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """:func:`quantize_pack` run over runs of about ``chunk`` elements (whole groups): the same bits, with
     temporaries (about 30 bytes an element: fp32 copies, the int64 hash buffers, the packing words) bounded
-    by the chunk instead of the tensor. The CPU kernel."""
+    by the chunk instead of the tensor, the channel-scaled copy of ``shifts`` included. The CPU kernel."""
     n = x.numel()
     step = _chunk_elements(group_size, chunk)
     if n <= step:
-        return quantize_pack(x, bits, group_size, seed)
+        return quantize_pack(x, bits, group_size, seed, shifts=shifts)
     out = empty_packed(n, bits, group_size, x.device)
     for start in range(0, n, step):
         place_packed(out, start, bits, group_size, quantize_pack(x[start : start + step], bits, group_size, seed,
-                                                                 start=start))
+                                                                 start=start, shifts=shifts))
     return out
 
 

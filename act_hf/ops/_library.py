@@ -21,8 +21,8 @@ from .. import _ext
 from ..compress import reference
 from ..errors import ActHFWarning
 
-__all__ = ["fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "run", "unpack_bits",
-           "unpack_dequantize", "zero_unmasked", "zero_unmasked_inplace"]
+__all__ = ["fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "quantize_pack_scaled", "run",
+           "unpack_bits", "unpack_dequantize", "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -68,7 +68,7 @@ quantize_pack.register_kernel("cuda", _quantize_pack_cuda)
 
 
 @quantize_pack.register_fake
-def _(x: Tensor, bits: int, group_size: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize_pack_fake(x: Tensor, bits: int, group_size: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     torch._check(x.dim() == 1, lambda: f"quantize_pack expects a flat tensor, got {x.dim()} dims")
     n = x.numel()
     n_groups = _ceil_div(n, group_size)
@@ -77,6 +77,33 @@ def _(x: Tensor, bits: int, group_size: int, seed: int) -> tuple[Tensor, Tensor,
         x.new_empty(n_groups, dtype=torch.int16),
         x.new_empty(n_groups, dtype=torch.int16),
     )
+
+
+def _quantize_pack_scaled(x: Tensor, shifts: Tensor, bits: int, group_size: int,
+                          seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_quantize_pack` of a flat row-major ``x`` whose element ``i`` is first multiplied by
+    ``2**shifts[i % len(shifts)]`` (channel scaling, int32 shifts in 0..24): no scaled copy of ``x`` is made."""
+    payload, lo, scale = reference.quantize_pack_chunked(x, bits, group_size, seed, shifts=shifts)
+    return payload, lo, scale
+
+
+def _quantize_pack_scaled_cuda(x: Tensor, shifts: Tensor, bits: int, group_size: int,
+                               seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    module = _cuda_ext()
+    kernel = _quantize_pack_scaled if module is None else module.quantize_pack_scaled
+    payload, lo, scale = kernel(x, shifts, bits, group_size, seed)
+    return payload, lo, scale
+
+
+quantize_pack_scaled = torch.library.custom_op("act_hf::quantize_pack_scaled", _quantize_pack_scaled,
+                                               mutates_args=())
+quantize_pack_scaled.register_kernel("cuda", _quantize_pack_scaled_cuda)
+
+
+@quantize_pack_scaled.register_fake
+def _(x: Tensor, shifts: Tensor, bits: int, group_size: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    torch._check(shifts.dim() == 1, lambda: f"quantize_pack_scaled expects flat shifts, got {shifts.dim()} dims")
+    return _quantize_pack_fake(x, bits, group_size, seed)
 
 
 def _unpack_dequantize(
@@ -226,6 +253,7 @@ def _(values: Tensor, mask: Tensor) -> None:
 #: each op's implementations by device type, for :func:`run`
 _IMPLEMENTATIONS = {
     quantize_pack: {"cpu": _quantize_pack, "cuda": _quantize_pack_cuda},
+    quantize_pack_scaled: {"cpu": _quantize_pack_scaled, "cuda": _quantize_pack_scaled_cuda},
     unpack_dequantize: {"cpu": _unpack_dequantize, "cuda": _unpack_dequantize_cuda},
     pack_bits: {"cpu": _pack_bits, "cuda": _pack_bits_cuda},
     unpack_bits: {"cpu": _unpack_bits, "cuda": _unpack_bits_cuda},

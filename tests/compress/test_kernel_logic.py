@@ -73,38 +73,59 @@ at::Tensor grad(const at::Tensor& g, const at::Tensor& payload, const at::Tensor
   return out;
 }
 
-// The quantize kernel's two passes over each group (its warp's min/max reduction done in a loop here).
-std::vector<at::Tensor> quantize(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
+// The quantize kernel's two passes over each group, its warp's lanes in turn (lane l takes the octets at
+// start + 8 * l + 256 * t; the min/max reduction across lanes is a loop here), channel scaled by `shifts` when
+// it is not empty, each lane tracking its channel as the kernel does.
+std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, int64_t bits, int64_t group_size,
+                                 int64_t seed) {
+  constexpr int kLanes = 32;
   const int64_t n = x.numel();
   const int64_t n_groups = act_hf::ceil_div(n, group_size);
+  const bool scaled = shifts.numel() > 0;
+  const int64_t channels = scaled ? shifts.numel() : 1;
+  const int64_t lane_step = (8 * kLanes) % channels;
   auto payload = at::full({act_hf::ceil_div(n * bits, 8)}, 0xAB, x.options().dtype(at::kByte));
   auto lo = at::empty({n_groups}, x.options().dtype(at::kShort));
   auto scale = at::empty({n_groups}, x.options().dtype(at::kShort));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize", [&] {
     const scalar_t* p = x.data_ptr<scalar_t>();
     ACT_BITS_SWITCH(bits, B, [&] {
+      // calls f(i, cnt, v) for each octet of the group, lane by lane, with the octet's (scaled) fp32 values
+      auto each_octet = [&](int64_t start, int64_t end, auto&& f) {
+        for (int lane = 0; lane < kLanes; ++lane) {
+          int64_t c = (start + 8 * lane) % channels;
+          for (int64_t i = start + 8 * lane; i < end; i += 8 * kLanes) {
+            const int cnt = octet_count(end, i);
+            float v[8] = {};
+            for (int j = 0; j < cnt; ++j) v[j] = static_cast<float>(p[i + j]);
+            if (scaled) {
+              act_hf::scale_octet(v, cnt, shifts.data_ptr<int32_t>(), channels, c);
+              c = act_hf::advance_channel(c, lane_step, channels);
+            }
+            f(i, cnt, v);
+          }
+        }
+      };
       for (int64_t g = 0; g < n_groups; ++g) {
         const int64_t start = g * group_size, end = std::min(n, start + group_size);
         float mn = INFINITY, mx = -INFINITY;
         bool nonfinite = false;
-        for (int64_t i = start; i < end; ++i) {
-          const float v = static_cast<float>(p[i]);
-          nonfinite |= !std::isfinite(v);
-          mn = std::fmin(mn, v);
-          mx = std::fmax(mx, v);
-        }
+        each_octet(start, end, [&](int64_t, int cnt, const float (&v)[8]) {
+          for (int j = 0; j < cnt; ++j) {
+            nonfinite |= !std::isfinite(v[j]);
+            mn = std::fmin(mn, v[j]);
+            mx = std::fmax(mx, v[j]);
+          }
+        });
         uint16_t lo_bits, scale_bits;
         act_hf::group_metadata<scalar_t, B>(mn, mx, nonfinite, lo_bits, scale_bits);
         lo.data_ptr<int16_t>()[g] = static_cast<int16_t>(lo_bits);
         scale.data_ptr<int16_t>()[g] = static_cast<int16_t>(scale_bits);
         const act_hf::GroupFactors factors = act_hf::group_factors<scalar_t>(lo_bits, scale_bits);
-        for (int64_t i = start; i < end; i += 8) {
-          const int cnt = octet_count(end, i);
-          float v[8] = {};
-          for (int j = 0; j < cnt; ++j) v[j] = static_cast<float>(p[i + j]);
+        each_octet(start, end, [&](int64_t i, int cnt, const float (&v)[8]) {
           const uint64_t word = act_hf::quantize_octet<B>(v, cnt, factors, static_cast<uint64_t>(seed), i);
           act_hf::store_octet<B>(payload.data_ptr<uint8_t>() + i / 8 * B, word, (cnt * B + 7) / 8);
-        }
+        });
       }
     });
   });
@@ -219,7 +240,31 @@ def test_quantize_octets_give_the_reference(octets, dtype, bits, group_size):
             x[n // 2] = math.nan
             x[-1] = math.inf
         for seed in (0, 1234 + n, (1 << 63) - 1):
-            got = octets.quantize(x, bits, group_size, seed)
+            got = octets.quantize(x, NO_SHIFTS, bits, group_size, seed)
             want = R.quantize_pack(x, bits, group_size, seed)
             for g, w, name in zip(got, want, ("payload", "lo", "scale")):
                 assert torch.equal(g, w), f"{name} differs (n={n}, seed={seed})"
+
+
+NO_SHIFTS = torch.empty(0, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels", [1, 3, 8, 96, 300, 1024])
+def test_channel_scaled_quantize_octets_give_the_reference(octets, dtype, channels):
+    """The kernel's channel scaling: each lane's channel tracked across its octets (fewer channels than a warp's
+    256 elements, a number that does not divide it, more), rows that straddle octets and groups: the reference's
+    bits, which are those of the plain quantizer on the scaled tensor."""
+    gen = torch.Generator().manual_seed(channels)
+    top = 15 if dtype == torch.float16 else 24
+    shifts = torch.randint(0, top + 1, (channels,), generator=gen, dtype=torch.int32)
+    for n in (channels, 7 * channels + 5, 4099):
+        scaled = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
+        x = (scaled.float() / R.channel_powers(shifts, 0, n)).to(dtype)  # exact: powers of two
+        for bits, group_size in ((1, 8), (3, 64), (8, 256), (3, 1024)):  # 1024: four octets a lane
+            got = octets.quantize(x, shifts, bits, group_size, 5)
+            want = R.quantize_pack(x, bits, group_size, 5, shifts=shifts)
+            for g, w, name in zip(got, want, ("payload", "lo", "scale")):
+                assert torch.equal(g, w), f"{name} differs (n={n}, {bits} bits, group size {group_size})"
+            plain = R.quantize_pack((x.float() * R.channel_powers(shifts, 0, n)).to(dtype), bits, group_size, 5)
+            assert all(torch.equal(a, b) for a, b in zip(want, plain))

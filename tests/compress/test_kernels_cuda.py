@@ -47,6 +47,24 @@ def test_quantize_pack_matches_reference(ext, bits, dtype, group_size):
         assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(ref))
 
 
+@pytest.mark.parametrize("bits", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels", [1, 7, 96, 300, 1024])
+def test_quantize_pack_scaled_matches_reference(ext, bits, dtype, channels):
+    """Channel scaling inside the kernel: each lane's channel tracked across its octets (channels fewer than,
+    not dividing, and more than a warp's 256 elements) and rows that straddle groups."""
+    for n in (channels * 3, 4099, 65536 + 13):
+        x = (torch.randn(n, device="cuda") * 4 - 1).to(dtype)
+        shifts = torch.randint(0, 16 if dtype == torch.float16 else 25, (channels,), dtype=torch.int32,
+                               device="cuda")
+        x = (x.float() / R.channel_powers(shifts, 0, n)).to(dtype)  # no channel carried past the largest value
+        for group_size in (64, 256, 1024):  # 1024: four octets a lane, its channel carried between them
+            got = ext.quantize_pack_scaled(x, shifts, bits, group_size, 99 + n)
+            want = R.quantize_pack(x, bits, group_size, 99 + n, shifts=shifts)
+            for g, w, name in zip(got, want, ("payload", "lo", "scale")):
+                assert torch.equal(g, w), f"{name} differs (n={n}, group size {group_size})"
+
+
 @pytest.mark.parametrize("packed_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
                                                  (torch.float32, torch.float64)])
 def test_unpack_dequantize_into_another_dtype_matches_reference(ext, packed_dtype, dtype):

@@ -158,6 +158,18 @@ def test_non_contiguous_input_keeps_its_channels_and_layout():
     assert errors[0] < 1.5 * errors[1], errors
 
 
+def test_a_contiguous_input_is_scaled_as_it_is_read_without_a_scaled_copy():
+    """The scaling happens inside the codec (``quantize_pack_scaled``, by chunks on the CPU): no allocation as
+    large as the input, where multiplying first made a full-size scaled copy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = outlier_hidden_states(rows=4096, channels=1024)  # 16 MiB
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        quantize(x, 3, channel_scale=True)
+    largest = max(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert largest < x.numel() * x.element_size() // 2, largest
+
+
 def test_channel_shifts_never_read_a_value_back():
     """The shift of each channel is computed on the device: a host read per quantize would stall a GPU's queue."""
     x = outlier_hidden_states()
