@@ -98,12 +98,13 @@ def profile_setting(trial: Trial, rows: int) -> dict:
     elapsed = time.perf_counter() - start
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-    total = sum(getattr(e, key) for e in events) or 1.0
+    # on a GPU an op's own device time is that of the kernels it launched itself: summing ops and kernels counts
+    # each kernel twice (the tables before 2026-11-27 did), so the device's busy time sums the kernels alone
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else events
+    total = sum(getattr(e, key) for e in kernels) or 1.0
     top = [{"name": e.key, "calls": e.count, "self_us_per_step": getattr(e, key) / trial.steps,
             "share": getattr(e, key) / total, "cpu_us_per_step": e.self_cpu_time_total / trial.steps}
            for e in events[:rows]]
-    # kernels only on a GPU: an op's own device time is that of the kernels it launched itself (counted twice)
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else events
     return {"setting": trial.setting, "step_ms_profiled": 1000 * elapsed / trial.steps,
             "self_total_ms_per_step": total / 1000 / trial.steps, "top": top,
             "families": by_family(kernels, key, trial.steps)}
@@ -140,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [(f"{args.model}, batch {args.batch}, {args.dtype} autocast, {args.steps} profiled steps; "
               f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, act_hf @ {meta['commit']}."), ""]
     for r in results:
+        busy = "device busy time (its kernels)" if what == "device" else "own CPU time"
         lines += [(f"## {r['setting']}: {r['step_ms_profiled']:.1f} ms/step under the profiler, "
-                  f"{r['self_total_ms_per_step']:.1f} ms own {what} time"), "",
+                  f"{r['self_total_ms_per_step']:.1f} ms {busy}; shares of it below"), "",
                   f"| op or kernel | calls | own {what} us/step | share | own CPU us/step |", "|---|---|---|---|---|"]
         lines += [f"| {t['name'][:90].replace('|', '/')} | {t['calls']} | {t['self_us_per_step']:.0f} | "
                   f"{t['share']:.1%} | {t['cpu_us_per_step']:.0f} |" for t in r["top"]]
