@@ -4,7 +4,7 @@ On the H200 a patched bert-large step at batch 32 was bound by host work, not by
 This benchmark isolates that work on any machine: a tiny BERT (hidden 32, batch 8 x seq 16, one thread), so that
 the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec`` the codec's
 CPU implementations (quantize+pack, unpack+dequantize, the bit packers of masks, few-bit codes' encode+pack and
-their decode times the gradient) are replaced by stand-ins that return tensors of the right shapes and dtypes
+their decode times the gradient, channel scaling's shifts) are replaced by stand-ins that return tensors of the right shapes and dtypes
 without computing anything, as a GPU kernel launch would cost next to nothing on the host; what remains is act_hf's
 own work per op. The stand-ins make the gradients meaningless: this measures time only. The time spent inside each
 act_hf op (its autograd Function's forward and backward, aten calls included) is listed per call, from one more
@@ -72,10 +72,15 @@ def _stub_fewbit_grad(grad, payload, values, bits, chunk=None):
     return torch.zeros_like(grad)
 
 
+def _stub_channel_shifts(x, max_shift):
+    return torch.zeros(x.shape[-1], dtype=torch.int32)
+
+
 #: the CPU kernels ``--stub-codec`` replaces (``act_hf.compress.reference`` attributes) and their stand-ins
 STUBS = {"quantize_pack_chunked": _stub_quantize_pack, "unpack_dequantize_chunked": _stub_unpack_dequantize,
          "pack_bits_chunked": _stub_pack_bits, "unpack_bits_chunked": _stub_unpack_bits,
-         "fewbit_encode_pack_chunked": _stub_fewbit_encode_pack, "fewbit_grad_chunked": _stub_fewbit_grad}
+         "fewbit_encode_pack_chunked": _stub_fewbit_encode_pack, "fewbit_grad_chunked": _stub_fewbit_grad,
+         "channel_shifts": _stub_channel_shifts}
 
 
 def act_functions() -> list[type]:

@@ -28,6 +28,7 @@ namespace act_hf {
 std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed);
 std::vector<at::Tensor> quantize_pack_scaled_cuda(const at::Tensor& x, const at::Tensor& shifts, int64_t bits,
                                                   int64_t group_size, int64_t seed);
+at::Tensor channel_shifts_cuda(const at::Tensor& x, int64_t channels, int64_t max_shift);
 at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                   int64_t bits, int64_t group_size, int64_t numel, at::ScalarType dtype);
 at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits);
@@ -98,6 +99,18 @@ std::vector<at::Tensor> quantize_pack_scaled(const at::Tensor& x, const at::Tens
   check_group_size(group_size);
   py::gil_scoped_release no_gil;
   return act_hf::quantize_pack_scaled_cuda(x, shifts, bits, group_size, seed);
+}
+
+at::Tensor channel_shifts(const at::Tensor& x, int64_t channels, int64_t max_shift) {
+  CHECK_CUDA(x);
+  CHECK_CONTIGUOUS(x);
+  check_flat_float(x, "x");
+  TORCH_CHECK(channels > 0 && x.numel() % channels == 0,
+              "channels must be positive and divide x's " + std::to_string(x.numel()) + " elements, got " +
+                  std::to_string(channels));
+  TORCH_CHECK(max_shift >= 0 && max_shift <= 24, "max_shift must be from 0 to 24, got " + std::to_string(max_shift));
+  py::gil_scoped_release no_gil;
+  return act_hf::channel_shifts_cuda(x, channels, max_shift);
 }
 
 at::Tensor unpack_dequantize(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale, int64_t bits,
@@ -199,6 +212,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_pack_scaled", &quantize_pack_scaled,
         "quantize_pack of a flat row-major tensor whose element i is first multiplied by 2^shifts[i % len(shifts)]",
         py::arg("x"), py::arg("shifts"), py::arg("bits"), py::arg("group_size"), py::arg("seed"));
+  m.def("channel_shifts", &channel_shifts,
+        "Channel-scaling shifts (int32, one per channel) of a flat row-major tensor with `channels` channels",
+        py::arg("x"), py::arg("channels"), py::arg("max_shift"));
   m.def("unpack_dequantize", &unpack_dequantize, "Unpack and dequantize into a flat tensor of dtype", py::arg("payload"),
         py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"), py::arg("numel"), py::arg("dtype"));
   m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"));

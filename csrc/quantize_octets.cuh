@@ -162,6 +162,19 @@ ACT_HD void scale_octet(float (&v)[8], int cnt, const int32_t* __restrict__ shif
   }
 }
 
+// Channel shifts (act_hf/compress/reference.py: channel_shifts): a value's magnitude as the bits of a
+// non-negative float, which order like the numbers (a NaN lies above +inf, 0x7F800000)...
+ACT_HD uint32_t magnitude_bits(float v) { return float_bits(v) & 0x7FFFFFFFu; }
+
+constexpr uint32_t kInfBits = 0x7F800000u;
+
+// ...and a channel's shift from its largest magnitude and the largest finite channel's, `top`:
+// clamp((top - amax) >> 23, 0, max_shift), negative (so 0) for a non-finite channel.
+ACT_HD int32_t channel_shift(uint32_t top, uint32_t amax, int32_t max_shift) {
+  const int32_t s = (static_cast<int32_t>(top) - static_cast<int32_t>(amax)) >> 23;  // arithmetic shift
+  return s < 0 ? 0 : (s > max_shift ? max_shift : s);
+}
+
 // (i + step) % channels from c = i % channels, given step_mod = step % channels.
 ACT_HD int64_t advance_channel(int64_t c, int64_t step_mod, int64_t channels) {
   c += step_mod;

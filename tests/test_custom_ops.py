@@ -33,6 +33,12 @@ def test_opcheck_quantize_scaled(dtype):
                           test_utils=OPCHECK_TESTS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_opcheck_channel_shifts(dtype):
+    x = (torch.randn(70, 9) * torch.logspace(0, 4, 9)).to(dtype)
+    torch.library.opcheck(torch.ops.act_hf.channel_shifts.default, (x.reshape(-1), 9, 15), test_utils=OPCHECK_TESTS)
+
+
 @pytest.mark.parametrize("bits", [1, 3, 8])
 def test_opcheck_pack_bits(bits):
     codes = torch.randint(0, 2**bits, (77,), dtype=torch.uint8)
@@ -104,6 +110,11 @@ def test_eager_calls_skip_the_dispatcher_and_modes_still_see_the_ops(monkeypatch
 
     seen = [str(func) for func, _ in dispatched(lambda: dequantize(quantize(x, 3, 64, seed=5)))]
     assert "act_hf.quantize_pack.default" in seen and "act_hf.unpack_dequantize.default" in seen
+    hidden = torch.randn(64, 100)
+    seen = [str(func) for func, _ in dispatched(lambda: quantize(hidden, 3, 64, seed=5, channel_scale=True))]
+    ops = [name for name in seen if not name.startswith(("aten.detach", "aten.view"))]
+    assert ops == ["act_hf.channel_shifts.default", "act_hf.quantize_pack_scaled.default",
+                   "aten._to_copy.default"]  # the shifts' int8 copy for the packed tensor
 
     calls = []
     implementation = _library._IMPLEMENTATIONS[_library.quantize_pack]["cpu"]

@@ -13,7 +13,7 @@ from .._constants import reused
 from ..errors import ActHFTypeError, ActHFValueError
 from ..ops import _library
 from .packed import PackedSpec, PackedTensor
-from .reference import empty_packed, lo_dtype_for, place_packed
+from .reference import channel_shifts, empty_packed, lo_dtype_for, place_packed
 from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
@@ -181,36 +181,13 @@ def _scalable(x: torch.Tensor) -> bool:
 
 
 def _channel_shifts(x: torch.Tensor) -> torch.Tensor:
-    """``k[c] = clamp(floor(log2(top / amax[c])), 0, K)`` as ``int32``, where ``amax[c]`` is channel ``c``'s
-    largest magnitude and ``top`` the largest over finite channels: ``amax[c] * 2**k[c]`` lands in
-    ``(top / 2, top]``, so no group's range grows past the largest channel's own. Non-finite channels get 0
-    (they decode to NaN anyway); a channel whose ``amax`` is below fp32's smallest normal number (1.2e-38) may
-    get less than the floor, never more.
-
-    Seven small device ops and no host read: non-negative floats order like their bit patterns read as
-    integers, and for normal numbers ``(bits(top) - bits(amax)) >> 23`` is the floor of ``log2(top / amax)``
-    (the exponent fields' difference, less one where the mantissa field of ``amax`` exceeds ``top``'s). A
-    non-finite channel's pattern lies above every finite one, so its difference is negative and clamps to 0.
-
-    The largest magnitudes come from the largest and smallest values (reductions only: the inf-norm of the GPU
-    run at b56e4f9 allocated a full-size temporary, 1 MiB a sample at bert-large's highest point with CB1)."""
-    amax = _channel_absmax(x).float()
-    top = torch.nan_to_num(amax, nan=0.0, posinf=0.0).amax().view(torch.int32)  # the largest finite channel's
-    bits = amax.view(torch.int32).bitwise_and_(0x7FFFFFFF)  # a NaN may carry the sign bit
-    shift = (top - bits).bitwise_right_shift_(23)
-    return shift.clamp_(0, _MAX_CHANNEL_SHIFT.get(x.dtype, 24))
-
-
-def _channel_absmax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` over all dims but the last (NaN where a channel holds one; -0.0 for a channel of zeros, a sign
-    :func:`_channel_shifts` drops), as ``max(amax, -amin)``: one ``aminmax`` over the rows of a contiguous ``x``,
-    two reductions otherwise; no full-size temporary."""
+    """The shifts ``k`` (``int32``, one per channel of the last dimension) of :func:`quantize`'s channel scaling,
+    :func:`act_hf.compress.reference.channel_shifts`: for a contiguous ``x`` the ``channel_shifts`` op (on a GPU
+    one kernel for the channels' largest magnitudes and one for the shifts), else the reference's reductions."""
+    max_shift = _MAX_CHANNEL_SHIFT.get(x.dtype, 24)
     if x.is_contiguous():
-        low, high = torch.aminmax(x.view(-1, x.shape[-1]), dim=0)
-    else:
-        dims = tuple(range(x.dim() - 1))
-        low, high = x.amin(dims), x.amax(dims)
-    return torch.maximum(high, low.neg_())
+        return _library.run(_library.channel_shifts, x.view(-1), x.shape[-1], max_shift)
+    return channel_shifts(x, max_shift)
 
 
 def _powers_of_two(shifts: torch.Tensor, dtype: torch.dtype, *, negate: bool = False) -> torch.Tensor:

@@ -43,7 +43,9 @@ __all__ = [
     "BF16_NAN_BITS",
     "FP16_NAN_BITS",
     "MIN_NORMAL_SCALE_BITS",
+    "channel_absmax",
     "channel_powers",
+    "channel_shifts",
     "empty_packed",
     "fewbit_encode_pack",
     "fewbit_encode_pack_chunked",
@@ -132,6 +134,41 @@ def _bf16_bits_round_up(t: torch.Tensor) -> torch.Tensor:
     """For t >= 0 (or +inf): the smallest bf16 not below t."""
     bits = t.view(torch.int32)
     return ((bits >> 16) + ((bits & 0xFFFF) != 0).to(torch.int32)).to(torch.int16)
+
+
+def channel_shifts(x: torch.Tensor, max_shift: int) -> torch.Tensor:
+    """The shifts of channel scaling (``act_hf.compress.quantize``), ``int32``, one per channel of ``x``'s last
+    dimension (any layout): ``k[c] = clamp(floor(log2(top / amax[c])), 0, max_shift)``, where ``amax[c]`` is
+    channel ``c``'s largest magnitude and ``top`` the largest over finite channels: ``amax[c] * 2**k[c]`` lands in
+    ``(top / 2, top]``, so no group's range grows past the largest channel's own. Non-finite channels get 0 (they
+    decode to NaN anyway); a channel whose ``amax`` is below fp32's smallest normal number (1.2e-38) may get less
+    than the floor, never more. ``max_shift`` is 24 (15 for fp16, whose largest power of two is ``2**15``).
+
+    In integers, with no host read: non-negative floats order like their bit patterns read as integers, and for
+    normal numbers ``(bits(top) - bits(amax)) >> 23`` is the floor of ``log2(top / amax)`` (the exponent fields'
+    difference, less one where the mantissa field of ``amax`` exceeds ``top``'s). A non-finite channel's pattern
+    lies above every finite one (``bits(amax) & 0x7FFFFFFF``: a NaN may carry the sign bit), so its difference is
+    negative and clamps to 0; ``top`` is 0 when no channel is finite.
+
+    The largest magnitudes come from the largest and smallest values (reductions only: the inf-norm of the GPU
+    run at b56e4f9 allocated a full-size temporary, 1 MiB a sample at bert-large's highest point with CB1)."""
+    amax = channel_absmax(x).float()
+    top = torch.nan_to_num(amax, nan=0.0, posinf=0.0).amax().view(torch.int32)  # the largest finite channel's
+    bits = amax.view(torch.int32).bitwise_and_(0x7FFFFFFF)  # a NaN may carry the sign bit
+    shift = (top - bits).bitwise_right_shift_(23)
+    return shift.clamp_(0, max_shift)
+
+
+def channel_absmax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over all dims but the last (NaN where a channel holds one; -0.0 for a channel of zeros, a sign
+    :func:`channel_shifts` drops), as ``max(amax, -amin)``: one ``aminmax`` over the rows of a contiguous ``x``,
+    two reductions otherwise; no full-size temporary."""
+    if x.is_contiguous():
+        low, high = torch.aminmax(x.view(-1, x.shape[-1]), dim=0)
+    else:
+        dims = tuple(range(x.dim() - 1))
+        low, high = x.amin(dims), x.amax(dims)
+    return torch.maximum(high, low.neg_())
 
 
 def channel_powers(shifts: torch.Tensor, start: int, numel: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from .. import _ext
 from ..compress import reference
 from ..errors import ActHFWarning
 
-__all__ = ["fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "quantize_pack_scaled", "run",
+__all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "quantize_pack_scaled", "run",
            "unpack_bits", "unpack_dequantize", "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,27 @@ quantize_pack_scaled.register_kernel("cuda", _quantize_pack_scaled_cuda)
 def _(x: Tensor, shifts: Tensor, bits: int, group_size: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     torch._check(shifts.dim() == 1, lambda: f"quantize_pack_scaled expects flat shifts, got {shifts.dim()} dims")
     return _quantize_pack_fake(x, bits, group_size, seed)
+
+
+def _channel_shifts(x: Tensor, channels: int, max_shift: int) -> Tensor:
+    """The channel-scaling shifts (``int32``, ``channels`` of them) of a flat row-major ``x`` whose last dimension
+    has ``channels`` channels: ``act_hf.compress.reference.channel_shifts``."""
+    return reference.channel_shifts(x.view(-1, channels), max_shift)
+
+
+def _channel_shifts_cuda(x: Tensor, channels: int, max_shift: int) -> Tensor:
+    module = _cuda_ext()
+    return (_channel_shifts if module is None else module.channel_shifts)(x, channels, max_shift)
+
+
+channel_shifts = torch.library.custom_op("act_hf::channel_shifts", _channel_shifts, mutates_args=())
+channel_shifts.register_kernel("cuda", _channel_shifts_cuda)
+
+
+@channel_shifts.register_fake
+def _(x: Tensor, channels: int, max_shift: int) -> Tensor:
+    torch._check(x.dim() == 1, lambda: f"channel_shifts expects a flat tensor, got {x.dim()} dims")
+    return x.new_empty(channels, dtype=torch.int32)
 
 
 def _unpack_dequantize(
@@ -254,6 +275,7 @@ def _(values: Tensor, mask: Tensor) -> None:
 _IMPLEMENTATIONS = {
     quantize_pack: {"cpu": _quantize_pack, "cuda": _quantize_pack_cuda},
     quantize_pack_scaled: {"cpu": _quantize_pack_scaled, "cuda": _quantize_pack_scaled_cuda},
+    channel_shifts: {"cpu": _channel_shifts, "cuda": _channel_shifts_cuda},
     unpack_dequantize: {"cpu": _unpack_dequantize, "cuda": _unpack_dequantize_cuda},
     pack_bits: {"cpu": _pack_bits, "cuda": _pack_bits_cuda},
     unpack_bits: {"cpu": _unpack_bits, "cuda": _unpack_bits_cuda},

@@ -132,6 +132,26 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, 
   return {payload, lo, scale};
 }
 
+// The channel-shift kernels' arithmetic: each channel's largest magnitude bits, then the shifts.
+at::Tensor channel_shifts(const at::Tensor& x, int64_t channels, int64_t max_shift) {
+  std::vector<uint32_t> absmax(channels, 0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "channel_shifts", [&] {
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      absmax[i % channels] = std::max(absmax[i % channels],
+                                      act_hf::magnitude_bits(static_cast<float>(x.data_ptr<scalar_t>()[i])));
+    }
+  });
+  uint32_t top = 0;
+  for (uint32_t b : absmax) {
+    if (b < act_hf::kInfBits) top = std::max(top, b);
+  }
+  auto shifts = at::empty({channels}, x.options().dtype(at::kInt));
+  for (int64_t c = 0; c < channels; ++c) {
+    shifts.data_ptr<int32_t>()[c] = act_hf::channel_shift(top, absmax[c], static_cast<int32_t>(max_shift));
+  }
+  return shifts;
+}
+
 at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool in_place, bool allow_vec) {
   const int64_t n = values.numel();
   auto out = in_place ? values : at::empty({n}, values.options());
@@ -165,7 +185,7 @@ def octets():
     name = f"act_hf_octets_cpu_{digest.hexdigest()[:12]}"
     build = Path(os.environ.get("ACT_HF_CACHE", Path.home() / ".cache" / "act_hf")) / "octets_cpu" / name
     build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load_inline(name=name, cpp_sources=HARNESS, functions=["encode", "grad", "quantize", "zero_unmasked"],
+    return cpp_extension.load_inline(name=name, cpp_sources=HARNESS, functions=["encode", "grad", "quantize", "channel_shifts", "zero_unmasked"],
                                      extra_include_paths=[str(_ext.CSRC_DIR), str(Path(cuda_home) / "include")],
                                      extra_cflags=["-O1", "-ffp-contract=off"], build_directory=str(build))
 
@@ -268,3 +288,23 @@ def test_channel_scaled_quantize_octets_give_the_reference(octets, dtype, channe
                 assert torch.equal(g, w), f"{name} differs (n={n}, {bits} bits, group size {group_size})"
             plain = R.quantize_pack((x.float() * R.channel_powers(shifts, 0, n)).to(dtype), bits, group_size, 5)
             assert all(torch.equal(a, b) for a, b in zip(want, plain))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_channel_shift_arithmetic_gives_the_reference(octets, dtype):
+    """Shifts from magnitude bits: outlier channels, a channel of zeros (and of -0.0), a NaN, an Inf and a
+    subnormal channel, every channel non-finite, and no channel above the rest."""
+    gen = torch.Generator().manual_seed(3)
+    max_shift = 15 if dtype == torch.float16 else 24
+    x = torch.randn(70, 12, generator=gen, dtype=torch.float64) * torch.logspace(-4, 3, 12, dtype=torch.float64)
+    x[:, 2] = 0.0
+    x[:, 3] = -0.0
+    x[5, 4] = math.nan
+    x[9, 5] = -math.inf
+    if dtype != torch.float16:
+        x[:, 6] = 1e-39
+    cases = [x, torch.full((70, 12), math.nan, dtype=torch.float64), torch.ones(70, 12, dtype=torch.float64)]
+    for t in cases:
+        t = t.to(dtype)
+        want = R.channel_shifts(t, max_shift)
+        assert torch.equal(octets.channel_shifts(t.reshape(-1), 12, max_shift), want)

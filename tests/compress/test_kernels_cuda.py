@@ -65,6 +65,22 @@ def test_quantize_pack_scaled_matches_reference(ext, bits, dtype, channels):
                 assert torch.equal(g, w), f"{name} differs (n={n}, group size {group_size})"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(64, 1), (100, 7), (4096, 1024), (70000, 3), (3, 70000)])
+def test_channel_shifts_match_reference(ext, dtype, shape):
+    """The channel-shift kernels against the reference: channels that divide the threads and do not, fewer rows
+    than a thread's stride and more, a NaN channel, an Inf channel and a channel of zeros."""
+    x = (torch.randn(shape, device="cuda", dtype=torch.float64) * torch.logspace(-3, 3, shape[1], device="cuda",
+                                                                               dtype=torch.float64)).to(dtype)
+    if shape[1] >= 7:
+        x[:, 0] = 0.0
+        x[1, 1] = float("nan")
+        x[2, 2] = float("-inf")
+    max_shift = 15 if dtype == torch.float16 else 24
+    got = ext.channel_shifts(x.reshape(-1), shape[1], max_shift)
+    assert torch.equal(got, R.channel_shifts(x, max_shift))
+
+
 @pytest.mark.parametrize("packed_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
                                                  (torch.float32, torch.float64)])
 def test_unpack_dequantize_into_another_dtype_matches_reference(ext, packed_dtype, dtype):

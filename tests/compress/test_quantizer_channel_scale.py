@@ -202,17 +202,17 @@ def test_values_times_factors_is_the_decode_bit_for_bit(source, target):
 def test_channel_largest_magnitudes_are_the_inf_norms(dtype):
     """The per-channel ``max |x|`` behind the shifts equals ``torch.linalg.vector_norm(x, inf)`` over the rows, bit
     for bit, with NaN, +-inf and signed zeros in some channels, contiguous and permuted."""
-    from act_hf.compress.quantizer import _channel_absmax
+    from act_hf.compress.reference import channel_absmax
 
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(6, 20, 9, generator=g, dtype=torch.float64) * 10).to(dtype)
     x[2, 3, 1], x[4, 0, 2], x[1, 1, 3], x[:, :, 4] = float("nan"), float("inf"), -float("inf"), 0.0
     x[0, 0, 4] = -0.0
     x[:, :, 5] = -x[:, :, 5].abs()  # a channel whose largest magnitude is its smallest value
-    assert torch.equal(_channel_absmax(x).isnan(), torch.arange(9) == 1)
+    assert torch.equal(channel_absmax(x).isnan(), torch.arange(9) == 1)
     for t in (x, x.transpose(0, 1), x.permute(1, 0, 2)[::2]):
         want = torch.linalg.vector_norm(t, float("inf"), dim=tuple(range(t.dim() - 1)))
-        got = _channel_absmax(t)
+        got = channel_absmax(t)
         nan = want.isnan()
         assert got.dtype == want.dtype and torch.equal(got.isnan(), nan)
         assert torch.equal(got[~nan].abs(), want[~nan])  # a channel of zeros may give -0.0
