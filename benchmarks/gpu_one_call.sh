@@ -11,7 +11,8 @@
 # search at a batch where activations set the peak; since 42bd09d the few-bit and 1-bit mask kernels, compiled but
 # never run before); then speed at equal batch with the GPU to itself; the host work of each act_hf op there (a tiny
 # BERT, host-bound); what is alive at the peaks of resnet50, swin-tiny (2 bits) and bert-large with checkpointing,
-# and a profile, while time is left. The model sweep and kernel throughput of the runs before are left out.
+# and a profile, while time is left. The model sweep of the runs before is left out; the kernel throughput runs at
+# one size (the quantize kernel's arithmetic changed since the fourth run).
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -54,6 +55,12 @@ echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail 
 wait $targets; echo "targets exit $?"; grep -E "fits batch|Error" "$W/targets.log" | tail -n 30
 cat "$W/targets/gpu_training.md" 2>/dev/null; bundle
 
+part "kernel throughput (the quantize kernel's arithmetic changed at 6998775; 256 MiB, 2 and 3 bits)"
+t=$(lim 150); (( t > 40 )) && t=40
+timeout $t "$PY" benchmarks/benchmark_quantize.py --sizes-mib 256 --bits 2 3 --repeat 10 --out "$W" \
+  >"$W/quantize.log" 2>&1
+echo "quantize throughput exit $?"; cat "$W/quantize_throughput.md" 2>/dev/null; bundle
+
 part "speed at equal batch, alone on the GPU"
 mkdir -p "$W/speed"
 timeout $(lim 90) "$PY" benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 \
@@ -87,4 +94,5 @@ cp "$W/targets/gpu_training.md" "$OUT/targets.md" 2>/dev/null
 cp "$W/speed/gpu_training.md" "$OUT/speed.md" 2>/dev/null
 cp "$W/host/host_overhead.md" "$OUT/host_overhead.md" 2>/dev/null
 cp "$W/tests.log" "$OUT/" 2>/dev/null
+cp "$W/quantize_throughput.md" "$OUT/" 2>/dev/null
 part done
