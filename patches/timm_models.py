@@ -158,6 +158,13 @@ class ActSwinBlockMixin(ActModule):
     and the window helpers are the code this reproduces (:data:`SWIN_BLOCK_CODE`)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.act_forward_owned([x])
+
+    def act_forward_owned(self, box: list[Tensor]) -> Tensor:
+        """:meth:`forward` of the one tensor in ``box``, taken out of it: when the caller holds no other reference
+        (:class:`ActSwinStageMixin`), the block's input is freed once the attention branch is added to it, before
+        the MLP runs, instead of living through the whole block."""
+        x = box.pop()
         if not self.act_enabled(x):
             return super().forward(x)
         B, H, W, C = x.shape
@@ -198,6 +205,45 @@ class ActSwinBlockMixin(ActModule):
 #: and ``_attn``, and the ``window_partition`` and ``window_reverse`` they call.
 SWIN_BLOCK_CODE = {"forward": "0e33604a75ed1c6b", "_attn": "365aa81776e97561", "window_partition": "f4ed84a36e7231bf",
                    "window_reverse": "b561c3e67a560e67"}
+
+
+def _calls_only_forward(*modules: nn.Module) -> bool:
+    """Whether ``m(x)`` is ``m.forward(x)`` for each of ``modules``: no module or global hook of any kind, no
+    tracing or compiling (which see the call)."""
+    from torch.nn.modules import module as _module
+
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks or torch.compiler.is_compiling() or torch.jit.is_scripting()
+            or torch._C._get_tracing_state() is not None):
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                   for m in modules)
+
+
+class ActSwinStageMixin(ActModule):
+    """timm's ``SwinTransformerStage`` running its blocks as its ``forward`` does (``self.blocks(x)`` after the
+    downsampling), but handing each converted block its input to own (:meth:`ActSwinBlockMixin.act_forward_owned`):
+    ``nn.Sequential.forward`` holds each block's input until the block returns, so the residual stream was
+    alive twice through every MLP (the block's input and input + attention: 1.15 MiB a sample each at
+    swin-tiny's first stage, fp32 under autocast). Only while calling a block is its ``forward`` alone (no
+    hooks on the blocks or their ``Sequential``, no tracing); otherwise, and with gradient checkpointing, timm's
+    ``forward`` runs. Converted when the stage's ``forward`` is the code this reproduces
+    (:data:`SWIN_STAGE_FORWARD`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        blocks = list(self.blocks)
+        if (self.grad_checkpointing or not self.act_enabled(x)
+                or not _calls_only_forward(self, self.blocks, *blocks)):
+            return super().forward(x)
+        box = [self.downsample(x)]
+        del x  # the caller's reference remains: only the blocks' own inputs are handed over
+        for block in blocks:
+            box.append(block.act_forward_owned(box) if isinstance(block, ActSwinBlockMixin) else block(box.pop()))
+        return box.pop()
+
+
+#: :func:`code_fingerprint` of ``SwinTransformerStage.forward`` (timm 1.0.x) that :class:`ActSwinStageMixin` runs.
+SWIN_STAGE_FORWARD = "07b724b7438b4ef0"
 
 
 def _is_swin_block(m: nn.Module) -> bool:
@@ -430,6 +476,8 @@ def timm_rules() -> list[Rule]:
         Rule("activation", lambda m: _is_timm_code(m, "SwiGLU", SWIGLU_FORWARD), lambda m: ActSwiGLUMixin),
         Rule("activation", lambda m: _is_timm_code(m, "GluMlp", GLU_MLP_FORWARD), lambda m: ActGluMlpMixin),
         Rule("attention", _is_swin_block, lambda m: ActSwinBlockMixin),
+        Rule("attention", lambda m: _is_timm_code(m, "SwinTransformerStage", SWIN_STAGE_FORWARD),
+             lambda m: ActSwinStageMixin),
         Rule("linear", lambda m: _squeeze_excite_gate(m) is not None, lambda m: ActSqueezeExciteMixin,
              attrs=lambda m, c: {"act_se_gate": _squeeze_excite_gate(m), "act_share_residual": c.share_residual}),
         Rule("linear", lambda m: _is_timm_code(m, "SplitAttn", SPLIT_ATTN_CODE), lambda m: ActSplitAttnMixin),

@@ -70,3 +70,76 @@ def test_the_attention_input_is_made_without_timms_intermediates_alive(monkeypat
     torch.manual_seed(0)
     timms = forward_peak(functools.partial(_timm_forward, block), x)
     assert timms - ours >= 1.9 * size, (ours, timms, size)  # two tensors, less small blocks freed between
+
+
+def _stages(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if any(c.__name__ == "ActSwinStageMixin" for c in type(m).__mro__)]
+
+
+def _timm_stage_forward(stage, x):
+    """timm's own ``forward`` of a converted stage (``self.blocks(x)``; its blocks still act_hf's)."""
+    from act_hf.patches.timm_models import ActSwinStageMixin
+
+    return super(ActSwinStageMixin, stage).forward(x)
+
+
+def _stage_input(model, stage, batch: int = 2, device: str = "cpu") -> torch.Tensor:
+    first = stage.blocks[0]
+    resolution = [r * 2 for r in first.input_resolution] if not isinstance(stage.downsample, torch.nn.Identity) \
+        else list(first.input_resolution)
+    channels = stage.downsample.norm.normalized_shape[0] // 4 if not isinstance(stage.downsample, torch.nn.Identity) \
+        else first.norm1.normalized_shape[0]
+    return torch.randn(batch, *resolution, channels, device=device, requires_grad=True)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_stage_is_timms_bit_for_bit(autocast):
+    """Blocks handed their inputs (and the downsampling before them): timm's stage values and gradients."""
+    model = _swin(56)
+    stages = _stages(model)
+    assert len(stages) == 2 and not isinstance(stages[1].downsample, torch.nn.Identity)
+    for stage in stages:
+        x = _stage_input(model, stage)
+        results = []
+        for forward in (stage, functools.partial(_timm_stage_forward, stage)):
+            act_hf.manual_seed(0)
+            torch.manual_seed(0)
+            stage.zero_grad(set_to_none=True)
+            x.grad = None
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                y = forward(x)
+            y.float().square().sum().backward()
+            results.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in stage.parameters()]))
+        (y, gx, gp), (y_ref, gx_ref, gp_ref) = results
+        assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+        assert all(torch.equal(a, b) for a, b in zip(gp, gp_ref))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_blocks_input_is_gone_while_its_mlp_runs(monkeypatch, device):
+    """The highest point of a stage's forward (MLPs as wide as timm's, so that they hold it) is lower than timm's
+    by about one block-sized tensor: ``nn.Sequential`` held the second block's input through its MLP. On the CPU
+    the codec's reference is stubbed, as a GPU's kernels make no temporaries; a GPU runs under bf16 autocast."""
+    stub_codec(monkeypatch)
+    model = _swin(56).to(device)
+    stage = _stages(model)[0]
+    x = _stage_input(model, stage, batch=8 if device == "cpu" else 64, device=device)
+    size = x.numel() * 4
+    torch.manual_seed(0)
+    ours = forward_peak(stage, x)
+    torch.manual_seed(0)
+    timms = forward_peak(functools.partial(_timm_stage_forward, stage), x)
+    assert timms - ours >= 0.9 * size, (ours, timms, size)
+
+
+def test_hooks_on_a_block_keep_timms_stage_forward():
+    """A forward hook on a block sees its call (the stage then calls the blocks as timm does)."""
+    model = _swin(56)
+    stage = _stages(model)[0]
+    seen = []
+    handle = stage.blocks[1].register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    try:
+        stage(_stage_input(model, stage)).sum().backward()
+    finally:
+        handle.remove()
+    assert len(seen) == 1
