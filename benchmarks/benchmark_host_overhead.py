@@ -4,9 +4,9 @@ On the H200 a patched bert-large step at batch 32 was bound by host work, not by
 This benchmark isolates that work on any machine: a tiny BERT (hidden 32, batch 8 x seq 16, one thread), so that
 the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec`` the codec's
 CPU implementations (quantize+pack, unpack+dequantize, the bit packers of masks, few-bit codes' encode+pack and
-their decode times the gradient, channel scaling's shifts) are replaced by stand-ins that return tensors of the right shapes and dtypes
-without computing anything, as a GPU kernel launch would cost next to nothing on the host; what remains is act_hf's
-own work per op. The stand-ins make the gradients meaningless: this measures time only. The time spent inside each
+their decode times the gradient, channel scaling's shifts) are replaced by stand-ins that return tensors of the
+right shapes and dtypes without computing anything, as a GPU kernel launch would cost next to nothing on the host;
+what remains is act_hf's own work per op. The stand-ins make the gradients meaningless: this measures time only. The time spent inside each
 act_hf op (its autograd Function's forward and backward, aten calls included) is listed per call, from one more
 timed run with each Function wrapped.
 

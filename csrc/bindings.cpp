@@ -215,8 +215,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("channel_shifts", &channel_shifts,
         "Channel-scaling shifts (int32, one per channel) of a flat row-major tensor with `channels` channels",
         py::arg("x"), py::arg("channels"), py::arg("max_shift"));
-  m.def("unpack_dequantize", &unpack_dequantize, "Unpack and dequantize into a flat tensor of dtype", py::arg("payload"),
-        py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"), py::arg("numel"), py::arg("dtype"));
+  m.def("unpack_dequantize", &unpack_dequantize, "Unpack and dequantize into a flat tensor of dtype",
+        py::arg("payload"), py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"),
+        py::arg("numel"), py::arg("dtype"));
   m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"));
   m.def("fewbit_encode_pack", &fewbit_encode_pack,
         "Few-bit codes #{k : bounds[k] <= x} (NaN: all of them) of a flat tensor, packed at bits each",

@@ -21,8 +21,8 @@ from .. import _ext
 from ..compress import reference
 from ..errors import ActHFWarning
 
-__all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "quantize_pack_scaled", "run",
-           "unpack_bits", "unpack_dequantize", "zero_unmasked", "zero_unmasked_inplace"]
+__all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "quantize_pack_scaled",
+           "run", "unpack_bits", "unpack_dequantize", "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False

@@ -185,7 +185,8 @@ def octets():
     name = f"act_hf_octets_cpu_{digest.hexdigest()[:12]}"
     build = Path(os.environ.get("ACT_HF_CACHE", Path.home() / ".cache" / "act_hf")) / "octets_cpu" / name
     build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load_inline(name=name, cpp_sources=HARNESS, functions=["encode", "grad", "quantize", "channel_shifts", "zero_unmasked"],
+    return cpp_extension.load_inline(name=name, cpp_sources=HARNESS,
+                                     functions=["encode", "grad", "quantize", "channel_shifts", "zero_unmasked"],
                                      extra_include_paths=[str(_ext.CSRC_DIR), str(Path(cuda_home) / "include")],
                                      extra_cflags=["-O1", "-ffp-contract=off"], build_directory=str(build))
 
