@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +30,8 @@ import act_hf
 from act_hf.adapt import allocate_bits, variance_factor
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_saved_memory import _meta, pyplot
 
 
 def _minilm():
@@ -151,11 +153,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     args.bf16 = args.bf16 or torch.cuda.is_available()
     rows = [measure(name, args) for name in args.models]
-    import transformers
-
-    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available()
-            else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)",
-            "torch": torch.__version__, "transformers": transformers.__version__, "act_hf": act_hf.__version__}
+    meta = _meta(torch.device("cuda" if torch.cuda.is_available() else "cpu")) | {
+        "threads": torch.get_num_threads()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "adapt_cost.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [(f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}; batch {args.batch} x "
@@ -174,7 +173,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
               + " |" for r in rows]
     (args.out / "adapt_cost.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(rows, args.out / "adapt_cost.png")
     return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """A probe's cost in training steps, and each scheme's compression / minibatch gradient variance."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (cost, variance) = plt.subplots(1, 2, figsize=(10, 4))
+    cost.bar([r["model"] for r in rows], [r["probe_in_steps"] for r in rows])
+    cost.set_ylabel("probe time / training step")
+    schemes = list(rows[0]["variance_ratio"])
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        variance.bar([j + i * width for j in range(len(schemes))], [r["variance_ratio"][k] for k in schemes], width,
+                     label=r["model"])
+    variance.set_xticks([j + 0.4 - width / 2 for j in range(len(schemes))], schemes, rotation=30, fontsize=7)
+    variance.set_yscale("log")
+    variance.set_ylabel("compression / minibatch variance (log)")
+    variance.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

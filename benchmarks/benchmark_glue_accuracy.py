@@ -27,6 +27,9 @@ import torch
 from act_hf.checkpoint import checkpointing_argument
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_saved_memory import _meta, pyplot
+
 #: name -> run_glue.py arguments of the act_hf setting
 _COMPRESSED = {
     "bits3": ["--act_compress", "--act_bits", "3"],
@@ -144,10 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
         if old.get("args") == {k: v for k, v in vars(args).items() if k not in ("tasks", "settings", "seeds")}:
             rows = old["runs"]
     done = {(r["task"], r["setting"], r["seed"]) for r in rows}
-    import transformers
-
-    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    meta = _meta(torch.device("cuda" if torch.cuda.is_available() else "cpu")) | {
+        "threads": torch.get_num_threads(), "python": platform.python_version()}
     for seed in args.seeds:
         for task in args.tasks:
             for setting in args.settings:
@@ -170,7 +171,26 @@ def main(argv: list[str] | None = None) -> dict:
                 (out / f"{args.name}.md").write_text(header + "\n\n" + table + "\n")
     summary, table = summarize(rows, args.tasks, args.settings)
     print(table)
+    plot(summary["per_task"], args.settings, out / f"{args.name}.png")
     return summary
+
+
+def plot(means: dict, settings: list[str], path: Path) -> None:
+    """Each task's dev metric (``means[task][setting]``, the mean over seeds; x100) by setting."""
+    plt = pyplot()
+    if plt is None or not means:
+        return
+    tasks = list(means)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(tasks)), 4))
+    width = 0.8 / len(settings)
+    for i, setting in enumerate(settings):
+        ax.bar([j + i * width for j in range(len(tasks))], [100 * means[t].get(setting, float("nan")) for t in tasks],
+               width, label=setting)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
+    ax.set_ylabel("GLUE dev metric x100")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

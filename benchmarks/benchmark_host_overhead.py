@@ -43,7 +43,7 @@ import act_hf
 from act_hf.compress import reference
 
 sys.path.insert(0, str(Path(__file__).parent))
-from benchmark_saved_memory import _meta
+from benchmark_saved_memory import _meta, pyplot
 
 
 def _stub_quantize_pack(x, bits, group_size, seed, chunk=None, shifts=None):
@@ -297,7 +297,29 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| all | | | {sum(o['ms_per_step'] for o in r['by_op']):.2f} |")
     (args.out / "host_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(rows, args.out / "host_overhead.png")
     return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Milliseconds a step of each setting, and where a patched one's act_hf ops spend theirs."""
+    plt = pyplot()
+    if plt is None:
+        return
+    patched = next((r for r in rows if r["by_op"]), None)
+    fig, axes = plt.subplots(1, 2 if patched else 1, figsize=(11 if patched else 5, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.bar([r["setting"] for r in rows], [r["ms_per_step"] for r in rows], color="tab:blue")
+    ax.set_ylabel("ms per training step (host)")
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['ops_per_step']} ops", (i, r["ms_per_step"]), ha="center", va="bottom", fontsize=8)
+    if patched:
+        ops = patched["by_op"][::-1]
+        axes[0][1].barh([o["op"] for o in ops], [o["ms_per_step"] for o in ops], color="tab:orange")
+        axes[0][1].set_xlabel(f"ms per step inside act_hf's ops ({patched['setting']})")
+        axes[0][1].tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

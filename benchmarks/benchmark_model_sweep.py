@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import sys
 import traceback
 import warnings
@@ -33,6 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 import act_hf
 from tests.utils import assert_grads_match, relative_error  # the tests' criterion, not a copy of it
+
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_saved_memory import _meta, pyplot
 
 _TEXT = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
 
@@ -203,14 +205,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r = rows[-1]
         print(f"{name}: {r['verdict'][:160]}" + (f" (relative error {r['relative_error']:.4f})"
                                                   if "relative_error" in r else ""), flush=True)
-    import timm
-    import transformers
-
-    device = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
-              else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
-    meta = {"device": device, "torch": torch.__version__,
-            "transformers": transformers.__version__, "timm": timm.__version__, "act_hf": act_hf.__version__,
-            "bits": args.bits}
+    meta = _meta(args.device) | {"threads": torch.get_num_threads(), "bits": args.bits}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [(f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, timm {meta['timm']}; "
@@ -226,7 +221,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      f"{r['relative_error']:.4f} | {r['worst_cosine']:.5f} | {verdict} |")
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(rows, args.bits, args.out / f"{args.name}.png")
     return rows
+
+
+def plot(rows: list[dict], bits: float, path: Path) -> None:
+    """Each model's gradient relative error against the unpatched model (models that failed marked at 0)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(rows)), 4))
+    ok = ["relative_error" in r for r in rows]
+    ax.bar(range(len(rows)), [r.get("relative_error", 0.0) for r in rows],
+           color=["tab:blue" if good else "tab:red" for good in ok])
+    ax.set_xticks(range(len(rows)), [r["model"] for r in rows], rotation=90, fontsize=7)
+    ax.set_ylabel(f"gradient relative error at {bits:g} bits (red: no result)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

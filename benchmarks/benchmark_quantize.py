@@ -12,29 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
-import time
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from benchmark_saved_memory import _meta, pyplot
+
 
 def _versions() -> dict:
-    import act_hf
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "act_hf": act_hf.__version__,
-        "commit": commit,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
+    """:func:`benchmark_saved_memory._meta` (device, torch, transformers, timm, act_hf, commit, time) and CUDA's
+    version."""
+    return _meta(torch.device("cuda" if torch.cuda.is_available() else "cpu")) | {"cuda": torch.version.cuda}
 
 
 def _time_ms(fn, repeat: int) -> list[float]:
@@ -93,13 +83,35 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = _versions()
     (args.out / "quantize_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [f"Device: {meta['device']}, torch {meta['torch']} (CUDA {meta['cuda']}), act_hf {meta['act_hf']} "
-             f"@ {meta['commit']}, {meta['timestamp']}", "",
+    lines = [(f"Device: {meta['device']}, torch {meta['torch']} (CUDA {meta['cuda']}), transformers "
+              f"{meta['transformers']}, timm {meta['timm']}, act_hf {meta['act_hf']} @ {meta['commit']}, "
+              f"{meta['timestamp']}"), "",
              "| op | size MiB | bits | GB/s (read+write) | copy GB/s | fraction of copy |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['op']} | {r['size_mib']} | {r['bits']} | {r['gb_per_s']:.1f} | {r['copy_gb_per_s']:.1f} | "
               f"{r['fraction_of_copy']:.2f} |" for r in rows]
     (args.out / "quantize_throughput.md").write_text("\n".join(lines) + "\n")
+    plot(rows, args.out / "quantize_throughput.png")
     return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Each direction's fraction of a copy's bandwidth against the width, one line per size."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for op, style in (("quantize_pack", "-o"), ("unpack_dequantize", "--s")):
+        for mib in sorted({r["size_mib"] for r in rows}):
+            points = sorted((r["bits"], r["fraction_of_copy"]) for r in rows if r["op"] == op and r["size_mib"] == mib)
+            if points:
+                ax.plot(*zip(*points), style, label=f"{op} {mib} MiB")
+    ax.axhline(0.7, color="gray", lw=0.8, ls=":", label="target 0.7")
+    ax.set_xlabel("bits")
+    ax.set_ylabel("fraction of copy bandwidth")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,19 @@ def _meta(device) -> dict:
     }
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or ``None`` after saying so when the ``bench`` extra is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install act-hf[bench])")
+        return None
+    return plt
+
+
 def save_log_plot(fig, ax, path: Path) -> None:
     """Finish a per-sample memory plot (log y axis in MiB per sample, legend) and save it at 120 dpi."""
     ax.set_yscale("log")

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_gpu_training import MODELS, Trial, parse_setting, prepare_step
-from benchmark_saved_memory import _meta
+from benchmark_saved_memory import _meta, pyplot
 
 _WRAPPERS = frozenset({"vectorized_elementwise_kernel", "unrolled_elementwise_kernel", "elementwise_kernel",
                        "reduce_kernel", "gpu_kernel_impl_nocast", "gpu_kernel_impl", "ReduceOp", "func_wrapper_t",
@@ -166,7 +166,27 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (args.out / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
+    plot(results, args.rows, "device" if args.device.startswith("cuda") else "CPU", args.out / f"{stem}.png")
     return 0
+
+
+def plot(results: list[dict], rows: int, what: str, path: Path) -> None:
+    """Each setting's busy time, and the largest changes by family of each setting against the first."""
+    plt = pyplot()
+    if plt is None:
+        return
+    others = results[1:]
+    fig, axes = plt.subplots(1, 1 + len(others), figsize=(5 + 6 * len(others), 4.5), squeeze=False)
+    axes[0][0].bar([r["setting"] for r in results], [r["self_total_ms_per_step"] for r in results])
+    axes[0][0].set_ylabel(f"ms a step of {what} time")
+    for ax, r in zip(axes[0][1:], others):
+        diff = sorted(r["family_differences"], key=lambda d: -abs(d["delta_us"]))[:rows][::-1]
+        ax.barh([d["family"][:50] for d in diff], [d["delta_us"] / 1000 for d in diff],
+                color=["tab:red" if d["delta_us"] > 0 else "tab:green" for d in diff])
+        ax.set_xlabel(f"change against {results[0]['setting']}, ms a step ({r['setting']})")
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

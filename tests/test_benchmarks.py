@@ -254,6 +254,7 @@ def test_profile_step_writes_the_hot_ops_on_cpu(tmp_path):
     assert all(len(r["top"]) == 4 and r["top"][0]["self_us_per_step"] > 0 for r in results)
     text = (tmp_path / "profile_resnet50.md").read_text()
     assert "## bits3:" in text and "## bits3 against unpatched, by op family" in text
+    assert (tmp_path / "profile_resnet50.png").stat().st_size > 0
     diff = {d["family"]: d for d in results[1]["family_differences"]}
     assert diff["ActConvFunction"]["base_us"] == 0 and diff["ActConvFunction"]["delta_us"] > 0
     assert diff["ActConvFunction"]["calls"] == 53  # resnet50's convolutions, all patched
@@ -296,6 +297,7 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert ops["ActLinearFunction.backward"]["calls_per_step"] == 6
     assert ops["ActSDPAFunction.forward"]["us_per_call"] > 0
     assert "| ActLinearFunction.forward | 6 |" in (tmp_path / "host_overhead.md").read_text()
+    assert (tmp_path / "host_overhead.png").stat().st_size > 0
     assert [r["setting"] for r in rows] == ["unpatched", "bits3"] and all(r["ms_per_step"] > 0 for r in rows)
     assert rows[0]["vs_unpatched"] == 1.0
     assert 0 < rows[0]["ops_per_step"] < rows[1]["ops_per_step"]  # act_hf's ops come on top of the model's
@@ -465,6 +467,7 @@ def test_model_sweep_checks_a_text_and_an_image_model(tmp_path):
     saved = json.loads((tmp_path / "sweep.json").read_text())
     assert saved["meta"]["bits"] == 8 and len(saved["rows"]) == 2
     assert "| regnety_002 | no (fallback) | True |" in (tmp_path / "sweep.md").read_text()
+    assert (tmp_path / "sweep.png").stat().st_size > 0 and saved["meta"]["timm"] and saved["meta"]["commit"]
     with pytest.raises(SystemExit):
         model_sweep.main(["--models", "no-such-model"])
 
@@ -547,3 +550,17 @@ def test_probe_of_extension_errors_reports_how_each_case_ended(tmp_path, capsys)
                      "value_error: raised: ValueError value_error raised",
                      "caught: returned: caught raised"]
     assert probe_extension_errors.run_case("no_such_case", tmp_path / "build").startswith("raised: AttributeError")
+
+
+def test_the_gpu_and_long_benchmarks_plot_their_results(tmp_path):
+    """The plots of the benchmarks the suite does not run (a GPU's kernel throughput, the adaptive probe's cost,
+    GLUE training) from results shaped as theirs: each writes its PNG beside the JSON and table."""
+    _load("benchmark_quantize").plot(
+        [{"op": op, "size_mib": 256, "bits": bits, "fraction_of_copy": f} for op, f in
+         (("quantize_pack", 0.17), ("unpack_dequantize", 0.55)) for bits in (2, 3)], tmp_path / "quantize.png")
+    _load("benchmark_adapt_cost").plot(
+        [{"model": "minilm", "probe_in_steps": 2.5, "variance_ratio": {"bits3": 0.2, "adaptive": 0.1}}],
+        tmp_path / "adapt.png")
+    _load("benchmark_glue_accuracy").plot({"rte": {"unpatched": 0.6, "bits3": 0.59}}, ["unpatched", "bits3"],
+                                          tmp_path / "glue.png")
+    assert all((tmp_path / f"{name}.png").stat().st_size > 0 for name in ("quantize", "adapt", "glue"))
