@@ -42,12 +42,15 @@ def _enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
     """An HF causal LM's loss recomputes its logits (:mod:`act_hf.ops.loss`), as in the HF families: its fp32
     log-softmax is ``4 * V`` bytes a token, more than all the packed context of a small model. So does a
     cross-entropy on an ``lm_head``'s output rows that the model computes itself (BART, Marian, Pegasus), which the
-    hooks' function mode routes."""
+    hooks' function mode routes. An HF model's training forwards build no KV cache unless asked
+    (:func:`~act_hf.patches._hf.disable_training_cache`), as in the HF families."""
     try:
-        from ._hf import enable_lm_loss
+        from ._hf import disable_training_cache, enable_lm_loss
     except ImportError:
         return
     enable_lm_loss(model, config, cross_entropy_routed=config.fallback_hooks)
+    if hasattr(model, "config"):
+        disable_training_cache(model)
 
 
 def _head_paths(model: nn.Module) -> list[str]:
