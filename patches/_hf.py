@@ -36,8 +36,8 @@ from act_hf.patcher import (
 
 __all__ = ["DENSE_ACT_DENSE_FORWARD", "FC_MLP_FORWARD", "GATED_ACT_DENSE_FORWARD", "HF_ACTIVATIONS",
            "INTERMEDIATE_FORWARD", "ActDenseActDenseMixin", "ActFcMLPMixin", "ActGatedActDenseMixin", "ActHFGELUMixin",
-           "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin", "disable_training_cache", "enable_lm_loss", "hf_rules",
-           "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
+           "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin", "disable_training_cache", "enable_lm_loss",
+           "hf_rules", "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -303,10 +303,12 @@ def enable_lm_loss(model: nn.Module, config: ActConfig, *, cross_entropy_routed:
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 
 
-def _no_training_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+def _no_training_cache(module: nn.Module, args: tuple, kwargs: dict, *, position: int) -> tuple[tuple, dict] | None:
     """A forward pre-hook: a training forward (the model in training mode, autograd recording) that does not ask
-    for a cache (no ``use_cache``, no cache given) runs with ``use_cache=False``."""
-    if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is None \
+    for a cache (no ``use_cache``, no cache given) runs with ``use_cache=False``. ``position``: the first place
+    among ``forward``'s arguments after ``self`` of ``use_cache`` or a cache; a call with more positional arguments
+    than that (which may give one of them by position) is left alone."""
+    if module.training and torch.is_grad_enabled() and len(args) <= position and kwargs.get("use_cache") is None \
             and all(kwargs.get(name) is None for name in _CACHE_ARGUMENTS):
         return args, {**kwargs, "use_cache": False}
     return None
@@ -323,10 +325,12 @@ def disable_training_cache(model: nn.Module) -> None:
     keys' layout, which the cache changes, its attention dropout draws other masks (GPT-2 with ``attn_pdrop > 0``,
     as the unpatched model does with ``use_cache=False``). Evaluation, ``torch.no_grad`` and ``generate`` are left
     alone. Models whose ``forward`` takes no ``use_cache``, or whose config turns it off, get no hook."""
-    forward = inspect.unwrap(type(model).forward)
-    if "use_cache" not in inspect.signature(forward).parameters or not getattr(model.config, "use_cache", False):
+    parameters = list(inspect.signature(inspect.unwrap(type(model).forward)).parameters)
+    if "use_cache" not in parameters or not getattr(model.config, "use_cache", False):
         return
-    handle = model.register_forward_pre_hook(_no_training_cache, with_kwargs=True)
+    earliest = min(parameters.index(name) for name in ("use_cache", *_CACHE_ARGUMENTS) if name in parameters)
+    hook = functools.partial(_no_training_cache, position=earliest - 1)  # less ``self``
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     add_cleanup(model, functools.partial(remove_handles, [handle]))
 
 

@@ -45,6 +45,7 @@ def test_training_forwards_build_no_cache_and_compute_the_same(kind):
         assert _cache(model(input_ids=ids)) is not None  # no autograd recording: not a training forward
     first = model(input_ids=ids[:, :4], use_cache=True)
     assert _cache(model(input_ids=ids[:, 4:], cache=_cache(first))) is not None  # a cache given: left alone
+    assert _cache(model(ids)) is None  # input_ids by position
     model.eval()
     assert _cache(model(input_ids=ids)) is not None
     assert _cache(copy.deepcopy(model).train()(input_ids=ids)) is None  # a copy keeps the hook
@@ -71,7 +72,8 @@ def test_the_cache_no_longer_raises_the_forward_peak(monkeypatch):
     peaks = {}
     for use_cache in (None, True):
         step = functools.partial(model, input_ids=ids, labels=ids, use_cache=use_cache)
-        peaks[use_cache] = profile_peak(lambda step=step: step().loss, torch.device("cpu"))["phases"]["forward"]["peak"]
+        profile = profile_peak(lambda step=step: step().loss, torch.device("cpu"))
+        peaks[use_cache] = profile["phases"]["forward"]["peak"]
         model.zero_grad(set_to_none=True)
     keys_and_values = layers * 2 * batch * seq * hidden * 4
     assert peaks[True] - peaks[None] >= 0.75 * keys_and_values, (peaks, keys_and_values)
