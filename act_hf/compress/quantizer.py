@@ -101,19 +101,19 @@ def quantize(
     check_group_size(group_size)
     x = x.detach()
     shifts = _channel_shifts(x) if channel_scale and _scalable(x) else None
-    if shifts is not None and x.is_contiguous() and x.dtype != torch.float64:
-        # the kernel scales each element as it reads it: no scaled copy of x (fp64 is scaled before its cast)
-        spec = PackedSpec(shape=x.shape, dtype=x.dtype, bits=bits, group_size=group_size, channel_scaled=True)
-        payload, lo, scale = _library.run(_library.quantize_pack_scaled, x.view(-1), shifts, bits, group_size,
-                                          resolve_seed(seed))
-        return PackedTensor(payload, lo, scale, spec, shifts.to(torch.int8))
-    if shifts is not None:
+    # a contiguous x is scaled by the kernel as it reads it (no scaled copy); fp64 is scaled before its cast
+    in_kernel = shifts is not None and x.is_contiguous() and x.dtype != torch.float64
+    if shifts is not None and not in_kernel:
         x = x * _powers_of_two(shifts, x.dtype)  # keeps x's layout
     order = _memory_order(x)
     spec = PackedSpec(shape=x.shape, dtype=x.dtype, bits=bits, group_size=group_size,
                       channel_scaled=shifts is not None, memory_order=order)
     flat = (x if order is None else x.permute(order)).reshape(-1)  # a view unless x is not dense
-    payload, lo, scale = _library.run(_library.quantize_pack, flat, bits, group_size, resolve_seed(seed))
+    if in_kernel:
+        payload, lo, scale = _library.run(_library.quantize_pack_scaled, flat, shifts, bits, group_size,
+                                          resolve_seed(seed))
+    else:
+        payload, lo, scale = _library.run(_library.quantize_pack, flat, bits, group_size, resolve_seed(seed))
     return PackedTensor(payload, lo, scale, spec, None if shifts is None else shifts.to(torch.int8))
 
 
