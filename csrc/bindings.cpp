@@ -73,12 +73,17 @@ void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* wha
                                             b.device().str());
 }
 
-std::vector<at::Tensor> quantize_pack(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
+// What both quantize entry points take: a flat, contiguous floating CUDA tensor, a width and a group size.
+void check_quantize_args(const at::Tensor& x, int64_t bits, int64_t group_size) {
   CHECK_CUDA(x);
   CHECK_CONTIGUOUS(x);
   check_flat_float(x, "x");
   check_bits(bits);
   check_group_size(group_size);
+}
+
+std::vector<at::Tensor> quantize_pack(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
+  check_quantize_args(x, bits, group_size);
   py::gil_scoped_release no_gil;
   return act_hf::quantize_pack_cuda(x, bits, group_size, seed);
 }
@@ -86,17 +91,13 @@ std::vector<at::Tensor> quantize_pack(const at::Tensor& x, int64_t bits, int64_t
 // The shifts (0..24, as act_hf.compress.quantizer makes them) are not read on the host: that would sync.
 std::vector<at::Tensor> quantize_pack_scaled(const at::Tensor& x, const at::Tensor& shifts, int64_t bits,
                                              int64_t group_size, int64_t seed) {
-  CHECK_CUDA(x);
-  CHECK_CONTIGUOUS(x);
+  check_quantize_args(x, bits, group_size);
   CHECK_CONTIGUOUS(shifts);
   check_same_device(x, shifts, "shifts");
-  check_flat_float(x, "x");
   CHECK_DTYPE(shifts, at::kInt);
   TORCH_CHECK(shifts.dim() == 1 && shifts.numel() > 0,
               "shifts must be flat with one entry per channel (at least one), got shape " +
                   act_hf::shape_str(shifts.sizes()));
-  check_bits(bits);
-  check_group_size(group_size);
   py::gil_scoped_release no_gil;
   return act_hf::quantize_pack_scaled_cuda(x, shifts, bits, group_size, seed);
 }

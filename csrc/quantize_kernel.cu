@@ -176,10 +176,6 @@ __global__ void __launch_bounds__(kThreads) unpack_bits_kernel(const uint8_t* __
   for (int j = 0; j < cnt; ++j) codes[i + j] = static_cast<uint8_t>((word >> (j * B)) & kMask);
 }
 
-}  // namespace
-
-namespace {
-
 // quantize_pack_cuda, scaled by channel when `shifts` is given (int32, one per channel of the last dimension).
 std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tensor* shifts, int64_t bits,
                                              int64_t group_size, int64_t seed) {
