@@ -324,9 +324,9 @@ def disable_training_cache(model: nn.Module) -> None:
     ``None``, as with transformers' own gradient checkpointing. One difference: where SDPA's backend follows the
     keys' layout, which the cache changes, its attention dropout draws other masks (GPT-2 with ``attn_pdrop > 0``,
     as the unpatched model does with ``use_cache=False``). Evaluation, ``torch.no_grad`` and ``generate`` are left
-    alone. Models whose ``forward`` takes no ``use_cache``, or whose config turns it off, get no hook."""
+    alone. Models whose ``forward`` takes no ``use_cache``, or that have no config turning it on, get no hook."""
     parameters = list(inspect.signature(inspect.unwrap(type(model).forward)).parameters)
-    if "use_cache" not in parameters or not getattr(model.config, "use_cache", False):
+    if "use_cache" not in parameters or not getattr(getattr(model, "config", None), "use_cache", False):
         return
     earliest = min(parameters.index(name) for name in ("use_cache", *_CACHE_ARGUMENTS) if name in parameters)
     hook = functools.partial(_no_training_cache, position=earliest - 1)  # less ``self``

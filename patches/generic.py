@@ -38,19 +38,18 @@ def _known_rules() -> list[Rule]:
     return rules
 
 
-def _enable_lm_loss(model: nn.Module, config: ActConfig) -> None:
-    """An HF causal LM's loss recomputes its logits (:mod:`act_hf.ops.loss`), as in the HF families: its fp32
-    log-softmax is ``4 * V`` bytes a token, more than all the packed context of a small model. So does a
-    cross-entropy on an ``lm_head``'s output rows that the model computes itself (BART, Marian, Pegasus), which the
-    hooks' function mode routes. An HF model's training forwards build no KV cache unless asked
-    (:func:`~act_hf.patches._hf.disable_training_cache`), as in the HF families."""
+def _hf_model_hooks(model: nn.Module, config: ActConfig) -> None:
+    """What the HF families do for a whole model. An HF causal LM's loss recomputes its logits
+    (:mod:`act_hf.ops.loss`): its fp32 log-softmax is ``4 * V`` bytes a token, more than all the packed context of a
+    small model. So does a cross-entropy on an ``lm_head``'s output rows that the model computes itself (BART,
+    Marian, Pegasus), which the hooks' function mode routes. Training forwards build no KV cache unless asked
+    (:func:`~act_hf.patches._hf.disable_training_cache`)."""
     try:
         from ._hf import disable_training_cache, enable_lm_loss
     except ImportError:
         return
     enable_lm_loss(model, config, cross_entropy_routed=config.fallback_hooks)
-    if hasattr(model, "config"):
-        disable_training_cache(model)
+    disable_training_cache(model)
 
 
 def _head_paths(model: nn.Module) -> list[str]:
@@ -75,7 +74,7 @@ def patch_generic(model: nn.Module, config: ActConfig) -> list[str]:
     ``"attention"``, ``"dropout"`` are compressed kinds)."""
     heads = _head_paths(model) if config.exclude_head else []
     patched = patch_modules(model, config, rules=_known_rules(), head_paths=heads)
-    _enable_lm_loss(model, config)
+    _hf_model_hooks(model, config)
     kept = {id(m) for p in heads for m in model.get_submodule(p).modules()}  # exact by choice
     left = sorted({
         type(m).__name__
