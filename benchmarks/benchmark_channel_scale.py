@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from benchmark_adapt_cost import _glue_batch, _minilm
-from benchmark_saved_memory import _meta
+from benchmark_saved_memory import _meta, pyplot
 
 import act_hf
 from act_hf.compress import dequantize, quantize
@@ -154,12 +154,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(text)
     if args.what == "contexts":
         return rows
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return rows
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, style in (("plain", "o--"), ("scaled", "o-")):

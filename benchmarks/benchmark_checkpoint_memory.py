@@ -35,7 +35,7 @@ import torch
 import act_hf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from benchmark_saved_memory import MODELS, _meta, make_inputs, save_log_plot
+from benchmark_saved_memory import MODELS, _meta, make_inputs, pyplot, save_log_plot
 
 from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.estimate import saved_with_checkpointing
@@ -129,12 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {r['model']} | {s} | {r['am1_mib'][s]:.2f} | {r['am2_mib'][s]:.2f} | {ratio} |")
     (args.out / "checkpoint_memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 4))
         width = 0.8 / len(rows)
         for i, r in enumerate(rows):
@@ -144,8 +140,6 @@ def main(argv: list[str] | None = None) -> int:
                        label="AM1" if i == 0 else None)
         ax.set_xticks(range(len(args.settings)), args.settings, rotation=30)
         save_log_plot(fig, ax, args.out / "checkpoint_memory.png")
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install act-hf[bench])")
     return 0
 
 

@@ -47,7 +47,7 @@ from act_hf.checkpoint import enable_hf_checkpointing
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_checkpoint_memory import parse_setting
-from benchmark_saved_memory import MODELS, _meta, make_inputs, save_log_plot
+from benchmark_saved_memory import MODELS, _meta, make_inputs, pyplot, save_log_plot
 
 TEXT_MODELS = ["bert-base", "bert-large", "roberta-base", "gpt2", "llama-style"]
 VISION_MODELS = ["vit-base", "swin-tiny", "convnext-tiny", "resnet50"]
@@ -175,20 +175,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['saved_mib_per_sample']:.2f} | {ratio} |")
     (args.out / "cpu_peak.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 4))
         labels = [f"{r['model']}\n{r['setting']}" for r in rows]
         ax.bar(range(len(rows)), [r["peak_mib_per_sample"] for r in rows], label="step peak")
         ax.bar(range(len(rows)), [r["saved_mib_per_sample"] for r in rows], width=0.4, label="saved for backward")
         ax.set_xticks(range(len(rows)), labels, rotation=30, fontsize=7)
         save_log_plot(fig, ax, args.out / "cpu_peak.png")
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install act-hf[bench])")
     return 0
 
 

@@ -61,7 +61,7 @@ from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.estimate import format_bytes, parse_size
 
 sys.path.insert(0, str(Path(__file__).parent))
-from benchmark_saved_memory import MODELS, _meta, make_inputs
+from benchmark_saved_memory import MODELS, _meta, make_inputs, pyplot
 
 
 @dataclass(frozen=True)
@@ -519,13 +519,8 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
     curves = [r for r in rows if r.get("curve")]
     if not curves:
         return
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install act-hf[bench])")
+    plt = pyplot()
+    if plt is None:
         return
     models = list(dict.fromkeys(r["model"] for r in curves))
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)

@@ -269,12 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if others:
         lines += ["", f"Rows measured at an earlier commit (kept by --merge): {', '.join(others)}."]
     (args.out / "saved_memory.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(9, 4))
         keys = [k for k in cols if k.startswith("act_hf")]
         width = 0.8 / len(keys)
@@ -286,8 +282,6 @@ def main(argv: list[str] | None = None) -> int:
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(args.out / "saved_memory.png", dpi=120)
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install act-hf[bench])")
     return 0
 
 

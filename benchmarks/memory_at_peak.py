@@ -42,7 +42,7 @@ import act_hf
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_checkpoint_memory import parse_setting
 from benchmark_gpu_training import enable_checkpointing
-from benchmark_saved_memory import MODELS, _meta, make_inputs
+from benchmark_saved_memory import MODELS, _meta, make_inputs, pyplot
 
 _OURS = re.compile(r"(^|/)(act_hf|timm|transformers)/")  # a frame's file, absolute or relative to the cwd
 
@@ -228,11 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                   for r in p_shown]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return 0
     top = shown[:15][::-1]
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(top) + 1.5))
     ax.barh([r["site"][:70] for r in top], [r["mib_per_sample"] for r in top])
