@@ -339,8 +339,16 @@ class _DropoutReplay:
     backend: SDPBackend
 
 
-def _same(t: Tensor) -> Tensor:
-    return t
+def _keep_nothing(t: Tensor) -> None:
+    """Pack hook of a graph that is never differentiated (the stand-ins' of
+    :func:`_sdpa_with_replayable_dropout`): nothing is kept. Kept as it is, an output the kernel saves (SDPA's
+    ``out`` and log-sum-exp, the math path's probabilities) would hold its own ``grad_fn``, which holds it: a cycle
+    through C++ that Python's gc cannot break, and every call would leak the attention's intermediates."""
+    return None
+
+
+def _never_unpacked(_: None) -> Tensor:
+    raise RuntimeError("act_hf: the stand-ins' SDPA graph keeps nothing and is never differentiated")
 
 
 def _stand_ins(tensors: tuple[Tensor | None, ...], dtype: torch.dtype | None) -> list[Tensor | None]:
@@ -398,10 +406,10 @@ def _sdpa_with_replayable_dropout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Te
     device_type = q.device.type
     dtype = autocast_dtype(device_type)
     stand_ins = _stand_ins((q, k, v, attn_mask), dtype)
-    # the stand-ins' graph is dropped on return; the identity hooks keep its saves from the caller's saved-tensor
-    # hooks (act_hf.track_saved, torch.utils.checkpoint)
+    # the stand-ins' graph is dropped on return; its hooks keep nothing, and keep its saves from the caller's
+    # saved-tensor hooks (act_hf.track_saved, torch.utils.checkpoint)
     with torch.enable_grad(), torch.autocast(device_type, enabled=False), \
-            torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            torch.autograd.graph.saved_tensors_hooks(_keep_nothing, _never_unpacked):
         backend = SDPBackend(torch.ops.aten._fused_sdp_choice(*stand_ins, dropout_p, is_causal, scale=scale,
                                                                enable_gqa=enable_gqa))
         rng = rng_state(q)

@@ -7,6 +7,7 @@ gradients may differ, by an SQNR that depends on the bits.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 
@@ -262,6 +263,25 @@ def test_sdpa_dropout_backward_redraws_the_forward_mask(case, bits):
     _, other_g, _ = _run(lambda: F.scaled_dot_product_attention(*deq, dropout_p=0.3, **kwargs), deq, grad_out,
                          seed=6)
     assert not torch.equal(other_g[2], g[2]), "another dropout draw must give another gradient"
+
+
+def test_sdpa_dropout_keeps_no_graph_alive():
+    """The dropout forward runs SDPA itself on stand-ins in grad mode (the unpatched backend and draw); that graph
+    is freed with the call, in every call: its outputs saved with their ``grad_fn`` would hold their own node alive,
+    a cycle through C++ that gc cannot break."""
+    q, k, v = _qkv()
+    grad_out = torch.randn(B, H, S, D)
+
+    def with_history() -> int:
+        gc.collect()
+        return sum(issubclass(type(o), torch.Tensor) and o.grad_fn is not None for o in gc.get_objects())
+
+    before = with_history()
+    for _ in range(3):
+        out = act_sdpa(q, k, v, dropout_p=0.3, settings=_settings(4))
+        out.backward(grad_out)
+        del out
+    assert with_history() == before
 
 
 def test_sdpa_dropout_with_only_v_needing_grad():
