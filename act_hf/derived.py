@@ -426,13 +426,18 @@ def remember(x: Tensor, kind: str, value: Any) -> None:
     notes[key] = (weakref.ref(x, forget), version, value)
 
 
-def recall(x: Tensor, kind: str) -> Any:
-    """The value :func:`remember` attached to ``x`` under ``kind``, if ``x`` is unmodified since; else ``None``."""
+def recall(x: Tensor, kind: str, *, consume: bool = False) -> Any:
+    """The value :func:`remember` attached to ``x`` under ``kind``, if ``x`` is unmodified since; else ``None``.
+    With ``consume`` (the note's last read) the note is forgotten: it then cannot outlive ``x``
+    (:func:`note_made_by`)."""
     if not _noted:
         return None
-    note = _notes().get((kind, id(x)))
+    notes = _notes()
+    note = notes.get((kind, id(x)))
     if note is None or note[0]() is not x or x._version != note[1]:
         return None
+    if consume:
+        del notes[(kind, id(x))]
     return note[2]
 
 
@@ -612,13 +617,17 @@ def _operand(node: Any, output_nr: int, x: Tensor) -> _Affine | _Rectified | Non
     return _made_by(node, output_nr, _OPERAND_KINDS, x)
 
 
-def _made_by(node: Any, output_nr: int, kinds: tuple[str, ...], x: Tensor | None = None) -> Any:
+def _made_by(node: Any, output_nr: int, kinds: tuple[str, ...], x: Tensor | None = None, *,
+             consume: bool = False) -> Any:
     if node is None:
         return None
-    for (kind, _), (ref, version, value) in list(_notes().items()):
+    notes = _notes()
+    for key, (ref, version, value) in list(notes.items()):
         t = ref()
-        if kind in kinds and t is not None and t is not x and t._version == version \
+        if key[0] in kinds and t is not None and t is not x and t._version == version \
                 and t.grad_fn is node and t.output_nr == output_nr:
+            if consume:
+                del notes[key]
             return value
     for kind, dead_node, dead_output_nr, value in _dead():
         if kind in kinds and dead_node is node and dead_output_nr == output_nr:
@@ -626,12 +635,14 @@ def _made_by(node: Any, output_nr: int, kinds: tuple[str, ...], x: Tensor | None
     return None
 
 
-def note_made_by(node: Any, output_nr: int, kind: str, *, drop: bool = True) -> Any:
+def note_made_by(node: Any, output_nr: int, kind: str, *, drop: bool = True, consume: bool = False) -> Any:
     """The value of the ``kind`` note on output ``output_nr`` of autograd ``node``: on a live tensor unmodified
     since, or on one that died unmodified since the last note (:func:`remember`); else ``None``. With ``drop``
-    (a final read), the notes that outlive their tensors are dropped."""
+    (a final read), the notes that outlive their tensors are dropped. With ``consume`` (the last read of this
+    note) a live tensor's note is forgotten too: else, dying after it was read (an LM's logits, returned in its
+    output), it would outlive it with the value it holds (the LM head's input) into the next forward."""
     try:
-        return _made_by(node, output_nr, (kind,))
+        return _made_by(node, output_nr, (kind,), consume=consume)
     finally:
         if drop:
             drop_dead_notes()

@@ -115,20 +115,20 @@ def _head_and_steps(t: Tensor, *, drop: bool, reshapes: bool, cast_to: torch.dty
     if t.grad_fn is None or t._version != 0:  # no grad_fn: no_grad, inference mode (no version either)
         return None
     try:
-        return _walk(t.grad_fn, t.output_nr, reshapes, cast_to == torch.float32)
+        return _walk(t.grad_fn, t.output_nr, reshapes, cast_to == torch.float32, consume=drop)
     finally:
         if drop:
             drop_dead_notes()
 
 
-def _walk(node, output_nr: int, reshapes: bool, casts: bool):
+def _walk(node, output_nr: int, reshapes: bool, casts: bool, *, consume: bool):
     steps = []
     for _ in range(_MAX_NODES):
-        found = note_made_by(node, output_nr, "lm_head", drop=False)
+        found = note_made_by(node, output_nr, "lm_head", drop=False, consume=consume)
         if found is not None:
             head, before = found, ()
             break
-        found = note_made_by(node, output_nr, "lm_logits", drop=False)
+        found = note_made_by(node, output_nr, "lm_logits", drop=False, consume=consume)
         if found is not None:
             head, before = found
             break
@@ -337,7 +337,7 @@ def causal_lm_loss(original: Callable[..., Tensor], logits: Tensor, labels: Tens
     :class:`HeadCrossEntropyFunction` when ``logits`` were noted by :func:`note_head_output` or made from such
     a head's output by steps :func:`scaled_head_output` reads; otherwise
     ``original(logits, labels, vocab_size, ...)``."""
-    head, steps = recall(logits, "lm_head"), ()
+    head, steps = recall(logits, "lm_head", consume=True), ()
     if head is None:
         head, steps = scaled_head_output(logits) or (None, ())
     if head is None:

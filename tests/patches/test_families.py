@@ -897,6 +897,28 @@ def test_the_fallback_keeps_a_timm_classifier_and_its_loss_exact():
     assert torch.equal(model.head.fc.weight.grad, ref.head.fc.weight.grad)
 
 
+def _tensors_with_history() -> set[int]:
+    """The ids of the tensors Python can reach that carry an autograd node (after a collection)."""
+    gc.collect()
+    return {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn is not None}
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=IDS)
+def test_training_steps_leave_no_graph_alive(case):
+    """After each training step (dropout on, bf16 autocast) nothing of its graph stays alive: a tensor saved with
+    its own ``grad_fn`` holds its node through C++, a cycle gc cannot free, and every step would leak what the
+    node saved (SDPA with dropout once leaked each layer's attention this way)."""
+    _, model, inputs = _build(case, dropout=0.1, bits=3)
+    model.train()
+    before = _tensors_with_history()
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(case, model, inputs)
+        loss.backward()
+        del loss
+    assert not _tensors_with_history() - before
+
+
 def test_fallback_forward_never_run_backward_is_freed():
     class Head(torch.nn.Module):
         def __init__(self):
