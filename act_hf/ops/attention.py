@@ -344,7 +344,6 @@ def _keep_nothing(t: Tensor) -> None:
     :func:`_sdpa_with_replayable_dropout`): nothing is kept. Kept as it is, an output the kernel saves (SDPA's
     ``out`` and log-sum-exp, the math path's probabilities) would hold its own ``grad_fn``, which holds it: a cycle
     through C++ that Python's gc cannot break, and every call would leak the attention's intermediates."""
-    return None
 
 
 def _never_unpacked(_: None) -> Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import act_hf
 from act_hf import fallback
+from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.nn._base import ActModule
 from act_hf.ops.norm import MIN_VALUES_PER_CHANNEL
 from tests.patches.models import ALL_CASES, HF_CASES, Case, loss_of, output_of
@@ -909,6 +910,30 @@ def test_training_steps_leave_no_graph_alive(case):
     its own ``grad_fn`` holds its node through C++, a cycle gc cannot free, and every step would leak what the
     node saved (SDPA with dropout once leaked each layer's attention this way)."""
     _, model, inputs = _build(case, dropout=0.1, bits=3)
+    model.train()
+    before = _tensors_with_history()
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(case, model, inputs)
+        loss.backward()
+        del loss
+    assert not _tensors_with_history() - before
+
+
+@pytest.mark.parametrize("case", [c for c in ALL_CASES if c.name in ("bert-seqcls", "gpt2", "llama", "t5", "swin-hf",
+                                                                  "timm-resnet", "timm-swin", "timm-vit")],
+                         ids=lambda c: c.name)
+def test_checkpointed_training_steps_leave_no_graph_alive(case):
+    """The same with gradient checkpointing (an HF model's layer inputs packed at 4 bits), whose recomputation in
+    backward builds and drops a graph per layer."""
+    torch.manual_seed(0)
+    model, inputs = case.factory(dropout=0.1)
+    if case.timm:
+        model.set_grad_checkpointing(True)
+        act_hf.patch(model, bits=3)
+    else:
+        enable_hf_checkpointing(model)
+        act_hf.patch(model, bits=3, checkpoint_bits=4)
     model.train()
     before = _tensors_with_history()
     for _ in range(2):
