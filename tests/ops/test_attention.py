@@ -265,23 +265,32 @@ def test_sdpa_dropout_backward_redraws_the_forward_mask(case, bits):
     assert not torch.equal(other_g[2], g[2]), "another dropout draw must give another gradient"
 
 
-def test_sdpa_dropout_keeps_no_graph_alive():
-    """The dropout forward runs SDPA itself on stand-ins in grad mode (the unpatched backend and draw); that graph
-    is freed with the call, in every call: its outputs saved with their ``grad_fn`` would hold their own node alive,
-    a cycle through C++ that gc cannot break."""
-    q, k, v = _qkv()
-    grad_out = torch.randn(B, H, S, D)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_sdpa_dropout_keeps_no_graph_alive(device):
+    """The dropout forward runs SDPA itself on stand-ins in grad mode (the unpatched backend and draw; on CUDA a
+    fused kernel); that graph is freed with the call, in every call: its outputs saved with their ``grad_fn`` would
+    hold their own node alive, a cycle through C++ that gc cannot break. On CUDA the allocated bytes are checked
+    too."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (t.detach().to(device, dtype).requires_grad_() for t in _qkv())
+    grad_out = torch.randn(B, H, S, D, device=device, dtype=dtype)
 
     def with_history() -> int:
         gc.collect()
         return sum(issubclass(type(o), torch.Tensor) and o.grad_fn is not None for o in gc.get_objects())
 
-    before = with_history()
-    for _ in range(3):
+    def step() -> None:
         out = act_sdpa(q, k, v, dropout_p=0.3, settings=_settings(4))
         out.backward(grad_out)
-        del out
+
+    step()  # the inputs' gradients exist from here on
+    before = with_history()
+    allocated = torch.cuda.memory_allocated() if device == "cuda" else 0
+    for _ in range(3):
+        step()
     assert with_history() == before
+    if device == "cuda":
+        assert torch.cuda.memory_allocated() == allocated
 
 
 def test_sdpa_dropout_with_only_v_needing_grad():
