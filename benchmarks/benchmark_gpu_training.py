@@ -203,6 +203,7 @@ def run_trial(trial: Trial) -> dict:
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
+            settled = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
         for _ in range(trial.steps):
             step()
@@ -211,10 +212,11 @@ def run_trial(trial: Trial) -> dict:
     except torch.OutOfMemoryError:
         return {"oom": True}
     out |= {"samples_per_s": trial.batch * trial.steps / elapsed, "step_ms": 1000 * elapsed / trial.steps}
-    if cuda:  # resident: what stays between steps (weights, gradients, optimizer states)
+    if cuda:  # resident: what stays between steps (weights, gradients, optimizer states); it must not grow
+        resident = torch.cuda.memory_allocated(device)
         out |= {"peak_bytes": torch.cuda.max_memory_allocated(device),
                 "reserved_bytes": torch.cuda.max_memory_reserved(device),
-                "resident_bytes": torch.cuda.memory_allocated(device)}
+                "resident_bytes": resident, "growth_bytes_per_step": (resident - settled) / trial.steps}
     return out
 
 
@@ -515,6 +517,14 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
         if with_targets:
             line += f" {_target_cell(r.get('target'))} |"
         lines.append(line)
+    timed = [r for r in rows if "growth_bytes_per_step" in r.get("equal_batch", {})]
+    grew = [r for r in timed if r["equal_batch"]["growth_bytes_per_step"] > 0]
+    if timed:
+        lines += ["", "Allocated memory after the timed steps against after the warm-up: "
+                  + ("the same in every speed trial." if not grew else "**grew** in "
+                     + ", ".join(f"{r['model']} {r['setting']} "
+                                 f"({format_bytes(r['equal_batch']['growth_bytes_per_step'])} a step)" for r in grew)
+                     + " (a leak, or a cache still filling).")]
     (out / "gpu_training.md").write_text("\n".join(lines) + "\n")
     curves = [r for r in rows if r.get("curve")]
     if not curves:

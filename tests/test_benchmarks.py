@@ -191,6 +191,20 @@ def test_searches_share_the_gpu_up_to_parallel_and_a_crash_stays_in_its_row(monk
     assert "| swin-tiny | bits3 | 1.60 KiB | 9.5 | 0.950 | error | - |" in (tmp_path / "gpu_training.md").read_text()
 
 
+def test_speed_trials_report_allocated_memory_growing_over_steps(tmp_path):
+    """A speed trial records how much allocated memory its timed steps left beyond the warm-up's, and the table
+    names the trials where it grew: a leak shows there even when the peak still fits."""
+    meta = {**gpu_training._meta(torch.device("cpu")), "dtype": "bf16", "seq": 128, "image_size": 224, "batch": 32,
+            "steps": 10, "warmup": 3, "cap_bytes": None, "resolution": 0.02}
+    trial = {"oom": False, "samples_per_s": 100.0, "peak_bytes": 2**30, "resident_bytes": 2**29}
+    rows = [{"model": "bert-large", "setting": "unpatched", "equal_batch": trial | {"growth_bytes_per_step": 0.0}},
+            {"model": "bert-large", "setting": "bits3", "equal_batch": trial | {"growth_bytes_per_step": 3 * 2**20}}]
+    gpu_training.write_results(rows, meta, tmp_path)
+    assert "**grew** in bert-large bits3 (3.00 MiB a step)" in (tmp_path / "gpu_training.md").read_text()
+    gpu_training.write_results(rows[:1], meta, tmp_path)
+    assert "the same in every speed trial" in (tmp_path / "gpu_training.md").read_text()
+
+
 def test_targets_start_the_search_and_are_answered_by_its_first_trial(monkeypatch, tmp_path):
     """``--targets`` with ``--no-speed``: each row's first trial is ratio x the given unpatched largest batch, and
     the row says whether it fit before the search goes on (the GPU played by a memory model, as above)."""
