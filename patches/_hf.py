@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 from act_hf.config import ActConfig
 from act_hf.errors import ActHFWarning
 from act_hf.nn._base import ActModule
-from act_hf.nn.activation import ActActivationMixin, activation_of_owned, output_is_owned
+from act_hf.nn.activation import ActActivationMixin, _calls_only_forward, activation_of_owned, output_is_owned
 from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output
 from act_hf.ops.product import act_product
 from act_hf.patcher import (
@@ -34,8 +34,9 @@ from act_hf.patcher import (
     remove_handles,
 )
 
-__all__ = ["DENSE_ACT_DENSE_FORWARD", "FC_MLP_FORWARD", "GATED_ACT_DENSE_FORWARD", "HF_ACTIVATIONS",
-           "INTERMEDIATE_FORWARD", "ActDenseActDenseMixin", "ActFcMLPMixin", "ActGatedActDenseMixin", "ActHFGELUMixin",
+__all__ = ["DENSE_ACT_DENSE_FORWARD", "FC_MLP_FORWARD", "FEED_FORWARD_CHUNK", "GATED_ACT_DENSE_FORWARD",
+           "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "RESIDUAL_OUTPUT_FORWARD", "ActDenseActDenseMixin",
+           "ActFcMLPMixin", "ActFeedForwardChunkMixin", "ActGatedActDenseMixin", "ActHFGELUMixin",
            "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin", "disable_training_cache", "enable_lm_loss",
            "hf_rules", "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
 
@@ -114,6 +115,48 @@ class ActIntermediateMixin(ActModule):
 INTERMEDIATE_FORWARD = "ac09a89f37fa3cb8"
 
 
+class ActFeedForwardChunkMixin(ActModule):
+    """An HF encoder layer's ``feed_forward_chunk`` (BERT's ``BertLayer`` and its copies: RoBERTa, ELECTRA,
+    CamemBERT, ...) computing what it computes, ``output(intermediate(x), x)`` with the output module's
+    ``LayerNorm(dropout(dense(h)) + x)``, but with the intermediate tensor ``h``, a layer's widest (4x the hidden
+    size), freed once ``output.dense`` has read it. HF's method holds it (its local, and the output module's call
+    arguments) until the output's LayerNorm returns, beside the residual sum and the LayerNorm's output: it was
+    alive at bert-large's highest point with packed checkpointed layers (see Results). Runs in training mode, with
+    autograd on or off (a checkpoint's first pass), while calling the output module is its ``forward`` alone (no
+    hooks, no tracing) and that ``forward`` is the code this reproduces (:data:`RESIDUAL_OUTPUT_FORWARD`);
+    otherwise, and in eval mode, HF's method runs. The rule converts a layer whose ``feed_forward_chunk`` is that
+    code (:data:`FEED_FORWARD_CHUNK`)."""
+
+    def feed_forward_chunk(self, attention_output: torch.Tensor) -> torch.Tensor:
+        out = self.output
+        if not (self.training and _is_residual_output(out) and _calls_only_forward(out)):
+            return super().feed_forward_chunk(attention_output)
+        hidden = self.intermediate(attention_output)
+        hidden = out.dense(hidden)  # the intermediate's last reference goes here
+        hidden = out.dropout(hidden)
+        return out.LayerNorm(hidden + attention_output)
+
+
+#: :func:`code_fingerprint` of ``BertLayer.feed_forward_chunk`` and its copies (transformers 5.x).
+FEED_FORWARD_CHUNK = "3c43319abef78c8a"
+#: :func:`code_fingerprint` of ``BertOutput.forward`` and its copies, ``LayerNorm(dropout(dense(h)) + x)``
+#: (transformers 5.x).
+RESIDUAL_OUTPUT_FORWARD = "066e5aa2edf9e9d9"
+
+
+@functools.cache
+def _is_residual_output_class(cls: type) -> bool:
+    try:
+        return code_fingerprint(cls.forward) == RESIDUAL_OUTPUT_FORWARD
+    except (OSError, TypeError):  # no source to read
+        return False
+
+
+def _is_residual_output(module: nn.Module) -> bool:
+    """Whether ``module``'s ``forward`` is BERT's output code (:data:`RESIDUAL_OUTPUT_FORWARD`), by class."""
+    return _is_residual_output_class(type(module))
+
+
 class ActFcMLPMixin(ActModule):
     """An HF MLP ``fc2(activation_fn(fc1(x)))`` (CLIP's ``CLIPMLP``, ``ViTMLP``, BEiT's and every copy) with the
     activation written into ``fc1``'s output (:func:`activation_of_owned`). Converted only when its ``forward`` is
@@ -177,11 +220,11 @@ class ActDenseActDenseMixin(ActModule):
 DENSE_ACT_DENSE_FORWARD = "23f62776ca1b4a78"
 
 
-def _is_hf_code(m: nn.Module, suffixes: tuple[str, ...], code: str) -> bool:
-    """A transformers class named ``*<suffix>`` whose ``forward`` has :func:`code_fingerprint` ``code``."""
+def _is_hf_code(m: nn.Module, suffixes: tuple[str, ...], code: str, method: str = "forward") -> bool:
+    """A transformers class named ``*<suffix>`` whose ``method`` has :func:`code_fingerprint` ``code``."""
     cls = type(m)
     return cls.__name__.endswith(suffixes) and cls.__module__.startswith("transformers.") \
-        and code_fingerprint(cls.forward) == code
+        and callable(getattr(cls, method, None)) and code_fingerprint(getattr(cls, method)) == code
 
 
 #: transformers activation classes with an in-place form or a cheaper way to the same output (the others get
@@ -241,7 +284,9 @@ def hf_rules() -> list[Rule]:
     from .vision_hf import vision_conv_rules
 
     transposed_linear = Rule("linear", lambda m: type(m) is Conv1D, lambda m: linear.ActTransposedLinearMixin)
-    return _activation_rules() + [transposed_linear] + vision_conv_rules()
+    feed_forward = Rule("linear", lambda m: _is_hf_code(m, ("Layer",), FEED_FORWARD_CHUNK, "feed_forward_chunk"),
+                        lambda m: ActFeedForwardChunkMixin)
+    return _activation_rules() + [transposed_linear, feed_forward] + vision_conv_rules()
 
 
 def _enable_attention(model: nn.Module, config: ActConfig, head_paths: list[str]) -> list[str]:

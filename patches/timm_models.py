@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from act_hf.context import store
 from act_hf.derived import note_scaled
 from act_hf.nn._base import ActModule
-from act_hf.nn.activation import _hooks_could_see, activation_of_owned, output_is_owned
+from act_hf.nn.activation import _calls_only_forward, activation_of_owned, output_is_owned
 from act_hf.ops.linear import act_channel_scale, act_scale
 from act_hf.ops.linear_attention import act_linear_attention
 from act_hf.ops.product import act_product
@@ -205,17 +205,6 @@ class ActSwinBlockMixin(ActModule):
 #: and ``_attn``, and the ``window_partition`` and ``window_reverse`` they call.
 SWIN_BLOCK_CODE = {"forward": "0e33604a75ed1c6b", "_attn": "365aa81776e97561", "window_partition": "f4ed84a36e7231bf",
                    "window_reverse": "b561c3e67a560e67"}
-
-
-def _calls_only_forward(*modules: nn.Module) -> bool:
-    """Whether ``m(x)`` is ``m.forward(x)`` for each of ``modules``: no forward hook (:func:`_hooks_could_see`),
-    no backward hook, module or global, no tracing or compiling (which see the call)."""
-    from torch.nn.modules import module as _module
-
-    if (_hooks_could_see(*modules) or _module._global_backward_hooks or _module._global_backward_pre_hooks
-            or torch.compiler.is_compiling() or torch.jit.is_scripting() or torch._C._get_tracing_state() is not None):
-        return False
-    return not any(m._backward_hooks or m._backward_pre_hooks for m in modules)
 
 
 class ActSwinStageMixin(ActModule):

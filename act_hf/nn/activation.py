@@ -149,6 +149,15 @@ def _hooks_could_see(*modules: nn.Module) -> bool:
                 or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
 
 
+def _calls_only_forward(*modules: nn.Module) -> bool:
+    """Whether ``m(x)`` is ``m.forward(x)`` for each of ``modules``: no forward hook (:func:`_hooks_could_see`),
+    no backward hook, module or global, no tracing or compiling (which see the call)."""
+    if (_hooks_could_see(*modules) or _module._global_backward_hooks or _module._global_backward_pre_hooks
+            or torch.compiler.is_compiling() or torch.jit.is_scripting() or torch._C._get_tracing_state() is not None):
+        return False
+    return not any(m._backward_hooks or m._backward_pre_hooks for m in modules)
+
+
 def output_is_owned(act: nn.Module) -> bool:
     """Whether ``act(x)``'s output, for a caller that owns it, may be overwritten: ``act`` is an act_hf activation
     whose backward keeps codes (never its output) and no hook could hold the output."""
