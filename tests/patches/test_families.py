@@ -904,20 +904,25 @@ def _tensors_with_history() -> set[int]:
     return {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn is not None}
 
 
+def _graphs_left_by_steps(case: Case, model, inputs, steps: int = 2) -> set[int]:
+    """:func:`_tensors_with_history` that ``steps`` training steps (bf16 autocast) leave behind."""
+    model.train()
+    before = _tensors_with_history()
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(case, model, inputs)
+        loss.backward()
+        del loss
+    return _tensors_with_history() - before
+
+
 @pytest.mark.parametrize("case", ALL_CASES, ids=IDS)
 def test_training_steps_leave_no_graph_alive(case):
     """After each training step (dropout on, bf16 autocast) nothing of its graph stays alive: a tensor saved with
     its own ``grad_fn`` holds its node through C++, a cycle gc cannot free, and every step would leak what the
     node saved (SDPA with dropout once leaked each layer's attention this way)."""
     _, model, inputs = _build(case, dropout=0.1, bits=3)
-    model.train()
-    before = _tensors_with_history()
-    for _ in range(2):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loss_of(case, model, inputs)
-        loss.backward()
-        del loss
-    assert not _tensors_with_history() - before
+    assert not _graphs_left_by_steps(case, model, inputs)
 
 
 @pytest.mark.parametrize("case", [c for c in ALL_CASES if c.name in ("bert-seqcls", "gpt2", "llama", "t5", "swin-hf",
@@ -934,14 +939,7 @@ def test_checkpointed_training_steps_leave_no_graph_alive(case):
     else:
         enable_hf_checkpointing(model)
         act_hf.patch(model, bits=3, checkpoint_bits=4)
-    model.train()
-    before = _tensors_with_history()
-    for _ in range(2):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loss_of(case, model, inputs)
-        loss.backward()
-        del loss
-    assert not _tensors_with_history() - before
+    assert not _graphs_left_by_steps(case, model, inputs)
 
 
 def test_fallback_forward_never_run_backward_is_freed():
