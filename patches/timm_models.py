@@ -96,9 +96,17 @@ class ActMlpMixin(ActModule):
     ``forward`` is that code (:data:`MLP_FORWARD`), and its submodules are converted by their own rules."""
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.act_forward_owned([x])
+
+    def act_forward_owned(self, box: list[Tensor]) -> Tensor:
+        """:meth:`forward` of the one tensor in ``box``, taken out of it: when the caller holds no other reference
+        (:meth:`ActSwinBlockMixin.act_forward_owned`), the MLP's input is freed once ``fc1`` has read it instead of
+        living through the MLP in the call's arguments."""
+        x = box.pop()
         if not self.act_enabled(x):
             return super().forward(x)
-        x = activation_of_owned(self.act, self.fc1(x), self.fc1)
+        x = self.fc1(x)  # the input's last reference, when the caller handed it over, goes here
+        x = activation_of_owned(self.act, x, self.fc1)
         x = self.drop1(x)
         x = self.norm(x)
         x = self.fc2(x)
@@ -173,7 +181,10 @@ class ActSwinBlockMixin(ActModule):
         del windows
         x = x + self.drop_path1(self._act_merge(attn_windows, H, W, padded))
         x = x.reshape(B, -1, C)
-        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        mlp = self.mlp
+        if isinstance(mlp, ActMlpMixin) and _calls_only_forward(mlp):  # hand the MLP its input (the LayerNorm's)
+            return (x + self.drop_path2(mlp.act_forward_owned([self.norm2(x)]))).reshape(B, H, W, C)
+        x = x + self.drop_path2(mlp(self.norm2(x)))
         return x.reshape(B, H, W, C)
 
     def _act_windows(self, x: Tensor) -> tuple[Tensor, Tensor | None, tuple[int, int]]:

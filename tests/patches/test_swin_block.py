@@ -72,6 +72,34 @@ def test_the_attention_input_is_made_without_timms_intermediates_alive(monkeypat
     assert timms - ours >= 1.9 * size, (ours, timms, size)  # two tensors, less small blocks freed between
 
 
+def _norm2_alive_at_fc2(block, x) -> bool:
+    """Whether the block's second LayerNorm output, the MLP's input, is alive when the MLP's ``fc2`` starts."""
+    import weakref
+
+    seen: dict[str, object] = {}
+    handles = [block.norm2.register_forward_hook(lambda m, a, out: seen.__setitem__("ref", weakref.ref(out))),
+               block.mlp.fc2.register_forward_pre_hook(lambda m, a: seen.__setitem__("alive", seen["ref"]() is not None))]
+    try:
+        block(x).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen["alive"]
+
+
+def test_the_mlps_input_is_gone_once_fc1_has_read_it_unless_a_hook_could_see_the_mlp():
+    """The block hands its MLP the second LayerNorm's output (``ActMlpMixin.act_forward_owned``): freed once ``fc1``
+    has read it. A hook on the MLP sees its call, and the input lives through the MLP as with timm's code."""
+    block = _blocks(_swin(56))[0]
+    x = torch.randn(2, *block.input_resolution, block.norm1.normalized_shape[0], requires_grad=True)
+    assert not _norm2_alive_at_fc2(block, x)
+    handle = block.mlp.register_forward_hook(lambda m, a, out: None)
+    try:
+        assert _norm2_alive_at_fc2(block, x)
+    finally:
+        handle.remove()
+
+
 def _stages(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if any(c.__name__ == "ActSwinStageMixin" for c in type(m).__mro__)]
 
@@ -118,17 +146,39 @@ def test_the_stage_is_timms_bit_for_bit(autocast):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_blocks_input_is_gone_while_its_mlp_runs(monkeypatch, device):
     """The highest point of a stage's forward (MLPs as wide as timm's, so that they hold it) is lower than timm's
-    by about one block-sized tensor: ``nn.Sequential`` held the second block's input through its MLP. On the CPU
-    the codec's reference is stubbed, as a GPU's kernels make no temporaries; a GPU runs under bf16 autocast."""
+    by about one block-sized tensor: ``nn.Sequential`` held the second block's input through its MLP. The MLPs are
+    called as timm calls them in both runs (a hook on each), which keeps their own input alive through them (see
+    the next test): the difference is the stage's alone. On the CPU the codec's reference is stubbed, as a GPU's
+    kernels make no temporaries; a GPU runs under bf16 autocast."""
     stub_codec(monkeypatch)
     model = _swin(56).to(device)
     stage = _stages(model)[0]
+    for block in stage.blocks:
+        block.mlp.register_forward_hook(lambda m, args, out: None)
     x = _stage_input(model, stage, batch=8 if device == "cpu" else 64, device=device)
     size = x.numel() * 4
     torch.manual_seed(0)
     ours = forward_peak(stage, x)
     torch.manual_seed(0)
     timms = forward_peak(functools.partial(_timm_stage_forward, stage), x)
+    assert timms - ours >= 0.9 * size, (ours, timms, size)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_blocks_mlp_input_is_gone_while_its_mlp_runs(monkeypatch, device):
+    """The highest point of a block's forward is lower by about one block-sized tensor than with its MLP called as
+    timm calls it (forced by a hook on the MLP): the call's arguments held the second LayerNorm's output through
+    the MLP. Stubbed codec on the CPU; bf16 autocast on a GPU."""
+    stub_codec(monkeypatch)
+    block = _blocks(_swin(56))[1].to(device)
+    x = torch.randn(8 if device == "cpu" else 64, *block.input_resolution, block.norm1.normalized_shape[0],
+                    device=device, requires_grad=True)
+    size = x.numel() * 4
+    torch.manual_seed(0)
+    ours = forward_peak(block, x)
+    block.mlp.register_forward_hook(lambda m, args, out: None)
+    torch.manual_seed(0)
+    timms = forward_peak(block, x)
     assert timms - ours >= 0.9 * size, (ours, timms, size)
 
 
