@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
 import math
 import sys
@@ -110,6 +111,14 @@ def assert_grads_match(ref: torch.nn.Module, model: torch.nn.Module, *, cos: flo
 
 
 @functools.cache
+def tensors_with_history() -> set[int]:
+    """The ids of the tensors Python can reach that carry an autograd node, after a collection: a graph that
+    outlives what made it shows here (a tensor saved with its own ``grad_fn`` holds its node through C++, a cycle
+    gc cannot free)."""
+    gc.collect()
+    return {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn is not None}
+
+
 def load_benchmark(name: str):
     """The benchmark script ``benchmarks/<name>.py`` as a module (its folder on the path while it loads), loaded
     once per test session."""

@@ -22,7 +22,7 @@ from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.nn._base import ActModule
 from act_hf.ops.norm import MIN_VALUES_PER_CHANNEL
 from tests.patches.models import ALL_CASES, HF_CASES, Case, loss_of, output_of
-from tests.utils import assert_grads_match, relative_error
+from tests.utils import assert_grads_match, relative_error, tensors_with_history
 
 IDS = [c.name for c in ALL_CASES]
 
@@ -898,22 +898,16 @@ def test_the_fallback_keeps_a_timm_classifier_and_its_loss_exact():
     assert torch.equal(model.head.fc.weight.grad, ref.head.fc.weight.grad)
 
 
-def _tensors_with_history() -> set[int]:
-    """The ids of the tensors Python can reach that carry an autograd node (after a collection)."""
-    gc.collect()
-    return {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn is not None}
-
-
 def _graphs_left_by_steps(case: Case, model, inputs, steps: int = 2) -> set[int]:
-    """:func:`_tensors_with_history` that ``steps`` training steps (bf16 autocast) leave behind."""
+    """:func:`~tests.utils.tensors_with_history` that ``steps`` training steps (bf16 autocast) leave behind."""
     model.train()
-    before = _tensors_with_history()
+    before = tensors_with_history()
     for _ in range(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = loss_of(case, model, inputs)
         loss.backward()
         del loss
-    return _tensors_with_history() - before
+    return tensors_with_history() - before
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=IDS)
