@@ -60,21 +60,19 @@ def _is_timm_code(m: nn.Module, name: str, code: str) -> bool:
 class ActConvNeXtBlockMixin(ActModule):
     """timm's ``ConvNeXtBlock`` with its layer scale ``x * gamma`` through :func:`act_channel_scale` (slot
     ``<path>:layer_scale``): autograd's ``mul`` would keep the MLP output at full width for gamma's gradient,
-    about a third of ConvNeXt's saved bytes at 3 bits. The rest is timm's forward step for step; the rule
-    converts a block only when its ``forward`` is the code this copies (:data:`CONVNEXT_BLOCK_FORWARD`)."""
+    about a third of ConvNeXt's saved bytes at 3 bits. The rest is timm's forward step for step, the MLP handed
+    the norm's output to own (:func:`_mlp_owning`); the rule converts a block only when its ``forward`` is the
+    code this copies (:data:`CONVNEXT_BLOCK_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gamma is None or not self.act_enabled(x):
             return super().forward(x)
         shortcut = x
         x = self.conv_dw(x)
-        if self.use_conv_mlp:
-            x = self.norm(x)
-            x = self.mlp(x)
-        else:
-            x = x.permute(0, 2, 3, 1)
-            x = self.norm(x)
-            x = self.mlp(x)
+        box = [self.norm(x) if self.use_conv_mlp else self.norm(x.permute(0, 2, 3, 1))]
+        del x  # the depthwise conv's output; the MLP owns the norm's (freed once fc1 has read it)
+        x = _mlp_owning(self.mlp, box)
+        if not self.use_conv_mlp:
             x = x.permute(0, 3, 1, 2)
         x = act_channel_scale(x, self.gamma, 1, self.act_settings("layer_scale"))
         return self.drop_path(x) + self.shortcut(shortcut)
@@ -100,8 +98,8 @@ class ActMlpMixin(ActModule):
 
     def act_forward_owned(self, box: list[Tensor]) -> Tensor:
         """:meth:`forward` of the one tensor in ``box``, taken out of it: when the caller holds no other reference
-        (:meth:`ActSwinBlockMixin.act_forward_owned`), the MLP's input is freed once ``fc1`` has read it instead of
-        living through the MLP in the call's arguments."""
+        (Swin's and ConvNeXt's blocks, through :func:`_mlp_owning`), the MLP's input is freed once ``fc1`` has read
+        it instead of living through the MLP in the call's arguments."""
         x = box.pop()
         if not self.act_enabled(x):
             return super().forward(x)
@@ -115,6 +113,15 @@ class ActMlpMixin(ActModule):
 
 #: :func:`code_fingerprint` of the ``Mlp.forward`` that :class:`ActMlpMixin` reproduces (timm 1.0.x).
 MLP_FORWARD = "9c91f9f17692083b"
+
+
+def _mlp_owning(mlp: nn.Module, box: list[Tensor]) -> Tensor:
+    """``mlp(x)`` of the one tensor ``x`` in ``box``: a converted timm ``Mlp`` whose call is its ``forward`` alone
+    (no hooks, no tracing) is handed ``x`` to own (:meth:`ActMlpMixin.act_forward_owned`), so a caller that holds
+    no other reference has it freed once ``fc1`` has read it; any other MLP is called as usual."""
+    if isinstance(mlp, ActMlpMixin) and _calls_only_forward(mlp):
+        return mlp.act_forward_owned(box)
+    return mlp(box.pop())
 
 
 class ActSwiGLUMixin(ActModule):
@@ -181,10 +188,7 @@ class ActSwinBlockMixin(ActModule):
         del windows
         x = x + self.drop_path1(self._act_merge(attn_windows, H, W, padded))
         x = x.reshape(B, -1, C)
-        mlp = self.mlp
-        if isinstance(mlp, ActMlpMixin) and _calls_only_forward(mlp):  # hand the MLP its input (the LayerNorm's)
-            return (x + self.drop_path2(mlp.act_forward_owned([self.norm2(x)]))).reshape(B, H, W, C)
-        x = x + self.drop_path2(mlp(self.norm2(x)))
+        x = x + self.drop_path2(_mlp_owning(self.mlp, [self.norm2(x)]))  # the MLP owns the LayerNorm's output
         return x.reshape(B, H, W, C)
 
     def _act_windows(self, x: Tensor) -> tuple[Tensor, Tensor | None, tuple[int, int]]:
