@@ -7,6 +7,7 @@ import gc
 import importlib.util
 import math
 import sys
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -117,6 +118,54 @@ def tensors_with_history() -> set[int]:
     gc cannot free)."""
     gc.collect()
     return {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn is not None}
+
+
+def output_alive_at(producer: torch.nn.Module, consumer: torch.nn.Module, run) -> bool:
+    """Whether the output of ``producer`` (of its last call before) is still alive when ``consumer``'s forward
+    starts, in ``run()``: a weak reference taken by a forward hook, read by a forward pre-hook."""
+    seen: dict[str, object] = {}
+    handles = [producer.register_forward_hook(lambda m, args, out: seen.__setitem__("ref", weakref.ref(out))),
+               consumer.register_forward_pre_hook(lambda m, args: seen.__setitem__("alive", seen["ref"]() is not None))]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen["alive"]
+
+
+def alive_unhooked_and_hooked(producer: torch.nn.Module, consumer: torch.nn.Module, hooked: torch.nn.Module,
+                              run) -> tuple[bool, bool]:
+    """:func:`output_alive_at` in ``run()``, then again with a no-op forward hook on ``hooked``: a caller that hands
+    ``hooked`` its input to own calls it as usual once a hook could see the call."""
+    unhooked = output_alive_at(producer, consumer, run)
+    handle = hooked.register_forward_hook(lambda m, args, out: None)
+    try:
+        return unhooked, output_alive_at(producer, consumer, run)
+    finally:
+        handle.remove()
+
+
+def assert_same_steps(module: torch.nn.Module, x: torch.Tensor, forwards, *, autocast: bool) -> None:
+    """Each of ``forwards`` (callables of ``x``, computing ``module``'s forward some way) gives the same output,
+    input gradient and parameter gradients as the first, bit for bit, from the same draws (act_hf's and torch's
+    seeds pinned before each), in fp32 or under bf16 autocast."""
+    import act_hf
+
+    results = []
+    for forward in forwards:
+        act_hf.manual_seed(0)
+        torch.manual_seed(0)  # stochastic depth
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            y = forward(x)
+        y.float().square().sum().backward()
+        results.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in module.parameters()]))
+    (y_ref, gx_ref, gp_ref), *others = results
+    for y, gx, gp in others:
+        assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+        assert all(torch.equal(a, b) for a, b in zip(gp, gp_ref))
 
 
 def load_benchmark(name: str):

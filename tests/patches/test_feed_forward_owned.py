@@ -4,14 +4,13 @@ wherever a hook could see the output module's call."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 
 import act_hf
 from act_hf.patches._hf import ActFeedForwardChunkMixin
 from tests.patches.models import ALL_CASES, loss_of
+from tests.utils import alive_unhooked_and_hooked, output_alive_at
 
 CASES = {c.name: c for c in ALL_CASES}
 
@@ -30,20 +29,6 @@ def _layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, ActFeedForwardChunkMixin)]
 
 
-def _intermediate_alive_at_output_norm(model, inputs, layer) -> bool:
-    """Whether the layer's intermediate tensor is still alive when its output LayerNorm starts."""
-    seen: dict[str, object] = {}
-    handles = [layer.intermediate.register_forward_hook(lambda m, a, out: seen.__setitem__("ref", weakref.ref(out))),
-               layer.output.LayerNorm.register_forward_pre_hook(
-                   lambda m, a: seen.__setitem__("alive", seen["ref"]() is not None))]
-    try:
-        loss_of(CASES["bert-seqcls"], model, inputs).backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen["alive"]
-
-
 @pytest.mark.parametrize("name", ["bert-seqcls", "roberta", "xlm-roberta", "bert-mlm"])
 def test_bert_style_layers_are_converted(name):
     model, _ = _patched(name)
@@ -51,14 +36,11 @@ def test_bert_style_layers_are_converted(name):
 
 
 def test_the_intermediate_is_freed_before_the_output_norm_unless_a_hook_could_see_the_output():
+    """A hook on the output module sees its call: HF's method then runs."""
     model, inputs = _patched()
     layer = _layers(model)[0]
-    assert not _intermediate_alive_at_output_norm(model, inputs, layer)
-    handle = layer.output.register_forward_hook(lambda m, a, out: None)  # HF's method: the call goes through hooks
-    try:
-        assert _intermediate_alive_at_output_norm(model, inputs, layer)
-    finally:
-        handle.remove()
+    run = lambda: loss_of(CASES["bert-seqcls"], model, inputs).backward()
+    assert alive_unhooked_and_hooked(layer.intermediate, layer.output.LayerNorm, layer.output, run) == (False, True)
 
 
 @pytest.mark.parametrize("chunk", [0, 4], ids=["whole", "chunked"])
@@ -90,9 +72,7 @@ def test_in_eval_mode_hf_method_runs_and_in_a_checkpoints_first_pass_not(mode):
     model, inputs = _patched()
     layer = _layers(model)[0]
     model.train(mode != "eval")
-    seen: dict[str, object] = {}
-    layer.intermediate.register_forward_hook(lambda m, a, out: seen.__setitem__("ref", weakref.ref(out)))
-    layer.output.LayerNorm.register_forward_pre_hook(lambda m, a: seen.__setitem__("alive", seen["ref"]() is not None))
     with torch.no_grad():
-        model(**{k: v for k, v in inputs.items() if k != "labels"})
-    assert seen["alive"] == (mode == "eval")
+        alive = output_alive_at(layer.intermediate, layer.output.LayerNorm,
+                                lambda: model(**{k: v for k, v in inputs.items() if k != "labels"}))
+    assert alive == (mode == "eval")

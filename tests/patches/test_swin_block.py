@@ -10,7 +10,7 @@ import torch
 
 import act_hf
 from act_hf.patches.timm_models import ActSwinBlockMixin
-from tests.utils import forward_peak, stub_codec
+from tests.utils import alive_unhooked_and_hooked, assert_same_steps, forward_peak, stub_codec
 
 
 def _swin(img_size: int, mlp_ratio: float = 4.0):
@@ -39,19 +39,7 @@ def test_the_block_is_timms_bit_for_bit(img_size, autocast):
     assert len(blocks) == 4 and any(any(b.shift_size) for b in blocks)
     for block in blocks:
         x = torch.randn(2, *block.input_resolution, block.norm1.normalized_shape[0], requires_grad=True)
-        results = []
-        for forward in (block, functools.partial(_timm_forward, block)):
-            act_hf.manual_seed(0)
-            torch.manual_seed(0)  # stochastic depth
-            block.zero_grad(set_to_none=True)
-            x.grad = None
-            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-                y = forward(x)
-            y.float().square().sum().backward()
-            results.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in block.parameters()]))
-        (y, gx, gp), (y_ref, gx_ref, gp_ref) = results
-        assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
-        assert all(torch.equal(a, b) for a, b in zip(gp, gp_ref))
+        assert_same_steps(block, x, (block, functools.partial(_timm_forward, block)), autocast=autocast)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -72,32 +60,13 @@ def test_the_attention_input_is_made_without_timms_intermediates_alive(monkeypat
     assert timms - ours >= 1.9 * size, (ours, timms, size)  # two tensors, less small blocks freed between
 
 
-def _norm2_alive_at_fc2(block, x) -> bool:
-    """Whether the block's second LayerNorm output, the MLP's input, is alive when the MLP's ``fc2`` starts."""
-    import weakref
-
-    seen: dict[str, object] = {}
-    handles = [block.norm2.register_forward_hook(lambda m, a, out: seen.__setitem__("ref", weakref.ref(out))),
-               block.mlp.fc2.register_forward_pre_hook(lambda m, a: seen.__setitem__("alive", seen["ref"]() is not None))]
-    try:
-        block(x).sum().backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen["alive"]
-
-
 def test_the_mlps_input_is_gone_once_fc1_has_read_it_unless_a_hook_could_see_the_mlp():
     """The block hands its MLP the second LayerNorm's output (``ActMlpMixin.act_forward_owned``): freed once ``fc1``
     has read it. A hook on the MLP sees its call, and the input lives through the MLP as with timm's code."""
     block = _blocks(_swin(56))[0]
     x = torch.randn(2, *block.input_resolution, block.norm1.normalized_shape[0], requires_grad=True)
-    assert not _norm2_alive_at_fc2(block, x)
-    handle = block.mlp.register_forward_hook(lambda m, a, out: None)
-    try:
-        assert _norm2_alive_at_fc2(block, x)
-    finally:
-        handle.remove()
+    run = lambda: block(x).sum().backward()
+    assert alive_unhooked_and_hooked(block.norm2, block.mlp.fc2, block.mlp, run) == (False, True)
 
 
 def _stages(model) -> list[torch.nn.Module]:
@@ -128,19 +97,7 @@ def test_the_stage_is_timms_bit_for_bit(autocast):
     assert len(stages) == 2 and not isinstance(stages[1].downsample, torch.nn.Identity)
     for stage in stages:
         x = _stage_input(model, stage)
-        results = []
-        for forward in (stage, functools.partial(_timm_stage_forward, stage)):
-            act_hf.manual_seed(0)
-            torch.manual_seed(0)
-            stage.zero_grad(set_to_none=True)
-            x.grad = None
-            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-                y = forward(x)
-            y.float().square().sum().backward()
-            results.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in stage.parameters()]))
-        (y, gx, gp), (y_ref, gx_ref, gp_ref) = results
-        assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
-        assert all(torch.equal(a, b) for a, b in zip(gp, gp_ref))
+        assert_same_steps(stage, x, (stage, functools.partial(_timm_stage_forward, stage)), autocast=autocast)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
