@@ -129,7 +129,7 @@ class ActFeedForwardChunkMixin(ActModule):
 
     def feed_forward_chunk(self, attention_output: torch.Tensor) -> torch.Tensor:
         out = self.output
-        if not (self.training and _is_residual_output(out) and _calls_only_forward(out)):
+        if not (self.training and _is_hf_code(out, ("Output",), RESIDUAL_OUTPUT_FORWARD) and _calls_only_forward(out)):
             return super().feed_forward_chunk(attention_output)
         hidden = self.intermediate(attention_output)
         hidden = out.dense(hidden)  # the intermediate's last reference goes here
@@ -142,19 +142,6 @@ FEED_FORWARD_CHUNK = "3c43319abef78c8a"
 #: :func:`code_fingerprint` of ``BertOutput.forward`` and its copies, ``LayerNorm(dropout(dense(h)) + x)``
 #: (transformers 5.x).
 RESIDUAL_OUTPUT_FORWARD = "066e5aa2edf9e9d9"
-
-
-@functools.cache
-def _is_residual_output_class(cls: type) -> bool:
-    try:
-        return code_fingerprint(cls.forward) == RESIDUAL_OUTPUT_FORWARD
-    except (OSError, TypeError):  # no source to read
-        return False
-
-
-def _is_residual_output(module: nn.Module) -> bool:
-    """Whether ``module``'s ``forward`` is BERT's output code (:data:`RESIDUAL_OUTPUT_FORWARD`), by class."""
-    return _is_residual_output_class(type(module))
 
 
 class ActFcMLPMixin(ActModule):
