@@ -106,7 +106,8 @@ def parse_setting(name: str) -> Setting:
 
 @dataclass(frozen=True)
 class Trial:
-    """One measurement: ``warmup`` untimed steps, then ``steps`` timed ones at ``batch``."""
+    """One measurement: ``warmup`` untimed steps, then ``steps`` timed ones at ``batch``; then the same at each
+    batch of ``sweep`` in turn, in the same process (the model built once; the first out-of-memory ends it)."""
 
     model: str
     setting: str
@@ -120,6 +121,7 @@ class Trial:
     cap_bytes: int | None = None
     attention_dropout: float | None = None
     checkpoint_debug: bool = False
+    sweep: tuple[int, ...] = ()
 
 
 #: the attention-probability dropout keyword of each HF family among ``MODELS`` (an unknown one is ignored)
@@ -136,11 +138,12 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
         raise SystemExit(f"--settings ckpt: {type(model).__name__} has no gradient checkpointing switch")
 
 
-def prepare_step(trial: Trial) -> tuple[Callable[[], None], dict]:
+def prepare_step(trial: Trial) -> tuple[Callable[[], None], dict, Callable[[int], None]]:
     """Build, set up and (for ``bitsN``) patch the trial's model on its device, with AdamW and the trial's batch.
 
-    Returns one training step (zero_grad, forward under autocast, backward, optimizer step; no sync) and what
-    preparing it measured: the adaptive allocator's ``avg_bits`` and ``probe_s``, run once here, before timing.
+    Returns one training step (zero_grad, forward under autocast, backward, optimizer step; no sync), what
+    preparing it measured (the adaptive allocator's ``avg_bits`` and ``probe_s``, run once here, before timing),
+    and ``rebatch(b)``, which gives the step a fresh batch of ``b`` samples in place of the one it has.
     """
     device = torch.device(trial.device)
     if device.type == "cuda" and trial.cap_bytes:
@@ -158,10 +161,22 @@ def prepare_step(trial: Trial) -> tuple[Callable[[], None], dict]:
     model.to(device).train()
     if setting.bits is not None:
         act_hf.patch(model, bits=setting.bits, swap=setting.swap, checkpoint_bits=setting.checkpoint_bits)
-    batch = make_inputs(kind, model, trial.batch, trial.seq, device, trial.image_size)
-    if kind == "image":
-        batch["y"] = torch.zeros(trial.batch, dtype=torch.long, device=device)
+    def inputs(size: int) -> dict:
+        b = make_inputs(kind, model, size, trial.seq, device, trial.image_size)
+        if kind == "image":
+            b["y"] = torch.zeros(size, dtype=torch.long, device=device)
+        return b
 
+    batch = inputs(trial.batch)
+
+    def rebatch(size: int) -> None:
+        nonlocal batch
+        batch = None  # freed before the next one is made
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        batch = inputs(size)
+
+    if kind == "image":
         def loss_of(b: dict) -> torch.Tensor:
             return torch.nn.functional.cross_entropy(model(b["x"]).float(), b["y"])
     else:
@@ -184,39 +199,56 @@ def prepare_step(trial: Trial) -> tuple[Callable[[], None], dict]:
         with autocast:
             allocator.update_batch(batch, loss_of)
         info = {"avg_bits": allocator.average_bits(), "probe_s": allocator.probe_seconds}
-    return step, info
+    return step, info, rebatch
 
 
-def run_trial(trial: Trial) -> dict:
-    """Train ``trial.warmup + trial.steps`` steps in this process; samples/s over the timed steps, and on a GPU
-    the peak allocated and reserved memory over them. An out-of-memory returns ``{"oom": True}``."""
+def _timed_steps(step: Callable[[], None], trial: Trial, batch: int) -> dict:
+    """``trial.warmup`` untimed and ``trial.steps`` timed steps at ``batch``: samples/s, and on a GPU the peak
+    allocated and reserved memory over the timed steps. An out-of-memory propagates."""
     device = torch.device(trial.device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if trial.checkpoint_debug:  # a CheckpointError then names the saved tensor that differs, with both stacks
-        torch.utils.checkpoint.set_checkpoint_debug_enabled(True)
-    try:
-        step, info = prepare_step(trial)
-        out = {"oom": False} | info
-        for _ in range(trial.warmup):
-            step()
-        sync()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-            settled = torch.cuda.memory_allocated(device)
-        start = time.perf_counter()
-        for _ in range(trial.steps):
-            step()
-        sync()
-        elapsed = time.perf_counter() - start
-    except torch.OutOfMemoryError:
-        return {"oom": True}
-    out |= {"samples_per_s": trial.batch * trial.steps / elapsed, "step_ms": 1000 * elapsed / trial.steps}
+    for _ in range(trial.warmup):
+        step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        settled = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    for _ in range(trial.steps):
+        step()
+    sync()
+    elapsed = time.perf_counter() - start
+    out = {"samples_per_s": batch * trial.steps / elapsed, "step_ms": 1000 * elapsed / trial.steps}
     if cuda:  # resident: what stays between steps (weights, gradients, optimizer states); it must not grow
         resident = torch.cuda.memory_allocated(device)
         out |= {"peak_bytes": torch.cuda.max_memory_allocated(device),
                 "reserved_bytes": torch.cuda.max_memory_reserved(device),
                 "resident_bytes": resident, "growth_bytes_per_step": (resident - settled) / trial.steps}
+    return out
+
+
+def run_trial(trial: Trial) -> dict:
+    """Train ``trial.warmup + trial.steps`` steps in this process (:func:`_timed_steps`), then as many at each
+    batch of ``trial.sweep``, under ``"sweep"`` by batch, until one runs out of memory (that one ``{"oom":
+    True}``, the rest not tried: the allocator may be left in pieces). An out-of-memory at ``trial.batch``
+    returns ``{"oom": True}``."""
+    if trial.checkpoint_debug:  # a CheckpointError then names the saved tensor that differs, with both stacks
+        torch.utils.checkpoint.set_checkpoint_debug_enabled(True)
+    try:
+        step, info, rebatch = prepare_step(trial)
+        out = {"oom": False} | info | _timed_steps(step, trial, trial.batch)
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    if trial.sweep:
+        out["sweep"] = {}
+    for size in trial.sweep:
+        try:
+            rebatch(size)
+            out["sweep"][size] = {"oom": False} | _timed_steps(step, trial, size)
+        except torch.OutOfMemoryError:
+            out["sweep"][size] = {"oom": True}
+            break
     return out
 
 
@@ -386,10 +418,17 @@ def measure(models: list[str], settings: list[str], args: argparse.Namespace,
             "checkpoint_debug": args.checkpoint_debug}
     targets, unpatched_max = getattr(args, "targets", None) or {}, getattr(args, "unpatched_max", None) or {}
     rows = [{"model": model, "setting": name} for model in models for name in _settings_of(model, settings)]
+    sweep = tuple(sorted(set(getattr(args, "curve_batches", None) or ()) - {args.batch}))
     for row in rows if getattr(args, "speed", True) else ():
-        row["equal_batch"] = run_in_subprocess(Trial(row["model"], row["setting"], args.batch, cap_bytes=args.cap,
-                                                     **base))
-        _progress(row["model"], row["setting"], f"batch {args.batch}", row["equal_batch"])
+        result = run_in_subprocess(Trial(row["model"], row["setting"], args.batch, cap_bytes=args.cap, sweep=sweep,
+                                         **base))
+        points = {int(b): point for b, point in result.pop("sweep", {}).items()}
+        row["equal_batch"] = result
+        _progress(row["model"], row["setting"], f"batch {args.batch}", result)
+        for b, point in points.items():
+            _progress(row["model"], row["setting"], f"curve batch {b}", point)
+        if sweep:
+            row["curve"] = {b: p.get("samples_per_s") for b, p in sorted(({args.batch: result} | points).items())}
         _add_ratios(rows)
         report(rows)
     if args.cap and args.search:
@@ -441,7 +480,7 @@ def measure(models: list[str], settings: list[str], args: argparse.Namespace,
               flush=True)
         with ThreadPoolExecutor(max_workers=len(rows)) as pool:
             list(pool.map(search, rows))
-        if args.curve:
+        if args.curve and not sweep:
             for row in (r for r in rows if r.get("max_batch")):
                 row["curve"] = {}
                 for b in _curve_batches(row["max_batch"], args.batch):
@@ -525,8 +564,17 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
                      + ", ".join(f"{r['model']} {r['setting']} "
                                  f"({format_bytes(r['equal_batch']['growth_bytes_per_step'])} a step)" for r in grew)
                      + " (a leak, or a cache still filling).")]
-    (out / "gpu_training.md").write_text("\n".join(lines) + "\n")
     curves = [r for r in rows if r.get("curve")]
+    if curves:
+        batches = sorted({int(b) for r in curves for b in r["curve"]})
+        lines += ["", "Samples/s against batch size (- where a trial ran out of memory or was not run after one):",
+                  "", "| model | setting | " + " | ".join(map(str, batches)) + " |",
+                  "|---|---|" + "---|" * len(batches)]
+        for r in curves:
+            by_batch = {int(b): sps for b, sps in r["curve"].items()}
+            lines.append(f"| {r['model']} | {r['setting']} | "
+                         + " | ".join(_cell(by_batch.get(b), ".1f") for b in batches) + " |")
+    (out / "gpu_training.md").write_text("\n".join(lines) + "\n")
     if not curves:
         return
     plt = pyplot()
@@ -587,6 +635,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resolution", type=float, default=0.02, help="relative precision of the search")
     parser.add_argument("--no-search", dest="search", action="store_false", help="skip the largest-batch search")
     parser.add_argument("--no-curve", dest="curve", action="store_false", help="skip the throughput curve")
+    parser.add_argument("--curve-batches", type=int, nargs="+", metavar="B",
+                        help="the throughput curve at these batches instead of up to each searched largest batch: "
+                             "timed in the equal-batch speed trial's process after --batch, smallest first, until "
+                             "one runs out of memory under --cap (no search needed)")
     parser.add_argument("--no-speed", dest="speed", action="store_false",
                         help="skip the equal-batch speed trials (the searches then start without their projection)")
     parser.add_argument("--targets", nargs="+", default=[], metavar="SETTING=RATIO",
@@ -626,8 +678,11 @@ def main(argv: list[str] | None = None) -> int:
         if model and model not in MODELS:
             parser.error(f"--settings {word!r}: unknown model {model!r}; allowed: {', '.join(MODELS)}")
         parse_setting(name)
-    if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.parallel < 1:
-        parser.error("--batch, --steps and --parallel must be >= 1, --warmup >= 0")
+    if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.parallel < 1 \
+            or any(b < 1 for b in args.curve_batches or ()):
+        parser.error("--batch, --curve-batches, --steps and --parallel must be >= 1, --warmup >= 0")
+    if args.curve_batches and not args.speed:
+        parser.error("--curve-batches is timed in the speed trials: it cannot go with --no-speed")
     if args.cap and not args.device.startswith("cuda"):
         parser.error(f"--cap needs a CUDA device (--device is {args.device!r})")
     args.targets = _pairs(parser, "--targets", args.targets, float, _known_setting)
@@ -640,7 +695,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf  # the trials' subprocesses inherit it
     meta = _meta(torch.device(args.device)) | {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")} | {
         key: getattr(args, key) for key in ("batch", "steps", "warmup", "seq", "image_size", "dtype", "resolution",
-                                            "attention_dropout", "parallel", "speed", "targets", "unpatched_max")
+                                            "attention_dropout", "parallel", "speed", "targets", "unpatched_max",
+                                            "curve_batches")
     } | {"cap_bytes": args.cap}
     measure(args.models, args.settings, args, report=lambda rows: write_results(rows, meta, args.out))
     print((args.out / "gpu_training.md").read_text())

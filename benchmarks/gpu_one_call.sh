@@ -4,15 +4,14 @@
 # `gpu_session.sh all`; results under $1 (the files a device call returns are few: the tables and logs are
 # bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
-# Order: the issue's memory targets answered first, one capped trial per row at ratio x the unpatched largest batch
-# (4.5x at 3 bits, 6.5x at 2 bits, 20x for bert-large with checkpointing; the searches then go on from there while
-# time is left; bert-large ckpt+bits3 is searched without a target), beside the CUDA tests (since the H100 run at
-# fffea77 they check the extension's error messages, swap's bit-equality under deterministic algorithms, the capped
-# search at a batch where activations set the peak; since 42bd09d the few-bit and 1-bit mask kernels, compiled but
-# never run before); then speed at equal batch with the GPU to itself; the host work of each act_hf op there (a tiny
-# BERT, host-bound); what is alive at the peaks of resnet50, swin-tiny (2 bits) and bert-large with checkpointing,
-# and a profile, while time is left. The model sweep of the runs before is left out; the kernel throughput runs at
-# one size (the quantize kernel's arithmetic changed since the fourth run).
+# Order: the build (the quantize kernel's arithmetic changed since the fourth run, b56e4f9); the issue's memory
+# targets, one capped trial per row at ratio x the unpatched largest batch (4.5x at 3 bits, 6.5x at 2 bits, 20x for
+# bert-large with checkpointing), the searches going on from there while time is left, and bert-large with swap
+# (never measured on a GPU), beside the CUDA tests (the kernel file first, then the files whose CUDA tests never
+# ran on a GPU); then, with the GPU to itself, speed at equal batch and the throughput curves (ActNN's Fig. 1,
+# GACT's Fig. 4; never measured before), each model and setting in one process over its batches; bert-large with
+# BERT's own attention dropout (fused SDPA kernels with dropout: the leak fixed at 6054873); the kernel throughput
+# and what is alive at swin-tiny's peak at 2 bits while time is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -25,6 +24,7 @@ left() { echo $((budget - (SECONDS - start))); }
 lim() { local t=$(( $(left) - $1 )); (( t < 10 )) && t=10; echo $t; }  # a part's limit, $1 s kept for the rest
 bundle() { tar czf "$OUT/all.tgz" -C "$W" . 2>/dev/null; }
 part() { echo "== $* ($((SECONDS - start)) s in, $(left) s left)"; }
+GT="benchmarks/benchmark_gpu_training.py"
 
 part build
 timeout 150 "$PY" -m act_hf.cli build-ext >"$W/build.log" 2>&1
@@ -35,64 +35,54 @@ parallel=$(( (total_gib - 24) / 17 )); (( parallel > 5 )) && parallel=5; (( para
 part "memory targets (16 GiB, expandable segments), $parallel trials at a time (${total_gib} GiB), beside the tests"
 mkdir -p "$W/targets"
 # timeout signals its whole process group, so the trials' subprocesses end with it and leave the GPU free
-timeout $(lim 190) "$PY" benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 \
-  --settings bits3 bits2 bert-large:ckpt4+bits3 bert-large:ckpt+bits3 --no-speed --no-curve --cap 16GiB \
+timeout $(lim 250) "$PY" $GT --models bert-large swin-tiny resnet50 \
+  --settings bits3 bits2 bert-large:ckpt4+bits3 bert-large:swap+bits3 --no-speed --no-curve --cap 16GiB \
   --targets bits3=4.5 bits2=6.5 ckpt4+bits3=20 \
   --unpatched-max bert-large=91 swin-tiny=233 resnet50=374 --resolution 0.04 --parallel "$parallel" \
   --alloc-conf expandable_segments:True --out "$W/targets" >"$W/targets.log" 2>&1 &
 targets=$!
 
-# the kernel tests apart from the rest, so that a crash in one part does not hide the other
-# then the peak-memory checks of the in-place MLP activations, the Swin block and gelu_new (added since b56e4f9,
-# never run on a GPU), then the rest
-NEW_CUDA="tests/patches/test_owned_activation.py tests/patches/test_swin_block.py tests/patches/test_new_gelu.py"
+# the kernel tests apart from the rest, so that a crash in one part does not hide the other; then the files whose
+# CUDA tests never ran on a GPU (the SDPA-with-dropout leak check, the owned MLP inputs, gelu_new); then the rest
+NEW_CUDA="tests/ops/test_attention.py tests/patches/test_owned_activation.py tests/patches/test_swin_block.py
+  tests/patches/test_new_gelu.py"
 ( timeout 90 "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py -p no:cacheprovider -rfEs
   timeout 90 "$PY" -m pytest -q -m cuda $NEW_CUDA -p no:cacheprovider -rfEs
-  timeout $(lim 260) "$PY" -m pytest -q -m cuda tests --ignore=tests/compress/test_kernels_cuda.py \
+  timeout $(lim 250) "$PY" -m pytest -q -m cuda tests --ignore=tests/compress/test_kernels_cuda.py \
     $(printf -- '--ignore=%s ' $NEW_CUDA) -p no:cacheprovider -rfEs --durations=5 ) >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
 
-wait $targets; echo "targets exit $?"; grep -E "fits batch|Error" "$W/targets.log" | tail -n 30
+wait $targets; echo "targets exit $?"; grep -E "fits batch|Error" "$W/targets.log" | tail -n 40
 cat "$W/targets/gpu_training.md" 2>/dev/null; bundle
 
-part "kernel throughput (the quantize kernel's arithmetic changed at 6998775; 256 MiB, 2 and 3 bits)"
-t=$(lim 150); (( t > 40 )) && t=40
-timeout $t "$PY" benchmarks/benchmark_quantize.py --sizes-mib 256 --bits 2 3 --repeat 10 --out "$W" \
-  >"$W/quantize.log" 2>&1
-echo "quantize throughput exit $?"; cat "$W/quantize_throughput.md" 2>/dev/null; bundle
-
-part "speed at equal batch, alone on the GPU"
+part "speed at equal batch and throughput against batch size under 16 GiB, alone on the GPU"
 mkdir -p "$W/speed"
-timeout $(lim 90) "$PY" benchmarks/benchmark_gpu_training.py --models bert-large swin-tiny resnet50 \
-  --settings unpatched bits3 --no-search --no-curve --steps 10 --warmup 3 --out "$W/speed" >"$W/speed.log" 2>&1
+timeout $(lim 45) "$PY" $GT --models bert-large swin-tiny resnet50 \
+  --settings unpatched bits3 bert-large:swap+bits3 --no-search --cap 16GiB --curve-batches 64 128 256 512 1024 \
+  --steps 5 --warmup 2 --alloc-conf expandable_segments:True --out "$W/speed" >"$W/speed.log" 2>&1
 echo "speed exit $?"; cat "$W/speed/gpu_training.md" 2>/dev/null; bundle
 
-part "host work per act_hf op on this machine (tiny BERT, CUDA kernels)"
-mkdir -p "$W/host"
-t=$(lim 150); (( t > 60 )) && t=60
-timeout $t "$PY" benchmarks/benchmark_host_overhead.py --device cuda --out "$W/host" >"$W/host.log" 2>&1
-echo "host overhead exit $?"; cat "$W/host/host_overhead.md" 2>/dev/null; bundle
+part "bert-large with attention dropout 0.1 (fused SDPA with dropout), alone on the GPU"
+mkdir -p "$W/dropout"
+timeout $(lim 5) "$PY" $GT --models bert-large --settings unpatched bits3 --attention-dropout 0.1 --no-search \
+  --steps 5 --warmup 2 --out "$W/dropout" >"$W/dropout.log" 2>&1
+echo "dropout exit $?"; cat "$W/dropout/gpu_training.md" 2>/dev/null; bundle
 
-# what is alive at the peaks the changes since fffea77 aimed at: resnet50's forward (BatchNorm's normalized input
-# packed by slices), swin-tiny's (the eager attention forward over chunks), bert-large's with checkpointing (CB1)
-for spec in resnet50:bits3 swin-tiny:bits2 bert-large:ckpt4+bits3; do
-  model=${spec%%:*}; setting=${spec#*:}
-  (( $(left) > 80 )) || break
-  part "what is alive at $model's peak, $setting"
-  t=$(lim 30); (( t > 120 )) && t=120
-  timeout $t "$PY" benchmarks/memory_at_peak.py --model "$model" --setting "$setting" --device cuda \
-    --batches 32 64 --out "$W" >"$W/peak_$model.log" 2>&1
-  echo "memory at peak $model exit $?"; head -n 1 "$W/memory_at_peak_${model}_${setting}.md" 2>/dev/null; bundle
-done
+if (( $(left) > 50 )); then
+  part "kernel throughput (256 MiB, 2 and 3 bits)"
+  timeout $(lim 5) "$PY" benchmarks/benchmark_quantize.py --sizes-mib 256 --bits 2 3 --repeat 10 --out "$W" \
+    >"$W/quantize.log" 2>&1
+  echo "quantize throughput exit $?"; cat "$W/quantize_throughput.md" 2>/dev/null; bundle
+fi
 if (( $(left) > 60 )); then
-  part profile
-  timeout $(lim 15) "$PY" benchmarks/profile_step.py --model bert-large --settings unpatched bits3 \
-    --batch 32 --steps 3 --rows 40 --out "$W" >"$W/profile.log" 2>&1
-  echo "profile exit $?"; bundle
+  part "what is alive at swin-tiny's peak, bits2"
+  timeout $(lim 5) "$PY" benchmarks/memory_at_peak.py --model swin-tiny --setting bits2 --device cuda \
+    --batches 32 64 --out "$W" >"$W/peak_swin-tiny.log" 2>&1
+  echo "memory at peak exit $?"; head -n 1 "$W/memory_at_peak_swin-tiny_bits2.md" 2>/dev/null; bundle
 fi
 cp "$W/targets/gpu_training.md" "$OUT/targets.md" 2>/dev/null
 cp "$W/speed/gpu_training.md" "$OUT/speed.md" 2>/dev/null
-cp "$W/host/host_overhead.md" "$OUT/host_overhead.md" 2>/dev/null
+cp "$W/speed/gpu_training.png" "$OUT/curves.png" 2>/dev/null
+cp "$W/dropout/gpu_training.md" "$OUT/dropout.md" 2>/dev/null
 cp "$W/tests.log" "$OUT/" 2>/dev/null
-cp "$W/quantize_throughput.md" "$OUT/" 2>/dev/null
 part done

@@ -85,7 +85,7 @@ def profile_setting(trial: Trial, rows: int) -> dict:
     """Step time of ``trial.steps`` profiled steps and the ``rows`` ops with the most own time."""
     cuda = trial.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step, _ = prepare_step(trial)
+    step, _, _ = prepare_step(trial)
     for _ in range(trial.warmup):
         step()
     sync()

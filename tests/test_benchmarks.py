@@ -345,6 +345,43 @@ def test_trial_trains_in_process_and_in_a_subprocess():
     assert 1 <= result["avg_bits"] <= 2.5
 
 
+def test_a_trial_sweeps_batches_in_its_process_until_one_runs_out_of_memory(monkeypatch):
+    """``Trial.sweep`` times more batches on the model built once, each with a batch of its own size; the first
+    out-of-memory ends the sweep."""
+    trial = gpu_training.Trial("resnet50", "bits3", batch=2, steps=1, warmup=1, image_size=32, dtype="fp32",
+                               device="cpu", sweep=(3, 4))
+    result = gpu_training.run_trial(trial)
+    assert result["samples_per_s"] > 0 and set(result["sweep"]) == {3, 4}
+    assert all(point["oom"] is False and point["samples_per_s"] > 0 for point in result["sweep"].values())
+
+    timed = gpu_training._timed_steps
+    sizes = []
+
+    def out_of_memory_at_3(step, trial, batch):
+        sizes.append(batch)
+        if batch == 3:
+            raise torch.OutOfMemoryError("at 3")
+        return timed(step, trial, batch)
+
+    monkeypatch.setattr(gpu_training, "_timed_steps", out_of_memory_at_3)
+    result = gpu_training.run_trial(trial)
+    assert sizes == [2, 3] and result["sweep"] == {3: {"oom": True}}
+
+
+def test_curve_batches_are_timed_in_the_speed_trials(tmp_path):
+    """``--curve-batches``: each row's speed trial times the equal batch and then the curve's, in one
+    subprocess; the table lists samples/s by batch."""
+    assert gpu_training.main(["--models", "resnet50", "--settings", "bits3", "--device", "cpu", "--image-size", "32",
+                              "--dtype", "fp32", "--batch", "2", "--curve-batches", "1", "2", "3", "--steps", "1",
+                              "--warmup", "0", "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "gpu_training.json").read_text())["rows"][0]
+    assert set(row["curve"]) == {"1", "2", "3"} and all(sps > 0 for sps in row["curve"].values())
+    assert row["curve"]["2"] == row["equal_batch"]["samples_per_s"]
+    assert "| resnet50 | bits3 | " in (tmp_path / "gpu_training.md").read_text().split("| 1 | 2 | 3 |")[1]
+    with pytest.raises(SystemExit):
+        gpu_training.main(["--curve-batches", "0", "--device", "cpu"])
+
+
 def test_attention_dropout_reaches_the_hf_configs():
     """``--attention-dropout`` sets each HF family's own keyword; the default builds keep dropout off."""
     overrides = dict.fromkeys(gpu_training._ATTENTION_DROPOUT_KEYS, 0.1)
