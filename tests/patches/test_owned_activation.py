@@ -115,10 +115,13 @@ def test_eval_and_unpatch_run_the_original_mlp():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_the_activation_output_and_the_linear_output_are_never_alive_together(monkeypatch, device):
-    """The highest point of an MLP's forward (its input made outside) stays below two hidden-width tensors, which
-    the out-of-place call (a hook on fc1) holds at once: on the CPU from the profiler's allocations, the codec's
-    reference stubbed, as a GPU's kernels make no temporaries; on a GPU under bf16 autocast, whose hidden tensors
-    are bf16."""
+    """The highest point of an MLP's forward (its input made outside) is lower than that of the out-of-place call
+    (a hook on fc1), which holds fc1's output and the activation's at once: on the CPU from the profiler's
+    allocations, the codec's reference stubbed, as a GPU's kernels make no temporaries, below two hidden-width
+    tensors where the out-of-place call passes them (0.65 of one lower); on a GPU under bf16 autocast, whose
+    hidden tensors are bf16, by at least half of one too (the bf16 copies of the input and weights, a fifth of a
+    hidden tensor each here, come on top of both: on the H100 at 7a3742d the out-of-place call's 2.66 hidden
+    tensors passed two, and only the cuBLAS workspace in the first call was seen, see ``forward_peak``)."""
     stub_codec(monkeypatch)
     model, _ = _patched("timm-vit")
     mlp = model.to(device).blocks[0].mlp
@@ -128,7 +131,9 @@ def test_the_activation_output_and_the_linear_output_are_never_alive_together(mo
     handle = mlp.fc1.register_forward_hook(lambda mod, args, out: None)
     out_of_place = forward_peak(mlp, x)
     handle.remove()
-    assert in_place < 2 * hidden <= out_of_place, (in_place, out_of_place, hidden)
+    assert out_of_place - in_place >= 0.5 * hidden, (in_place, out_of_place, hidden)
+    if device == "cpu":
+        assert in_place < 2 * hidden <= out_of_place, (in_place, out_of_place, hidden)
 
 
 def test_a_gated_mlp_holds_at_most_two_intermediate_tensors(monkeypatch):
