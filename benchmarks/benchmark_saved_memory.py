@@ -172,8 +172,9 @@ def _meta(device) -> dict:
     import timm
     import transformers
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    try:  # "-dirty" when the tree differs from its commit (a device machine's copy of .git can lag the files)
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                                text=True, cwd=Path(__file__).resolve().parent.parent).stdout.strip()
     except OSError:
         commit = ""
     return {
