@@ -841,6 +841,39 @@ def test_the_fallback_keeps_static_tensors_exact_where_they_scale_activations(mo
     assert_grads_match(ref, model, name="position bias")
 
 
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+def test_the_fallback_mode_is_off_inside_act_hf_modules_fed_activations(monkeypatch):
+    """The function mode that routes the root's calls and marks static tensors is taken off while an act_hf
+    module fed an activation runs (the projection of ``x``), kept where one is fed static tensors alone (the MLP
+    over the constant table, whose output is marked static: the test above), and back for the root's calls after
+    the projection; a forward that raises inside a module leaves no mode behind."""
+    torch.manual_seed(0)
+    model = act_hf.patch(_PositionBias().train(), bits=3)
+    modes, seen = {}, set()
+
+    def record(name):
+        def hook(module, args):
+            stack = torch.overrides._get_current_function_mode_stack()
+            modes[name] = any(isinstance(m, fallback._FallbackOps) for m in stack)
+        return hook
+
+    def seeing(mode, func, types, args=(), kwargs=None):
+        seen.add(func)
+        return examine(mode, func, types, args, kwargs)
+
+    examine = fallback._FallbackOps.__torch_function__
+    monkeypatch.setattr(fallback._FallbackOps, "__torch_function__", seeing)
+    model.proj.register_forward_pre_hook(record("proj"))
+    model.mlp[2].register_forward_pre_hook(record("mlp"))
+    model(torch.randn(2, 512, 16)).sum().backward()
+    assert modes == {"proj": False, "mlp": True}
+    assert torch.tanh in seen  # called after the projection
+    assert torch._C._len_torch_function_stack() == 0
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 512, 15))  # the projection's matmul fails inside it
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def _fallback_pair(ref, bits=3, **config):
     model = copy.deepcopy(ref)
     with pytest.warns(act_hf.ActHFWarning, match="has no family") as record:
