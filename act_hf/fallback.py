@@ -569,8 +569,9 @@ class _HookScopes:
         Fed a tensor that is not static, the module also runs without the function mode (:class:`_Paused`): the
         mode routes nothing inside act_hf's modules and marks as static only what is made from static tensors
         alone, which the module's output, made from its input, is not; and every call the module's ops make
-        paid for a pass through it (host work of a patched training step, tiny BART, best of 7 x 20 steps,
-        4 interleaved runs each: 34.35-38.89 -> 29.16-31.31 ms against 9.62 unpatched)."""
+        paid for a pass through it (host work of a tiny BART's patched step, codec stubbed, 4 interleaved runs each
+        of ``benchmarks/benchmark_host_overhead.py --stub-codec --hf-fallback bart``: 30.11-40.35 -> 27.30-34.19 ms,
+        10.10-10.49 unpatched)."""
         if not self._foreign_hooks_inside():  # those hooks, not the compressing ones, see the module's tensors
             self._open(module, (_pass_through, _identity), _SHIELDED)
             if self.stack and self.stack[-1][0] is module and not torch.compiler.is_compiling() \

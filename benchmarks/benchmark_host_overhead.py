@@ -35,6 +35,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -160,13 +161,33 @@ def count_ops(step) -> tuple[int, int, int]:
     return counts[0], counts[1], counts[2]
 
 
+def _fallback_model(name: str, layers: int, hidden: int, seq: int):
+    """A tiny HF seq2seq model act_hf has no family for (patched through its fallback: hooks and function mode):
+    ``layers // 2`` encoder and decoder layers (at least one), ``hidden`` wide, 2 heads, MLPs 2x wider."""
+    import transformers as tf
+
+    common = dict(vocab_size=100, d_model=hidden, encoder_layers=max(1, layers // 2),
+                  decoder_layers=max(1, layers // 2), encoder_attention_heads=2, decoder_attention_heads=2,
+                  encoder_ffn_dim=2 * hidden, decoder_ffn_dim=2 * hidden, dropout=0.0, attention_dropout=0.0)
+    if name == "bart":
+        return tf.BartForConditionalGeneration(tf.BartConfig(max_position_embeddings=max(64, seq), **common))
+    return tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        num_mel_bins=16, max_source_positions=seq, max_target_positions=max(64, seq), pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1, **common))
+
+
+#: ``--hf-fallback`` choices
+FALLBACK_MODELS = ("bart", "whisper")
+
+
 def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats: int = 3, hidden: int = 32,
             timm_model: str | None = None, image_size: int = 96, autocast: bool = True,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", fallback_model: str | None = None) -> dict:
     """Best over ``repeats`` of the mean time of ``steps`` training steps (forward and backward) of a tiny BERT (or
-    of ``timm_model`` with 10 classes on ``image_size`` images) on ``device``, and the ops of one step
-    (:func:`count_ops`). On a GPU the step is timed to its end on the device; the ops' times are the host's (the
-    kernels they launch run on)."""
+    of ``timm_model`` with 10 classes on ``image_size`` images, or of a tiny ``fallback_model``, one of
+    :data:`FALLBACK_MODELS`, on ``seq`` tokens or Whisper's ``2 x seq`` frames) on ``device``, and the ops of one
+    step (:func:`count_ops`). On a GPU the step is timed to its end on the device; the ops' times are the host's
+    (the kernels they launch run on)."""
     torch.manual_seed(0)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if timm_model is not None:
@@ -178,6 +199,14 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
 
         def loss_of() -> torch.Tensor:
             return torch.nn.functional.cross_entropy(model(x).float(), labels)
+    elif fallback_model is not None:
+        model = _fallback_model(fallback_model, layers, hidden, seq).train().to(device)
+        ids = torch.randint(3, 100, (batch, seq), device=device)
+        inputs = {"input_features": torch.randn(batch, 16, 2 * seq, device=device)} \
+            if fallback_model == "whisper" else {"input_ids": ids}
+
+        def loss_of() -> torch.Tensor:
+            return model(**inputs, labels=ids).loss
     else:
         import transformers as tf
 
@@ -190,7 +219,9 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
         def loss_of() -> torch.Tensor:
             return model(input_ids=ids, labels=labels).loss
     if setting != "unpatched":
-        act_hf.patch(model, bits=int(setting.removeprefix("bits")))
+        with warnings.catch_warnings():  # the fallback models': "act_hf has no family for ..."
+            warnings.simplefilter("ignore", act_hf.ActHFWarning)
+            act_hf.patch(model, bits=int(setting.removeprefix("bits")))
 
     def step() -> None:
         with torch.autocast(device, torch.bfloat16, enabled=autocast):
@@ -234,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=32, help="hidden size (2 heads, MLP 2x wider; default 32)")
     parser.add_argument("--timm", metavar="NAME", help="a timm model (10 classes) instead of the tiny BERT")
     parser.add_argument("--image-size", type=int, default=96, help="images of --timm (default 96)")
+    parser.add_argument("--hf-fallback", choices=FALLBACK_MODELS, metavar="NAME",
+                        help=f"a tiny HF model act_hf has no family for ({', '.join(FALLBACK_MODELS)}; "
+                             "--layers split between encoder and decoder) instead of the tiny BERT")
     parser.add_argument("--fp32", action="store_true",
                         help="train in fp32 instead of under bf16 autocast (the CPU's bf16 matmuls, slow without "
                              "AMX, then stop hiding the host work)")
@@ -249,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8)")
     if min(args.layers, args.steps, args.batch, args.seq, args.image_size) < 1 or args.hidden < 2 or args.hidden % 2:
         parser.error("--layers, --steps, --batch, --seq and --image-size must be >= 1, --hidden even and >= 2")
+    if args.timm and args.hf_fallback:
+        parser.error("--timm and --hf-fallback: one model at a time")
     if args.device == "cuda" and (args.stub_codec or not torch.cuda.is_available()):
         parser.error("--device cuda: needs a GPU, and runs the CUDA kernels (no --stub-codec)")
     torch.set_num_threads(1)
@@ -259,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = [measure(name, args.layers, args.steps, args.batch, args.seq, hidden=args.hidden,
                         autocast=not args.fp32, device=args.device,
-                        timm_model=args.timm, image_size=args.image_size) for name in args.settings]
+                        timm_model=args.timm, image_size=args.image_size, fallback_model=args.hf_fallback)
+                for name in args.settings]
     finally:
         for name, kernel in saved.items():
             setattr(reference, name, kernel)
@@ -268,11 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         r["vs_unpatched"] = None if base is None else r["ms_per_step"] / base
     meta = _meta(torch.device(args.device)) | {"layers": args.layers, "steps": args.steps, "batch": args.batch,
                                          "seq": args.seq, "hidden": args.hidden, "timm": args.timm,
+                                         "hf_fallback": args.hf_fallback,
                                          "image_size": args.image_size, "stub_codec": args.stub_codec,
                                          "autocast": not args.fp32}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     model = (f"timm {args.timm} ({args.image_size} px images, batch {args.batch})" if args.timm else
+             f"Tiny {args.hf_fallback} through the fallback ({max(1, args.layers // 2)} encoder and decoder layers, "
+             f"hidden {args.hidden}, batch {args.batch} x seq {args.seq})" if args.hf_fallback else
              f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq})")
     codec = ("stubbed (host work only)" if args.stub_codec else "CUDA kernels" if args.device == "cuda"
              else "real (CPU reference)")

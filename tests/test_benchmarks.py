@@ -328,6 +328,20 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert (tmp_path / "host_overhead.md").read_text().startswith("timm resnet18 (32 px images, batch 2)")
 
 
+@pytest.mark.parametrize("name", ["bart", "whisper"])
+def test_host_overhead_of_a_fallback_model(tmp_path, name):
+    """``--hf-fallback``: a tiny HF model act_hf has no family for, patched through the fallback, trains; its
+    act_hf modules' ops are timed; the table names the model."""
+    host_overhead = _load("benchmark_host_overhead")
+    assert host_overhead.main(["--stub-codec", "--hf-fallback", name, "--layers", "2", "--steps", "1",
+                               "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
+    assert all(r["ms_per_step"] > 0 for r in rows) and rows[1]["by_op"]
+    assert (tmp_path / "host_overhead.md").read_text().startswith(f"Tiny {name} through the fallback (1 encoder")
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--hf-fallback", name, "--timm", "resnet18"])
+
+
 def test_curve_batches():
     assert gpu_training._curve_batches(91, 32) == [8, 16, 32, 64, 91]
     assert gpu_training._curve_batches(20, 32) == [8, 16, 20]
