@@ -166,9 +166,9 @@ def _fallback_model(name: str, layers: int, hidden: int, seq: int):
     ``layers // 2`` encoder and decoder layers (at least one), ``hidden`` wide, 2 heads, MLPs 2x wider."""
     import transformers as tf
 
-    common = dict(vocab_size=100, d_model=hidden, encoder_layers=max(1, layers // 2),
-                  decoder_layers=max(1, layers // 2), encoder_attention_heads=2, decoder_attention_heads=2,
-                  encoder_ffn_dim=2 * hidden, decoder_ffn_dim=2 * hidden, dropout=0.0, attention_dropout=0.0)
+    common = {"vocab_size": 100, "d_model": hidden, "encoder_layers": max(1, layers // 2),
+              "decoder_layers": max(1, layers // 2), "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+              "encoder_ffn_dim": 2 * hidden, "decoder_ffn_dim": 2 * hidden, "dropout": 0.0, "attention_dropout": 0.0}
     if name == "bart":
         return tf.BartForConditionalGeneration(tf.BartConfig(max_position_embeddings=max(64, seq), **common))
     return tf.WhisperForConditionalGeneration(tf.WhisperConfig(
