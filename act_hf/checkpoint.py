@@ -91,6 +91,39 @@ class _Call:
             (self.args if where == "arg" else self.kwargs)[j] = None
 
 
+#: whether ``torch.autograd.backward`` takes gradient edges as its roots (torch 2.5 on): then a recomputed layer's
+#: outputs need not be held through the layer's backward
+_BACKWARD_FROM_EDGES = "Edge" in str(inspect.signature(torch.autograd.backward).parameters["tensors"].annotation)
+
+
+class _GradientOf(torch.autograd.Function):
+    """A recomputed layer's input: ``x`` itself (a tensor of its own on the same storage), whose gradient is
+    appended to ``holder`` when backward reaches it. Unlike a leaf, which the graph's ``AccumulateGrad`` holds to
+    the end of the layer's backward, nothing here keeps ``x``: once the recomputation has run, it lives only in
+    what the layer's ops saved of it (act_hf's packed copies, or ``x`` itself where an op saved it so)."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, x: Tensor, holder: list) -> Tensor:
+        ctx.holder = holder
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple:
+        ctx.holder.append(grad)
+        return None, None, None
+
+
+def _backward_from(outputs: list[Tensor], grads: list[Tensor]) -> None:
+    """``torch.autograd.backward(outputs, grads)``, holding ``outputs`` no longer than the graph does: from their
+    gradient edges, where torch takes them, so that an output no op saved goes before the backward runs."""
+    if not _BACKWARD_FROM_EDGES:
+        torch.autograd.backward(outputs, grads)
+        return
+    edges = [torch.autograd.graph.get_gradient_edge(o) for o in outputs]
+    outputs.clear()
+    torch.autograd.backward(edges, grads)
+
+
 class _CompressedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, bits: int | None, group_size: int, swap: bool, channel_scale: bool, slot: str,
@@ -125,24 +158,37 @@ class _CompressedCheckpoint(torch.autograd.Function):
         if not is_valid():
             raise ActHFRuntimeError("act_hf.checkpoint does not support torch.autograd.grad or backward(inputs=...); "
                                     "call loss.backward()")
-        inputs = []
-        for item, needs_grad, channels_last in zip(load_context(ctx), ctx.inputs_need_grad, ctx.channels_last):
-            if isinstance(item, PackedTensor):
-                item = dequantize(item)
-                if channels_last:
-                    item = item.contiguous(memory_format=torch.channels_last)
-            inputs.append(item.detach().requires_grad_(needs_grad))
-        with replayed_rng(ctx.rng), torch.enable_grad(), torch.autocast(ctx.device_type, **ctx.autocast), \
-                torch.autocast("cpu", **ctx.cpu_autocast):
-            outputs = ctx.call(inputs)
+        inputs, holders = [], []
+        with torch.enable_grad():
+            for item, needs_grad, channels_last in zip(load_context(ctx), ctx.inputs_need_grad, ctx.channels_last):
+                if isinstance(item, PackedTensor):
+                    item = dequantize(item)
+                    if channels_last:
+                        item = item.contiguous(memory_format=torch.channels_last)
+                holders.append([] if needs_grad else None)
+                if needs_grad:  # the anchor makes _GradientOf's output require grad
+                    anchor = torch.empty(0, device=item.device, requires_grad=True)
+                    item = _GradientOf.apply(anchor, item.detach(), holders[-1])
+                inputs.append(item if needs_grad else item.detach())
+            item = None  # the last input goes with the others once the layer has run
+            with replayed_rng(ctx.rng), torch.autocast(ctx.device_type, **ctx.autocast), \
+                    torch.autocast("cpu", **ctx.cpu_autocast):
+                outputs = ctx.call(inputs)
+        del inputs  # the recomputed layer holds what it needs of them
         outputs = (outputs,) if isinstance(outputs, Tensor) else outputs
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
                  if isinstance(o, Tensor) and o.requires_grad and g is not None]
         if not pairs:
             raise ActHFRuntimeError("act_hf.checkpoint: none of the checkpointed function's outputs requires grad")
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        grads = tuple(t.grad if needs_grad else None for t, needs_grad in zip(inputs, ctx.inputs_need_grad))
-        return (None,) * 7 + grads
+        roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        del outputs, pairs
+        _backward_from(roots, grads)
+        return (None,) * 7 + tuple(_collected(holder) for holder in holders)
+
+
+def _collected(holder: list | None) -> Tensor | None:
+    """The gradient a :class:`_GradientOf` input received (``None``: none reached it, or it needs none)."""
+    return holder[0] if holder else None
 
 
 def _holds_grad_tensor(obj: Any) -> bool:

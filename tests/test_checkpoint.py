@@ -89,6 +89,31 @@ def test_the_packed_input_is_all_that_is_kept():
     assert saved.by_slot == {"checkpoint": numel + 4 * math.ceil(numel / 256)}
 
 
+@pytest.mark.filterwarnings("ignore::act_hf.ActHFWarning")
+def test_the_recomputed_input_and_output_are_gone_while_the_layer_runs_backward():
+    """In backward the layer runs again on the decoded input; its ops keep packed copies of what they read
+    (act_hf's Linears, GELU), so neither that input nor the recomputed output is alive while the layer's
+    backward runs: the input is no leaf held by the graph, and the backward starts from the output's gradient
+    edge. Gradients as before (the test above)."""
+    import weakref
+
+    layer = act_hf.patch(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), bits=4)
+    seen, alive = [], []
+
+    def run(x):
+        out = layer(x)
+        seen.append((weakref.ref(x), weakref.ref(out)))
+        if len(seen) == 2:  # the recomputation; the first weight's gradient is accumulated in the layer's backward
+            layer[0].weight.register_post_accumulate_grad_hook(
+                lambda p: alive.append(tuple(r() is not None for r in seen[1])))
+        return out
+
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    checkpoint(run, x * 1, bits=4).sum().backward()
+    assert alive == [(False, False)]
+    assert x.grad is not None
+
+
 def test_keyword_tensors_of_a_partial_get_their_gradients():
     """HF calls ``checkpoint(partial(forward, self, **kwargs), *args)``: a keyword tensor that requires grad
     still receives its gradient, and a mask keyword is passed through untouched."""
