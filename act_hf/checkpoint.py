@@ -96,20 +96,38 @@ class _Call:
 _BACKWARD_FROM_EDGES = "Edge" in str(inspect.signature(torch.autograd.backward).parameters["tensors"].annotation)
 
 
+class _InputGradient:
+    """Where :class:`_GradientOf` puts the gradient of a recomputed input, laid out as ``AccumulateGrad`` lays out
+    a leaf's (the strides of a dense input, else contiguous), so that the layers before get the gradient they got
+    when the input was a leaf, bit for bit and stride for stride."""
+
+    def __init__(self, x: Tensor) -> None:
+        order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+        self.shape, self.stride = x.shape, x.stride() if x.permute(order).is_contiguous() else None
+        self.grad: Tensor | None = None
+
+    def take(self, grad: Tensor) -> None:
+        if self.stride is None:
+            grad = grad.contiguous()
+        elif grad.stride() != self.stride:
+            grad = grad.new_empty_strided(self.shape, self.stride).copy_(grad)
+        self.grad = grad
+
+
 class _GradientOf(torch.autograd.Function):
-    """A recomputed layer's input: ``x`` itself (a tensor of its own on the same storage), whose gradient is
-    appended to ``holder`` when backward reaches it. Unlike a leaf, which the graph's ``AccumulateGrad`` holds to
-    the end of the layer's backward, nothing here keeps ``x``: once the recomputation has run, it lives only in
-    what the layer's ops saved of it (act_hf's packed copies, or ``x`` itself where an op saved it so)."""
+    """A recomputed layer's input: ``x`` itself (a tensor of its own on the same storage), whose gradient goes to
+    ``into`` when backward reaches it. Unlike a leaf, which the graph's ``AccumulateGrad`` holds to the end of the
+    layer's backward, nothing here keeps ``x``: once the recomputation has run, it lives only in what the layer's
+    ops saved of it (act_hf's packed copies, or ``x`` itself where an op saved it so)."""
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, x: Tensor, holder: list) -> Tensor:
-        ctx.holder = holder
+    def forward(ctx, anchor: Tensor, x: Tensor, into: _InputGradient) -> Tensor:
+        ctx.into = into
         return x.detach()
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple:
-        ctx.holder.append(grad)
+        ctx.into.take(grad)
         return None, None, None
 
 
@@ -165,7 +183,7 @@ class _CompressedCheckpoint(torch.autograd.Function):
                     item = dequantize(item)
                     if channels_last:
                         item = item.contiguous(memory_format=torch.channels_last)
-                holders.append([] if needs_grad else None)
+                holders.append(_InputGradient(item) if needs_grad else None)
                 if needs_grad:  # the anchor makes _GradientOf's output require grad
                     anchor = torch.empty(0, device=item.device, requires_grad=True)
                     item = _GradientOf.apply(anchor, item.detach(), holders[-1])
@@ -183,12 +201,7 @@ class _CompressedCheckpoint(torch.autograd.Function):
         roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
         del outputs, pairs
         _backward_from(roots, grads)
-        return (None,) * 7 + tuple(_collected(holder) for holder in holders)
-
-
-def _collected(holder: list | None) -> Tensor | None:
-    """The gradient a :class:`_GradientOf` input received (``None``: none reached it, or it needs none)."""
-    return holder[0] if holder else None
+        return (None,) * 7 + tuple(None if holder is None else holder.grad for holder in holders)
 
 
 def _holds_grad_tensor(obj: Any) -> bool:

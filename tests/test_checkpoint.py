@@ -114,6 +114,19 @@ def test_the_recomputed_input_and_output_are_gone_while_the_layer_runs_backward(
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("bits", [None, 8])
+def test_the_input_gradient_is_laid_out_as_a_leafs(bits):
+    """The gradient handed to the ops before the checkpoint has the input's strides, as ``AccumulateGrad`` gave a
+    leaf's: ``sum``'s backward makes an expanded (zero-stride) one, which is copied out."""
+    x = torch.randn(6, 5, requires_grad=True)
+    h = x * 1
+    strides = []
+    h.register_hook(lambda g: strides.append(g.stride()))
+    checkpoint(lambda t: t.sum(0), h, bits=bits).sum().backward()
+    assert strides == [h.stride()]
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
 def test_keyword_tensors_of_a_partial_get_their_gradients():
     """HF calls ``checkpoint(partial(forward, self, **kwargs), *args)``: a keyword tensor that requires grad
     still receives its gradient, and a mask keyword is passed through untouched."""
