@@ -29,7 +29,7 @@ part build
 timeout 150 "$PY" -m act_hf.cli build-ext >"$W/build.log" 2>&1
 echo "build exit $?"; tail -n 3 "$W/build.log"
 
-# bert-large at 3 bits with BERT's attention dropout never finished in the fifth run (45 s, then 75 s, against
+# bert-large at 3 bits with BERT's attention dropout never finished in the fifth run (about 25 s, then 75 s, against
 # about 15 s without dropout): in this process, so that on the time limit faulthandler prints where it was
 part "bert-large bits3 with attention dropout 0.1, one in-process trial (stack dumped if cut)"
 PYTHONFAULTHANDLER=1 timeout -s ABRT 60 "$PY" $GT --trial '{"model": "bert-large", "setting": "bits3", "batch": 32,
