@@ -111,7 +111,6 @@ def assert_grads_match(ref: torch.nn.Module, model: torch.nn.Module, *, cos: flo
     return worst
 
 
-@functools.cache
 def tensors_with_history() -> set[int]:
     """The ids of the tensors Python can reach that carry an autograd node, after a collection: a graph that
     outlives what made it shows here (a tensor saved with its own ``grad_fn`` holds its node through C++, a cycle
@@ -168,6 +167,7 @@ def assert_same_steps(module: torch.nn.Module, x: torch.Tensor, forwards, *, aut
         assert all(torch.equal(a, b) for a, b in zip(gp, gp_ref))
 
 
+@functools.cache
 def load_benchmark(name: str):
     """The benchmark script ``benchmarks/<name>.py`` as a module (its folder on the path while it loads), loaded
     once per test session."""
