@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["chunk_elements", "in_place", "row_spans", "spans"]
+__all__ = ["by_items", "chunk_elements", "in_place", "row_spans", "spans"]
 
 
 def chunk_elements(device: torch.device) -> int:
@@ -42,3 +42,20 @@ def in_place(values: torch.Tensor, op: Callable[..., torch.Tensor], *operands: t
         op(values[start:stop], *(o[start:stop] if o.dim() == values.dim() and o.shape[0] == rows else o
                                  for o in operands))
     return values
+
+
+def by_items(chunks: list[tuple[int, int]], batch: int, make: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """The output of a computation whose batch items are independent: ``make(start, end)``, the output of items
+    ``[start, end)``, for each chunk, laid into one tensor of ``batch`` items, in the memory layout of the first
+    chunk's output (a channels-last conv output stays channels last); ``make(0, batch)`` itself for a single
+    chunk."""
+    if len(chunks) == 1:
+        return make(*chunks[0])
+    out = None
+    for start, end in chunks:
+        part = make(start, end)
+        if out is None:  # dims from outermost to innermost in memory, the batch first
+            inner = sorted(range(1, part.dim()), key=lambda d: (-part.stride(d), d))
+            out = torch.empty_permuted((batch, *part.shape[1:]), (0, *inner), dtype=part.dtype, device=part.device)
+        out[start:end] = part
+    return out

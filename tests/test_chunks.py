@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-from act_hf._chunks import chunk_elements, in_place, row_spans, spans
+from act_hf._chunks import by_items, chunk_elements, in_place, row_spans, spans
 
 
 def test_spans_cover_the_range_and_rows_hold_about_the_asked_elements():
@@ -46,3 +46,15 @@ def test_in_place_of_one_dtype_is_the_op_itself():
     values, other = torch.randn(4, 8), torch.randn(4, 8)
     expected = values.clone().add_(other)
     assert torch.equal(in_place(values, Tensor.add_, other), expected)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_by_items_lays_the_slices_into_one_tensor_of_the_first_slices_layout(layout):
+    x = torch.randn(7, 3, 4, 5).contiguous(memory_format=layout)
+
+    def make(start: int, stop: int) -> Tensor:
+        return (x[start:stop] * 2).contiguous(memory_format=layout)
+
+    whole = by_items([(0, 7)], 7, make)
+    sliced = by_items([(0, 3), (3, 6), (6, 7)], 7, make)
+    assert torch.equal(sliced, whole) and sliced.stride() == whole.stride() == x.stride()

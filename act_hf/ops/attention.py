@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .._chunks import by_items
 from ..compress import PackedTensor, dequantize_items, pack_bits, unpack_mask
 from ..context import store
 from ..errors import ActHFTypeError, ActHFValueError
@@ -304,7 +305,7 @@ def _windowed_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, wi
         return _sdpa_as_unpatched(*(_items(t, start, end, batch) for t in (q, k, v)), mask, is_causal, scale,
                                   enable_gqa)
 
-    return _forward_by_chunks(chunks, batch, attend)
+    return by_items(chunks, batch, attend)
 
 
 def _items(t: Tensor, start: int, end: int, batch: int) -> Tensor:
@@ -313,21 +314,6 @@ def _items(t: Tensor, start: int, end: int, batch: int) -> Tensor:
     if (start, end) == (0, batch):
         return t
     return t[start:end].detach().requires_grad_(t.requires_grad)
-
-
-def _forward_by_chunks(chunks: list[tuple[int, int]], batch: int, attend: Callable[[int, int], Tensor]) -> Tensor:
-    """The output of a forward whose batch items are independent: ``attend(start, end)``, the output of items
-    ``[start, end)``, for each chunk, laid into one tensor of ``batch`` items (``attend(0, batch)`` itself for a
-    single chunk)."""
-    if len(chunks) == 1:
-        return attend(*chunks[0])
-    out = None
-    for start, end in chunks:
-        part = attend(start, end)
-        if out is None:
-            out = part.new_empty((batch, *part.shape[1:]))
-        out[start:end] = part
-    return out
 
 
 @dataclass(frozen=True)
@@ -553,7 +539,7 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         else:
             per_item = _per_item_mask(attn_mask, batch, q.dim())
             w = None
-            out = _forward_by_chunks(chunks, batch, lambda start, end: _eager_attention(
+            out = by_items(chunks, batch, lambda start, end: _eager_attention(
                 q[start:end], k_full[start:end], v_full[start:end], attn_mask[start:end] if per_item else attn_mask,
                 window_mask, *options)[0])
         if w is not None:
