@@ -97,6 +97,7 @@ bits the consumer's slot joins BatchNorm's slot group in a sensitivity probe, so
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -107,12 +108,12 @@ import torch
 from torch import Tensor
 
 from ._chunks import in_place
-from .compress import PackedTensor, dequantize, pack_bits, unpack_mask, zero_unmasked
+from .compress import PackedTensor, dequantize, dequantize_items, pack_bits, unpack_mask, zero_unmasked
 from .context import store
 from .regions import current_region, region_is_open
 
-__all__ = ["DERIVED_CONTEXTS", "AffineSum", "AffineTerm", "RectifiedAffine", "affine_input", "affine_of",
-           "derived_input", "drop_dead_notes",
+__all__ = ["DERIVED_CONTEXTS", "AffineSum", "AffineTerm", "Items", "RectifiedAffine", "affine_input", "affine_of",
+           "derived_input", "drop_dead_notes", "items_decodable",
            "note_affine", "note_made_by", "note_packed", "note_pending", "note_rectified", "note_scaled",
            "rebuild_derived", "recall", "rectified_input", "remember", "sum_input"]
 
@@ -142,16 +143,18 @@ class AffineTerm:
     def leaves(self) -> list[PackedTensor]:
         return [self.packed]
 
-    def add_to(self, values: Tensor | None, dtype: torch.dtype) -> Tensor:
+    def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None) -> Tensor:
         """``values + term``, in place in ``values``; the term as a new tensor of ``dtype`` when ``values`` is
-        ``None``."""
+        ``None``. With ``items``, ``(start, stop)``, only the term's batch items ``start:stop`` (bit for bit those
+        of the whole, decoding only them: :func:`~act_hf.compress.dequantize_items`)."""
         # a new tensor of dtype, updated in place from here on, when there are no values yet
-        decoded = dequantize(self.packed, dtype if values is None else None)
+        reader = dtype if values is None else None
+        decoded = dequantize(self.packed, reader) if items is None else dequantize_items(self.packed, *items, reader)
         channel = (1, -1) + (1,) * (decoded.dim() - 2)
         weight = None if self.weight is None else self.weight.float().view(channel)
         bias = None if self.bias is None else self.bias.float().view(channel)
         if self.sample_scale is not None:  # s * (w * x + b) = (s w) * x + s b: factors of (batch, channels)
-            scale = _sample_view(self.sample_scale.float(), decoded.dim())
+            scale = _sample_view(_of_items(self.sample_scale, items).float(), decoded.dim())
             weight = scale if weight is None else scale * weight
             bias = None if bias is None else scale * bias
         if values is None:
@@ -174,12 +177,34 @@ def _scale_shift_(values: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return torch.addcmul(bias, values, weight, out=values)
 
 
-def _sum_of(terms, dtype: torch.dtype) -> Tensor:
-    """The sum of derived ``terms`` as a new tensor of ``dtype``, nested contexts first (their new tensor is the
-    sum's: one decoded term more alive at a time, however long a chain of shortcuts)."""
+#: batch items ``(start, stop)`` of a context to decode, or ``None``: all of them
+Items = tuple[int, int] | None
+
+
+def _of_items(t: Tensor | None, items: Items) -> Tensor | None:
+    """``t``'s batch items ``start:stop`` (``t`` itself for ``None``)."""
+    return t if t is None or items is None else t[items[0]:items[1]]
+
+
+def _mask_of_items(mask: Tensor | None, values: Tensor, items: Items) -> Tensor | None:
+    """The bytes of a 1-bit ``mask`` packed in the whole tensor's logical order that hold batch items
+    ``start:stop``, ``values`` being those items (their first bit starts a byte: see :func:`items_decodable`)."""
+    if mask is None or items is None:
+        return mask
+    per_item = values[0].numel() if values.shape[0] else 0
+    start = items[0] * per_item
+    if start % 8:
+        raise ValueError(f"items: batch item {items[0]} does not start a byte of the packed mask "
+                         f"({per_item} elements an item)")
+    return mask[start // 8:-(-(items[1] * per_item) // 8)]
+
+
+def _sum_of(terms, dtype: torch.dtype, items: Items = None) -> Tensor:
+    """The sum of derived ``terms`` (their batch ``items``) as a new tensor of ``dtype``, nested contexts first
+    (their new tensor is the sum's: one decoded term more alive at a time, however long a chain of shortcuts)."""
     values = None
     for term in sorted(terms, key=lambda t: not isinstance(t, (RectifiedAffine, AffineSum))):
-        values = term.add_to(values, dtype)
+        values = term.add_to(values, dtype, items)
     return values
 
 
@@ -236,28 +261,30 @@ class RectifiedAffine:
         """Every packed tensor it reads."""
         return [leaf for term in self.terms for leaf in term.leaves()]
 
-    def add_to(self, values: Tensor | None, dtype: torch.dtype) -> Tensor:
+    def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None) -> Tensor:
         """Like :meth:`AffineTerm.add_to` (its own :attr:`dtype` is the one it was made with)."""
-        return self.dequantize() if values is None else values.add_(self.dequantize())
+        return self.dequantize(items) if values is None else values.add_(self.dequantize(items))
 
-    def dequantize(self) -> Tensor:
-        """The estimate ``h_hat`` (a new contiguous tensor of the original shape, in ``dtype``). A chain of
-        shortcuts is summed into the innermost one's tensor, so besides it only one decoded term is alive at a
-        time, however long the chain; a plain or clipping ReLU's mask zeroes what it drops straight from its packed
-        bits (:func:`~act_hf.compress.zero_unmasked`, in place), a leaky one's is unpacked whole."""
-        values = _sum_of(self.terms, self.dtype)
+    def dequantize(self, items: Items = None) -> Tensor:
+        """The estimate ``h_hat`` (a new contiguous tensor of the original shape, in ``dtype``), or of its batch
+        ``items`` only. A chain of shortcuts is summed into the innermost one's tensor, so besides it only one
+        decoded term is alive at a time, however long the chain; a plain or clipping ReLU's mask zeroes what it
+        drops straight from its packed bits (:func:`~act_hf.compress.zero_unmasked`, in place), a leaky one's is
+        unpacked whole."""
+        values = _sum_of(self.terms, self.dtype, items)
+        mask, upper = _mask_of_items(self.mask, values, items), _mask_of_items(self.upper, values, items)
         if self.negative_slope:
-            values = torch.where(unpack_mask(self.mask, values.shape), values, values * self.negative_slope)
+            values = torch.where(unpack_mask(mask, values.shape), values, values * self.negative_slope)
         else:
-            zero_unmasked(values, self.mask, in_place=True)
+            zero_unmasked(values, mask, in_place=True)
         if self.clamp is not None:  # the clipped elements: hi where u, else lo (0 already where lo is 0)
             lo, hi = self.clamp
-            upper = unpack_mask(self.upper, values.shape)
+            upper = unpack_mask(upper, values.shape)
             if lo:
-                values.masked_fill_(~(unpack_mask(self.mask, values.shape) | upper), lo)
+                values.masked_fill_(~(unpack_mask(mask, values.shape) | upper), lo)
             values.masked_fill_(upper, hi)
         if self.sample_scale is not None:
-            values.mul_(_sample_view(self.sample_scale, values.dim()))
+            values.mul_(_sample_view(_of_items(self.sample_scale, items), values.dim()))
         return values
 
 
@@ -286,17 +313,28 @@ class AffineSum:
     def leaves(self) -> list[PackedTensor]:
         return [leaf for term in self.terms for leaf in term.leaves()]
 
-    def add_to(self, values: Tensor | None, dtype: torch.dtype) -> Tensor:
+    def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None) -> Tensor:
         """Like :meth:`AffineTerm.add_to` (its own :attr:`dtype` is the one it was made with)."""
-        return self.dequantize() if values is None else values.add_(self.dequantize())
+        return self.dequantize(items) if values is None else values.add_(self.dequantize(items))
 
-    def dequantize(self) -> Tensor:
-        """The estimate (a new contiguous tensor of the original shape, in ``dtype``)."""
-        return _sum_of(self.terms, self.dtype)
+    def dequantize(self, items: Items = None) -> Tensor:
+        """The estimate (a new contiguous tensor of the original shape, in ``dtype``), or of its batch ``items``."""
+        return _sum_of(self.terms, self.dtype, items)
 
 
 #: the derived contexts an op may save instead of a packed tensor of its own (:func:`rebuild_derived`)
 DERIVED_CONTEXTS = (RectifiedAffine, AffineTerm, AffineSum)
+
+
+def items_decodable(saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum) -> bool:
+    """Whether ``saved`` decodes batch items ``start:stop`` for any ``start`` and ``stop`` from their own bits
+    alone (``add_to(..., items=...)``, :func:`~act_hf.compress.dequantize_items`): every packed tensor it reads
+    stores the batch dim outermost, and an item holds a whole number of bytes of a 1-bit mask."""
+    leaves = saved.leaves() if isinstance(saved, DERIVED_CONTEXTS) else [saved]
+    shape = leaves[0].shape
+    per_item = math.prod(shape[1:])
+    return (len(shape) > 1 and per_item % 8 == 0
+            and all(leaf.spec.memory_order is None or leaf.spec.memory_order[0] == 0 for leaf in leaves))
 
 
 def rebuild_derived(tensors: list[Tensor] | tuple[Tensor, ...], meta: tuple,
