@@ -822,3 +822,61 @@ def test_drop_path_code_other_than_the_copied_one_is_left_as_it_is(monkeypatch):
     with act_hf.track_saved(model) as saved:
         model(_input().requires_grad_())
     assert all(saved.by_slot[slot] > 0 for slot in READERS)  # no note past the drop path: own copies
+
+
+#: models whose convs read each kind of context: BatchNorm + each rectifier (a plain, a leaky and two clipping
+#: ReLUs), residual blocks with squeeze-and-excitation and stochastic depth (scaled and nested terms), and linear
+#: bottlenecks (BatchNorm's output, sums without a ReLU, and the stage input the first conv packs itself)
+SLICED = {**{f"chain-{act}": (Chain, {"act": act}) for act in RECTIFIERS},
+          "se-stage": (Stage, {"se": True, "drop_path": 0.5}), "linear-stage": (LinearStage, {"drop_path": 0.5})}
+
+
+def _step(model, x, g):
+    """Output, input gradient and parameter gradients of one seeded forward and backward."""
+    act_hf.manual_seed(0)
+    torch.manual_seed(1)  # stochastic depth's draws
+    xm = x.clone().requires_grad_()
+    out = model(xm)
+    out.backward(g)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad()
+    return out, xm.grad, grads
+
+
+@pytest.mark.parametrize("case", list(SLICED))
+def test_a_large_batch_convolves_and_decodes_its_input_a_slice_at_a_time(monkeypatch, case):
+    """Past ``CONV_CHUNK_ELEMENTS`` a conv's backward runs over slices of the batch, each slice's input decoded
+    alone from every kind of context, bit for bit the whole decode's slice: the output (the CPU's forward runs
+    whole) is unchanged, the gradients are up to the rounding of sums taken in another order."""
+    from act_hf.ops import linear as linear_ops
+
+    cls, kwargs = SLICED[case]
+    model = _twins(cls, 3, {}, **kwargs)[1]
+    x = torch.randn(8, C, H, H) * 2 + 0.3
+    out = model(x.clone().requires_grad_())
+    g = torch.randn_like(out)
+    whole = _step(model, x, g)
+
+    decoded = []
+    real = linear_ops.input_values
+
+    def checked(saved, dtype, items=None):
+        values = real(saved, dtype, items)
+        if items is not None:
+            assert torch.equal(values, real(saved, dtype)[items[0]:items[1]])
+            decoded.append(type(saved).__name__)
+        return values
+
+    monkeypatch.setattr(linear_ops, "input_values", checked)
+    monkeypatch.setattr(linear_ops, "CONV_CHUNK_ELEMENTS", 3 * C * H * H)  # slices of 3, 3 and 2 items
+    sliced = _step(model, x, g)
+    assert torch.equal(sliced[0], whole[0])
+    torch.testing.assert_close(sliced[1], whole[1], rtol=1e-5, atol=1e-5 * whole[1].abs().max().item())
+    for name, grad in whole[2].items():
+        torch.testing.assert_close(sliced[2][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
+    if case == "linear-stage":  # the first conv packs the input; the next reads BatchNorm's output, then sums
+        assert set(decoded) == {"PackedTensor", "AffineTerm", "AffineSum"}
+    else:
+        assert set(decoded) == {"RectifiedAffine"}
+    sliced_convs = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert len(decoded) == 3 * len(sliced_convs)  # squeeze-and-excitation's 1x1 convs on (8, C, 1, 1): one call

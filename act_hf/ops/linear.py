@@ -10,16 +10,27 @@ input does; a frozen layer fed by a frozen input saves nothing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._chunks import by_items, spans
 from .._constants import zero_scalar
-from ..compress import PackedTensor, dequantize, dequantize_with_factors
+from ..compress import PackedTensor, dequantize, dequantize_items, dequantize_with_factors
 from ..context import store
-from ..derived import DERIVED_CONTEXTS, AffineSum, AffineTerm, RectifiedAffine, derived_input, note_packed
+from ..derived import (
+    DERIVED_CONTEXTS,
+    AffineSum,
+    AffineTerm,
+    Items,
+    RectifiedAffine,
+    derived_input,
+    items_decodable,
+    note_packed,
+)
 from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
 
 __all__ = ["ActConvFunction", "ActLinearFunction", "ActScaleFunction", "ActStandardizedConvFunction",
@@ -44,11 +55,14 @@ def saved_input(x: Tensor, settings: OpSettings) -> PackedTensor | RectifiedAffi
     return packed
 
 
-def input_values(saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum, dtype: torch.dtype) -> Tensor:
-    """The input estimate :func:`saved_input`'s context stands for, in ``dtype``."""
+def input_values(saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum, dtype: torch.dtype,
+                 items: Items = None) -> Tensor:
+    """The input estimate :func:`saved_input`'s context stands for, in ``dtype``; with ``items``,
+    ``(start, stop)``, its batch items ``start:stop`` alone (bit for bit the whole's; decoded from their own bits
+    where :func:`~act_hf.derived.items_decodable` says so)."""
     if isinstance(saved, DERIVED_CONTEXTS):
-        return saved.add_to(None, dtype).to(dtype)
-    return dequantize(saved, dtype)
+        return saved.add_to(None, dtype, items).to(dtype)
+    return dequantize(saved, dtype) if items is None else dequantize_items(saved, *items, dtype)
 
 
 def _input_values_and_factors(saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum,
@@ -120,16 +134,81 @@ def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSetti
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
+#: The most input elements a convolution's forward, or its weight gradient's pass, works on at once (a batch of
+#: more runs a slice of the batch at a time). Their working memory grows with the batch: on the H200 resnet50's
+#: highest points at 2 bits held, per sample, a forward convolution's 3.05 MiB (its output and cuDNN's
+#: allocations beside it) and a weight gradient's decoded input (1.53 MiB) beside 2.34 MiB that
+#: ``convolution_backward`` allocated, of 7.8 MiB in all. Below this size, one call.
+CONV_CHUNK_ELEMENTS = 1 << 26
+
+#: Devices whose forward convolution runs whole at any batch: the CPU's oneDNN can round a slice of the batch
+#: differently in the last bit, and the patched forward is the unpatched one's bit for bit there; its forward
+#: convolutions hold no temporaries that grow with the batch (``benchmarks/memory_at_peak.py`` on resnet50).
+WHOLE_FORWARD_DEVICES = ("cpu",)
+
+
+def _conv_item_spans(padded_shape, weight_shape, stride, padding, dilation) -> list[tuple[int, int]]:
+    """Batch slices of a convolution over an ``(N, C, *)`` input of ``padded_shape`` whose input and output each
+    hold at most ``CONV_CHUNK_ELEMENTS`` elements a slice (at least one item); one slice for a smaller batch."""
+    out_size = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+                for n, k, s, p, d in zip(padded_shape[2:], weight_shape[2:], stride, padding, dilation)]
+    per_item = max(math.prod(padded_shape[1:]), weight_shape[0] * math.prod(out_size), 1)
+    if padded_shape[0] * per_item <= CONV_CHUNK_ELEMENTS:
+        return [(0, padded_shape[0])]
+    return list(spans(padded_shape[0], max(1, CONV_CHUNK_ELEMENTS // per_item)))
+
+
+def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, ...], padding: tuple[int, ...],
+                  dilation: tuple[int, ...], groups: int) -> Tensor:
+    """``F.convNd(x, weight, ...)`` (autocast as usual) on a batched ``x``; on a device not in
+    ``WHOLE_FORWARD_DEVICES``, over slices of a batch whose input or output passes ``CONV_CHUNK_ELEMENTS``, laid
+    into one output in the layout the whole call gives."""
+    conv = _CONV[len(stride)]
+    if x.device.type in WHOLE_FORWARD_DEVICES:
+        return conv(x, weight, bias, stride, padding, dilation, groups)
+    chunks = _conv_item_spans(x.shape, weight.shape, stride, padding, dilation)
+    return by_items(chunks, x.shape[0], lambda start, stop: conv(
+        x if len(chunks) == 1 else x[start:stop], weight, bias, stride, padding, dilation, groups))
+
 
 def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | AffineSum | None, grad_out: Tensor, padded_shape,
-                pad: tuple[int, ...] | None = None) -> Tensor:
-    """What ``convolution_backward`` reads as the input: the saved input's values in the gradient's dtype, padded
-    with ``pad`` (``F.pad``'s form) where the op padded it, or, when only the input gradient is wanted, a
-    zero-stride stand-in of ``padded_shape`` (only its shape is read)."""
+                pad: tuple[int, ...] | None = None, items: Items = None) -> Tensor:
+    """What ``convolution_backward`` reads as the input: the saved input's values (its batch ``items`` alone,
+    if given) in the gradient's dtype, padded with ``pad`` (``F.pad``'s form) where the op padded it, or, when
+    only the input gradient is wanted, a zero-stride stand-in of ``padded_shape`` (only its shape is read)."""
     if packed is None:
         return zero_scalar(grad_out).expand(padded_shape)
-    values = input_values(packed, grad_out.dtype)
+    values = input_values(packed, grad_out.dtype, items)
     return values if pad is None else F.pad(values, pad)
+
+
+def _conv_param_grads(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum | None,
+                      weight: Tensor, bias_shape: list[int] | None, args: tuple, padded_shape, input_shape,
+                      pad: tuple[int, ...] | None, need_w: bool, need_b: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The weight and bias gradients of a convolution from its saved input's values (``convolution_backward``'s
+    ``args`` after the bias sizes). Where the input or the output passes ``CONV_CHUNK_ELEMENTS``, a slice of the
+    batch at a time, each slice's input decoded alone (:func:`~act_hf.derived.items_decodable`), the gradients
+    summed in fp32 (or the wider dtype of the gradient); else in one call."""
+    chunks = _conv_item_spans(padded_shape, weight.shape, *args[:3]) if need_w else [(0, input_shape[0])]
+    if len(chunks) == 1 or not items_decodable(saved):
+        x_hat = _conv_input(saved if need_w else None, grad_out, padded_shape, pad)
+        return torch.ops.aten.convolution_backward(grad_out, x_hat, weight, bias_shape, *args,
+                                                   [False, need_w, need_b])[1:]
+    grad_w = grad_b = None
+    for start, stop in chunks:
+        x_hat = _conv_input(saved, grad_out, padded_shape, pad, (start, stop))
+        _, part_w, part_b = torch.ops.aten.convolution_backward(grad_out[start:stop], x_hat, weight, bias_shape,
+                                                                *args, [False, True, need_b])
+        del x_hat
+        grad_w = _widened(part_w) if grad_w is None else grad_w.add_(part_w)
+        if need_b:
+            grad_b = _widened(part_b) if grad_b is None else grad_b.add_(part_b)
+    return grad_w, grad_b
+
+
+def _widened(t: Tensor) -> Tensor:
+    """``t`` as a new tensor of at least fp32's width, to sum partial gradients in."""
+    return t.to(torch.promote_types(t.dtype, torch.float32), copy=True)
 
 
 def _conv_backward(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum | None,
@@ -140,19 +219,23 @@ def _conv_backward(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | Aff
     gradients from the saved input's values, which are freed then, and the input gradient from the weight alone,
     the input a zero-stride stand-in of its shape (as ``torch.nn.grad.conv2d_input`` passes it). One call would
     hold the decoded input and the input gradient, each as large as the input, at once: at a network's widest
-    layer that is one of the few full-size tensors its backward peak is made of."""
+    layer that is one of the few full-size tensors its backward peak is made of. Past ``CONV_CHUNK_ELEMENTS``
+    each pass works on a slice of the batch at a time (:func:`_conv_param_grads`; the input gradient's slices
+    laid into one tensor: the CPU's oneDNN makes the stand-in whole and several input-sized temporaries beside
+    it)."""
     stride, padding, dilation, groups, pad = conv_args
     args = (list(stride), list(padding), list(dilation), False, [0] * len(stride), groups)
     need_x, need_w, need_b = need
     grad_x = grad_w = grad_b = None
     if need_w or need_b:
-        x_hat = _conv_input(saved if need_w else None, grad_out, padded_shape, pad)
-        _, grad_w, grad_b = torch.ops.aten.convolution_backward(grad_out, x_hat, weight, bias_shape, *args,
-                                                                [False, need_w, need_b])
-        del x_hat
+        grad_w, grad_b = _conv_param_grads(grad_out, saved, weight, bias_shape, args, padded_shape, input_shape, pad,
+                                           need_w, need_b)
     if need_x:
-        grad_x = torch.ops.aten.convolution_backward(grad_out, _conv_input(None, grad_out, padded_shape), weight,
-                                                     None, *args, [True, False, False])[0]
+        chunks = _conv_item_spans(padded_shape, weight.shape, stride, padding, dilation)
+        grad_x = by_items(chunks, padded_shape[0], lambda start, stop: torch.ops.aten.convolution_backward(
+            grad_out if len(chunks) == 1 else grad_out[start:stop],
+            _conv_input(None, grad_out, (stop - start, *padded_shape[1:])), weight, None, *args,
+            [True, False, False])[0])
         if pad is not None:
             grad_x = _unpad(grad_x, pad, input_shape)
     return grad_x, grad_w, grad_b
@@ -180,7 +263,7 @@ class ActConvFunction(torch.autograd.Function):
                 padding: tuple[int, ...], dilation: tuple[int, ...], groups: int, settings: OpSettings,
                 pad: tuple[int, ...] | None = None) -> Tensor:
         padded = x if pad is None else F.pad(x, pad)
-        out = _CONV[len(stride)](padded, weight, bias, stride, padding, dilation, groups)  # autocast as usual
+        out = _conv_forward(padded, weight, bias, stride, padding, dilation, groups)  # autocast as usual
         need_w = ctx.needs_input_grad[1]
         packed = saved_input(x, settings) if need_w else None
         save_context(ctx, packed, weight)  # the parameter itself: its shape is needed even for grad_x only
@@ -201,7 +284,10 @@ class ActConvFunction(torch.autograd.Function):
 
 def act_conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation, groups: int,
              settings: OpSettings, pad: tuple[int, ...] | None = None) -> Tensor:
-    """Functional form of :class:`ActConvFunction`."""
+    """Functional form of :class:`ActConvFunction`; an unbatched ``(C, *)`` input (which ``nn.ConvNd`` takes)
+    convolves as a batch of one."""
+    if x.dim() == len(stride) + 1:
+        return act_conv(x.unsqueeze(0), weight, bias, stride, padding, dilation, groups, settings, pad).squeeze(0)
     return ActConvFunction.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups, settings,
                                  None if pad is None else tuple(pad))
 
@@ -229,7 +315,8 @@ class ActStandardizedConvFunction(torch.autograd.Function):
                 stride: tuple[int, ...], padding: tuple[int, ...], dilation: tuple[int, ...], groups: int,
                 settings: OpSettings, pad: tuple[int, ...] | None = None) -> Tensor:
         padded = x if pad is None else F.pad(x, pad)
-        out = F.conv2d(padded, standardize_weight(weight, gain, scale, eps), bias, stride, padding, dilation, groups)
+        out = _conv_forward(padded, standardize_weight(weight, gain, scale, eps), bias, stride, padding, dilation,
+                            groups)
         need_params = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         save_context(ctx, saved_input(x, settings) if need_params else None, weight, gain)
         ctx.meta = (scale, eps, (stride, padding, dilation, groups, pad), x.shape, padded.shape,
@@ -262,7 +349,11 @@ class ActStandardizedConvFunction(torch.autograd.Function):
 def act_standardized_conv(x: Tensor, weight: Tensor, gain: Tensor | None, bias: Tensor | None, scale: float,
                           eps: float, stride, padding, dilation, groups: int, settings: OpSettings,
                           pad: tuple[int, ...] | None = None) -> Tensor:
-    """Functional form of :class:`ActStandardizedConvFunction`."""
+    """Functional form of :class:`ActStandardizedConvFunction`; an unbatched ``(C, H, W)`` input convolves as a
+    batch of one."""
+    if x.dim() == 3:
+        return act_standardized_conv(x.unsqueeze(0), weight, gain, bias, scale, eps, stride, padding, dilation, groups,
+                                     settings, pad).squeeze(0)
     return ActStandardizedConvFunction.apply(x, weight, gain, bias, scale, eps, tuple(stride), tuple(padding),
                                              tuple(dilation), groups, settings, None if pad is None else tuple(pad))
 

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import act_hf
 from act_hf.context import track_saved
 from act_hf.nn._base import convert, revert
 from act_hf.nn.linear import ActConvMixin, ActLinear, ActLinearMixin, ActTransposedLinearMixin
@@ -229,6 +231,102 @@ def test_conv_forward_exact_and_grads(cls, kwargs, shape, dtype):
         torch.testing.assert_close(act.bias.grad, ref.bias.grad)
 
 
+@pytest.mark.parametrize("sliced_forward", [False, True], ids=["cpu_forward_whole", "forward_sliced"])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("cls, kwargs, shape", CONV_CASES)
+def test_conv_past_the_chunk_size_runs_a_slice_of_the_batch_at_a_time(monkeypatch, cls, kwargs, shape, channels_last,
+                                                                       sliced_forward):
+    """With ``CONV_CHUNK_ELEMENTS`` below one item, every item's weight and input gradients are calls of their
+    own, and, where the forward is sliced (not on the CPU, unless told), every item's output: the gradients equal
+    the unsliced op's up to rounding (the weight's and bias's summed in another order), the output is the module's
+    (bit for bit when the CPU runs it whole) in its memory layout, and so is the input gradient."""
+    from act_hf.ops import linear as linear_ops
+
+    if channels_last and len(shape) != 4:
+        pytest.skip("channels last is a 4-d layout")
+    if sliced_forward:
+        monkeypatch.setattr(linear_ops, "WHOLE_FORWARD_DEVICES", ())
+    torch.manual_seed(0)
+    ref = cls(**kwargs)
+    act = convert(copy.deepcopy(ref), ActConvMixin, bits=4)
+    x = torch.randn((5, *shape[1:]))
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    calls = []
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution_backward.default:
+                calls.append(list(args[-1]))
+            return func(*args, **(kwargs or {}))
+
+    runs = []
+    for chunk in (linear_ops.CONV_CHUNK_ELEMENTS, 1):
+        monkeypatch.setattr(linear_ops, "CONV_CHUNK_ELEMENTS", chunk)
+        act_hf.manual_seed(0)
+        xa = x.clone(memory_format=torch.preserve_format).requires_grad_()
+        y = act(xa)
+        with _Watch():
+            y.backward(torch.ones_like(y))
+        runs.append((y, xa.grad, {name: p.grad for name, p in act.named_parameters()}))
+        act.zero_grad()
+    decodable = math.prod(shape[1:]) % 8 == 0
+    weight_pass = [False, True, act.bias is not None]
+    input_pass = [True, False, False]
+    assert calls == [weight_pass, input_pass] + [weight_pass] * (5 if decodable else 1) + [input_pass] * 5
+    expected = ref(x)
+    (y_whole, gx_whole, grads_whole), (y_items, gx_items, grads_items) = runs
+    assert torch.equal(y_whole, expected)
+    if sliced_forward:
+        torch.testing.assert_close(y_items, expected)
+    else:
+        assert torch.equal(y_items, expected)
+    assert y_items.stride() == expected.stride()
+    torch.testing.assert_close(gx_items, gx_whole)
+    assert gx_items.stride() == gx_whole.stride()
+    for name, grad in grads_whole.items():
+        torch.testing.assert_close(grads_items[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+
+
+@pytest.mark.cuda
+def test_conv_slices_on_the_gpu_under_autocast_give_the_whole_calls_values(monkeypatch):
+    """On a GPU the forward is sliced too (cuDNN's allocations grow with the batch): under bf16 autocast the output,
+    the input gradient and the weight gradient of a conv run a slice at a time match the whole call's."""
+    from act_hf.ops import linear as linear_ops
+
+    torch.manual_seed(0)
+    act = convert(nn.Conv2d(16, 32, 3, padding=1), ActConvMixin, bits=8).cuda()
+    x = torch.randn(6, 16, 20, 20, device="cuda")
+    g = torch.randn(6, 32, 20, 20, device="cuda")
+    runs = []
+    for chunk in (linear_ops.CONV_CHUNK_ELEMENTS, 16 * 20 * 20 * 2):  # slices of 1 item (the output's 32 channels)
+        monkeypatch.setattr(linear_ops, "CONV_CHUNK_ELEMENTS", chunk)
+        act_hf.manual_seed(0)
+        xa = x.clone().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = act(xa)
+        y.backward(g.to(y.dtype))
+        runs.append((y.float(), xa.grad, act.weight.grad.float(), act.bias.grad.float()))
+        act.zero_grad()
+    for whole, sliced in zip(*runs):
+        torch.testing.assert_close(sliced, whole, rtol=2e-2, atol=2e-2 * whole.abs().max().item())
+
+
+def test_an_unbatched_conv_input_convolves_as_a_batch_of_one():
+    """``nn.Conv2d`` takes a ``(C, H, W)`` input; so does its converted form, forward and backward."""
+    torch.manual_seed(0)
+    ref = nn.Conv2d(4, 6, 3, padding=1)
+    act = convert(copy.deepcopy(ref), ActConvMixin, bits=8)
+    x = torch.randn(4, 7, 7)
+    xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ya = ref(xr), act(xa)
+    assert torch.equal(ya, yr)
+    ya.sum().backward()
+    yr.sum().backward()
+    torch.testing.assert_close(xa.grad, xr.grad)
+    assert sqnr_db(ref.weight.grad, act.weight.grad) > 30
+
+
 @pytest.mark.parametrize("cls, kwargs, shape", [CONV_CASES[1], CONV_CASES[2], CONV_CASES[5]])
 def test_conv_backward_frees_the_decoded_input_before_the_input_gradient(cls, kwargs, shape):
     """Two ``convolution_backward`` passes: the weight and bias gradients from the decoded input, then the input
@@ -431,7 +529,8 @@ def _assert_exact_without_rounding(monkeypatch, ref: nn.Module, act: nn.Module, 
     from act_hf.ops import linear as linear_ops
 
     monkeypatch.setattr(linear_ops, "saved_input", lambda x, settings: x)
-    monkeypatch.setattr(linear_ops, "input_values", lambda saved, dtype: saved.to(dtype))
+    monkeypatch.setattr(linear_ops, "input_values", lambda saved, dtype, items=None: (
+        saved if items is None else saved[items[0]:items[1]]).to(dtype))
     xr, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
     yr, ya = ref(xr), act(xa)
     assert torch.equal(ya, yr), name
