@@ -52,11 +52,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunks import in_place
+from .._chunks import in_place, spans
 from .._constants import reused
-from ..compress import PackedTensor, dequantize, dequantize_with_factors, unpack_mask
+from ..compress import PackedTensor, dequantize, dequantize_items, dequantize_with_factors, unpack_mask
 from ..context import store
-from ..derived import note_pending
+from ..derived import items_decodable, note_pending
 from ..errors import ActHFValueError
 from ._gamma_guard import output_context_safe
 from ._saving import OpSettings, autocast_cast, load_context, owned_output, save_context
@@ -548,6 +548,44 @@ def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | No
     return grad_x, grad_w, grad_b
 
 
+#: Past this many input elements, BatchNorm's backward decodes its normalized input a slice of the batch at a time,
+#: twice (for the per-channel sums, then for the input gradient; :func:`_bn_backward_by_items`), and never whole: at
+#: resnet50's stage 1 the decoded input is one of the input-sized tensors its backward's highest point holds.
+BATCH_NORM_CHUNK_ELEMENTS = 1 << 26
+
+
+def _bn_backward_by_items(grad_out: Tensor, packed: PackedTensor, weight: Tensor | None, invstd: Tensor,
+                          mask: list[bool], chunks: list[tuple[int, int]]
+                          ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`_bn_backward_from_x_hat` with the normalized input decoded a slice of the batch (``chunks``) at a
+    time (:func:`~act_hf.compress.dequantize_items`): first the per-channel sums of ``grad_out`` and of
+    ``grad_out * x_hat`` (the bias and weight gradients), in fp32, then each slice's input gradient
+    ``weight * invstd * (grad_out - mean(grad_out) - x_hat * mean(grad_out * x_hat))``, computed in fp32 (fp64
+    for fp64) as aten computes it and laid into one tensor of ``grad_out``'s dtype and layout."""
+    c, n = grad_out.shape[1], grad_out.numel() // max(grad_out.shape[1], 1)
+    acc = torch.promote_types(grad_out.dtype, torch.float32)
+    dims = [0, *range(2, grad_out.dim())]
+    channel = (1, c) + (1,) * (grad_out.dim() - 2)
+    sum_dy = torch.zeros(c, dtype=acc, device=grad_out.device)
+    sum_dy_xhat = torch.zeros_like(sum_dy)
+    for start, stop in chunks:
+        g = grad_out[start:stop]
+        sum_dy += g.sum(dims, dtype=acc)
+        sum_dy_xhat += dequantize_items(packed, start, stop, acc).mul_(g).sum(dims)
+    grad_x = None
+    if mask[0]:
+        scale = invstd.to(acc) if weight is None else invstd.to(acc) * weight.to(acc)
+        mean_dy, mean_dy_xhat = (sum_dy / n).view(channel), (sum_dy_xhat / n).view(channel)
+        grad_x = torch.empty_like(grad_out)
+        for start, stop in chunks:
+            part = dequantize_items(packed, start, stop, acc).mul_(mean_dy_xhat).neg_()
+            part.add_(grad_out[start:stop]).sub_(mean_dy).mul_(scale.view(channel))
+            grad_x[start:stop] = part
+            del part
+    with_params = weight is not None
+    return (grad_x, sum_dy_xhat if mask[1] and with_params else None, sum_dy if mask[2] and with_params else None)
+
+
 #: Below this many values per channel, BatchNorm keeps its (small) normalized input exact.
 MIN_VALUES_PER_CHANNEL = 32
 
@@ -602,10 +640,15 @@ class ActBatchNormFunction(torch.autograd.Function):
             if need_b:
                 grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
             return grad_x, grad_w, grad_b, None, None, None, None, None, None
-        x_norm = packed.to(grad_out.dtype) if isinstance(packed, Tensor) else dequantize(packed, grad_out.dtype)
-        grad_x, grad_w, grad_b = _bn_backward_from_x_hat(grad_out, x_norm, weight, invstd,
-                                                         [need_x, need_w and weight is not None,
-                                                          need_b and weight is not None])
+        mask = [need_x, need_w and weight is not None, need_b and weight is not None]
+        per_item = math.prod(shape[1:])
+        if (isinstance(packed, PackedTensor) and len(shape) > 1 and shape[0] * per_item > BATCH_NORM_CHUNK_ELEMENTS
+                and items_decodable(packed)):
+            chunks = list(spans(shape[0], max(1, BATCH_NORM_CHUNK_ELEMENTS // max(per_item, 1))))
+            grad_x, grad_w, grad_b = _bn_backward_by_items(grad_out, packed, weight, invstd, mask, chunks)
+        else:
+            x_norm = packed.to(grad_out.dtype) if isinstance(packed, Tensor) else dequantize(packed, grad_out.dtype)
+            grad_x, grad_w, grad_b = _bn_backward_from_x_hat(grad_out, x_norm, weight, invstd, mask)
         if grad_b is None and need_b:
             grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
         return grad_x, grad_w, grad_b, None, None, None, None, None, None

@@ -647,6 +647,43 @@ def test_batch_norm_packs_its_normalized_input_slice_by_slice(monkeypatch):
     _check_grads("BN by slices", x.grad, {n: p.grad for n, p in act.named_parameters()}, *_grads_f64(bn, x, g), 30)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_batch_norm_backward_decodes_its_normalized_input_a_slice_at_a_time(monkeypatch, dtype, channels_last):
+    """Past ``BATCH_NORM_CHUNK_ELEMENTS`` BatchNorm's backward decodes its normalized input a slice of the batch at a
+    time, twice (the sums, then the input gradient), and never whole; its gradients are the whole decode's up to
+    rounding (sums in another order, one rounding of the input gradient from fp32, or fp64 for fp64), the input
+    gradient in the gradient's layout, 30+ dB from float64's at 8 bits."""
+    from act_hf.ops import norm as norm_ops
+
+    torch.manual_seed(20)
+    bn = _randomize(nn.BatchNorm2d(8)).to(dtype)
+    act = _act(bn, ActBatchNormMixin, bits=8)
+    x = (torch.randn(6, 8, 8, 8, dtype=torch.float64) * 2 + 0.3).to(dtype)
+    g = torch.randn(6, 8, 8, 8, dtype=torch.float64).to(dtype)
+    if channels_last:
+        x, g = (t.contiguous(memory_format=torch.channels_last) for t in (x, g))
+    runs = []
+    for chunk in (norm_ops.BATCH_NORM_CHUNK_ELEMENTS, 2 * 8 * 8 * 8):  # slices of 2 items
+        monkeypatch.setattr(norm_ops, "BATCH_NORM_CHUNK_ELEMENTS", chunk)
+        act_hf.manual_seed(0)
+        xx = x.clone(memory_format=torch.preserve_format).requires_grad_()
+        y = act(xx)
+        decoded = [out[0].numel() for func, out in dispatched(lambda: y.backward(g))
+                   if func is torch.ops.act_hf.unpack_dequantize.default]
+        runs.append((decoded, xx.grad, {n: p.grad for n, p in act.named_parameters()}))
+        act.zero_grad()
+    (decoded_whole, gx_whole, gp_whole), (decoded_sliced, gx_sliced, gp_sliced) = runs
+    assert decoded_whole == [x.numel()] and decoded_sliced == [x.numel() // 3] * 6
+    assert gx_sliced.dtype == dtype and gx_sliced.stride() == gx_whole.stride()
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(gx_sliced, gx_whole, rtol=tol, atol=tol * gx_whole.abs().max().item())
+    for name, grad in gp_whole.items():
+        torch.testing.assert_close(gp_sliced[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
+    _check_grads(f"BN sliced backward {dtype}", gx_sliced, gp_sliced, *_grads_f64(bn, x, g),
+                 SQNR_MIN_BF16_8 if dtype == torch.bfloat16 else 30)
+
+
 def test_batch_norm_saved_bytes_eval_and_frozen():
     torch.manual_seed(16)
     bn = _randomize(nn.BatchNorm2d(5))
