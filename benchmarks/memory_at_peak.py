@@ -176,9 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16: autocast (default)")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rows", type=int, default=25, help="sites in the table")
-    parser.add_argument("--conv-chunk-elements", type=int, metavar="N",
-                        help="act_hf's CONV_CHUNK_ELEMENTS for this run (a convolution past it works on slices of "
-                             "the batch): to see at small batches what a large batch gets")
+    parser.add_argument("--slice-elements", type=int, metavar="N",
+                        help="act_hf's CONV_CHUNK_ELEMENTS and BATCH_NORM_CHUNK_ELEMENTS for this run (a convolution "
+                             "or a BatchNorm backward past it works on slices of the batch): to see at small batches "
+                             "what a large batch gets")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: measure this batch, print JSON
     args = parser.parse_args(argv)
@@ -187,10 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= b1 < b2:
         parser.error(f"--batches: two sizes with 1 <= B1 < B2, got {b1} {b2}")
     device = torch.device(args.device)
-    if args.conv_chunk_elements is not None:
+    if args.slice_elements is not None:
         from act_hf.ops import linear as linear_ops
+        from act_hf.ops import norm as norm_ops
 
-        linear_ops.CONV_CHUNK_ELEMENTS = args.conv_chunk_elements
+        linear_ops.CONV_CHUNK_ELEMENTS = norm_ops.BATCH_NORM_CHUNK_ELEMENTS = args.slice_elements
     if args.one is not None:
         print(json.dumps(measure(args.model, args.setting, args.one, device, args.dtype, args.seq)))
         return 0
@@ -198,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     for batch in (b1, b2):
         cmd = [sys.executable, __file__, "--one", str(batch), "--model", args.model, "--setting", args.setting,
                "--device", args.device, "--dtype", args.dtype, "--seq", str(args.seq)]
-        if args.conv_chunk_elements is not None:
-            cmd += ["--conv-chunk-elements", str(args.conv_chunk_elements)]
+        if args.slice_elements is not None:
+            cmd += ["--slice-elements", str(args.slice_elements)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"batch {batch}: {proc.stderr.strip()[-2000:]}")
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     by_phase = {p: _site_rows(runs, p, mib) for p in (phase, "backward" if phase == "forward" else "forward")}
     rows = by_phase[phase]
     meta = _meta(device) | {"model": args.model, "setting": args.setting, "batches": [b1, b2], "dtype": args.dtype,
-                            "seq": args.seq, "conv_chunk_elements": args.conv_chunk_elements}
+                            "seq": args.seq, "slice_elements": args.slice_elements}
     result = {"meta": meta, "peak_mib_per_sample": slopes[phase], "phase": phase,
               "phase_peaks_mib_per_sample": slopes, "overall_peak_phases": [run["phase"] for run in runs],
               "peaks": [run["peak"] for run in runs], "sites": rows, "sites_by_phase": by_phase}
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / f"memory_at_peak_{args.model}_{args.setting}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     shown = rows[: args.rows]
-    sliced = "" if args.conv_chunk_elements is None else f", CONV_CHUNK_ELEMENTS {args.conv_chunk_elements}"
+    sliced = "" if args.slice_elements is None else f", slices past {args.slice_elements} elements"
     lines = [(f"{args.model}, {args.setting}{sliced}, {args.dtype}, batches {b1} and {b2} on {meta['device']} (torch "
              f"{meta['torch']}, act_hf @ {meta['commit']}): the highest point of forward grows by "
              f"{slopes['forward']:.2f} MiB a sample above the step's start, that of backward by "
