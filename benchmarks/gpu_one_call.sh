@@ -7,8 +7,9 @@
 # Order, after the fifth run (H100, a705f4e; README "Fifth GPU run"), what it left open: the build; one in-process
 # trial of bert-large at 3 bits with attention dropout, which never finished there; the largest-batch
 # searches it cut (resnet50 at 2 bits, the one missed memory target, from its 6.5x trial; bert-large with swap),
-# beside the CUDA tests (the three memory tests mended at 8778023 first, then the rest); then, with the GPU to
-# itself, the rows its time limit cut (resnet50's patched speed and curve; bert-large at 3 bits with attention
+# beside the CUDA tests (the three memory tests mended at 8778023 first, then the rest); what is alive at
+# resnet50's 2-bit peaks at batches past the convolutions' and BatchNorm's slicing threshold (84 images: new since
+# the fifth run, measured on the CPU only); then, with the GPU to itself, the rows its time limit cut (resnet50's patched speed and curve; bert-large at 3 bits with attention
 # dropout, against unpatched), then equal-batch speed and peak of the other models of the saved-memory table; the
 # host work per op on the GPU while time is left.
 set -uo pipefail
@@ -56,6 +57,11 @@ echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail 
 wait $targets; echo "targets exit $?"; grep -E "fits batch|Error" "$W/targets.log" | tail -n 40
 cat "$W/targets/gpu_training.md" 2>/dev/null; bundle
 
+part "what is alive at resnet50's 2-bit peaks, batches 128 and 256 (both sliced)"
+timeout $(lim 200) "$PY" benchmarks/memory_at_peak.py --model resnet50 --setting bits2 --device cuda \
+  --batches 128 256 --rows 16 --out "$W" >"$W/peaks.log" 2>&1
+echo "peaks exit $?"; head -n 40 "$W/peaks.log"; bundle
+
 part "resnet50's speed and throughput against batch size under 16 GiB, alone on the GPU"
 mkdir -p "$W/speed"
 timeout $(lim 180) "$PY" $GT --models resnet50 --settings unpatched bits3 --no-search --cap 16GiB \
@@ -85,5 +91,5 @@ cp "$W/targets/gpu_training.md" "$OUT/targets.md" 2>/dev/null
 cp "$W/speed/gpu_training.md" "$OUT/speed.md" 2>/dev/null
 cp "$W/dropout/gpu_training.md" "$OUT/dropout.md" 2>/dev/null
 cp "$W/models/gpu_training.md" "$OUT/models.md" 2>/dev/null
-cp "$W/tests.log" "$W/dropout_trial.log" "$OUT/" 2>/dev/null
+cp "$W/tests.log" "$W/dropout_trial.log" "$W/peaks.log" "$OUT/" 2>/dev/null
 part done
