@@ -134,11 +134,11 @@ def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSetti
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
-#: The most input elements a convolution's forward, or its weight gradient's pass, works on at once (a batch of
-#: more runs a slice of the batch at a time). Their working memory grows with the batch: on the H200 resnet50's
-#: highest points at 2 bits held, per sample, a forward convolution's 3.05 MiB (its output and cuDNN's
-#: allocations beside it) and a weight gradient's decoded input (1.53 MiB) beside 2.34 MiB that
-#: ``convolution_backward`` allocated, of 7.8 MiB in all. Below this size, one call.
+#: The most elements the input or the output of one convolution call holds: a larger batch runs a slice at a time,
+#: in the weight and input gradients' passes and (off ``WHOLE_FORWARD_DEVICES``) the forward. Their working memory
+#: grows with the batch: on the H200 resnet50's highest points at 2 bits held, per sample, a forward
+#: convolution's 3.05 MiB (its output and cuDNN's allocations beside it) and a weight gradient's decoded input
+#: (1.53 MiB) beside 2.34 MiB that ``convolution_backward`` allocated, of 7.8 MiB in all. At or below it, one call.
 CONV_CHUNK_ELEMENTS = 1 << 26
 
 #: Devices whose forward convolution runs whole at any batch: the CPU's oneDNN can round a slice of the batch
