@@ -58,7 +58,8 @@ wait $targets; echo "targets exit $?"; grep -E "fits batch|Error" "$W/targets.lo
 cat "$W/targets/gpu_training.md" 2>/dev/null; bundle
 
 part "what is alive at resnet50's 2-bit peaks, batches 128 and 256 (both sliced)"
-timeout $(lim 200) "$PY" benchmarks/memory_at_peak.py --model resnet50 --setting bits2 --device cuda \
+t=$(lim 200); (( t > 120 )) && t=120  # a diagnosis: at most 2 minutes of the parts after it
+timeout $t "$PY" benchmarks/memory_at_peak.py --model resnet50 --setting bits2 --device cuda \
   --batches 128 256 --rows 16 --out "$W" >"$W/peaks.log" 2>&1
 echo "peaks exit $?"; head -n 40 "$W/peaks.log"; bundle
 
