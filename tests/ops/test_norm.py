@@ -648,9 +648,11 @@ def test_batch_norm_packs_its_normalized_input_slice_by_slice(monkeypatch):
     _check_grads("BN by slices", x.grad, {n: p.grad for n, p in act.named_parameters()}, *_grads_f64(bn, x, g), 30)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_batch_norm_backward_decodes_its_normalized_input_a_slice_at_a_time(monkeypatch, dtype, channels_last):
+def test_batch_norm_backward_decodes_its_normalized_input_a_slice_at_a_time(monkeypatch, dtype, channels_last,
+                                                                            device):
     """Past ``BATCH_NORM_CHUNK_ELEMENTS`` BatchNorm's backward decodes its normalized input a slice of the batch at a
     time, twice (the sums, then the input gradient), and never whole; its gradients are the whole decode's up to
     rounding (sums in another order, one rounding of the input gradient from fp32, or fp64 for fp64), the input
@@ -658,10 +660,10 @@ def test_batch_norm_backward_decodes_its_normalized_input_a_slice_at_a_time(monk
     from act_hf.ops import norm as norm_ops
 
     torch.manual_seed(20)
-    bn = _randomize(nn.BatchNorm2d(8)).to(dtype)
+    bn = _randomize(nn.BatchNorm2d(8)).to(device, dtype)
     act = _act(bn, ActBatchNormMixin, bits=8)
-    x = (torch.randn(6, 8, 8, 8, dtype=torch.float64) * 2 + 0.3).to(dtype)
-    g = torch.randn(6, 8, 8, 8, dtype=torch.float64).to(dtype)
+    x = (torch.randn(6, 8, 8, 8, dtype=torch.float64) * 2 + 0.3).to(device, dtype)
+    g = torch.randn(6, 8, 8, 8, dtype=torch.float64).to(device, dtype)
     if channels_last:
         x, g = (t.contiguous(memory_format=torch.channels_last) for t in (x, g))
     runs = []
