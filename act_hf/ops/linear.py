@@ -183,14 +183,14 @@ def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | AffineSum 
 
 
 def _conv_param_grads(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | AffineTerm | AffineSum | None,
-                      weight: Tensor, bias_shape: list[int] | None, args: tuple, padded_shape, input_shape,
-                      pad: tuple[int, ...] | None, need_w: bool, need_b: bool) -> tuple[Tensor | None, Tensor | None]:
+                      weight: Tensor, bias_shape: list[int] | None, args: tuple, padded_shape,
+                      pad: tuple[int, ...] | None, need_w: bool, need_b: bool,
+                      chunks: list[tuple[int, int]]) -> tuple[Tensor | None, Tensor | None]:
     """The weight and bias gradients of a convolution from its saved input's values (``convolution_backward``'s
-    ``args`` after the bias sizes). Where the input or the output passes ``CONV_CHUNK_ELEMENTS``, a slice of the
-    batch at a time, each slice's input decoded alone (:func:`~act_hf.derived.items_decodable`), the gradients
-    summed in fp32 (or the wider dtype of the gradient); else in one call."""
-    chunks = _conv_item_spans(padded_shape, weight.shape, *args[:3]) if need_w else [(0, input_shape[0])]
-    if len(chunks) == 1 or not items_decodable(saved):
+    ``args`` after the bias sizes). Over ``chunks`` of the batch (:func:`_conv_item_spans`), each slice's input
+    decoded alone (:func:`~act_hf.derived.items_decodable`), the gradients summed in fp32 (or the wider dtype of
+    the gradient); in one call for one chunk, a bias gradient alone, or a context that decodes only whole."""
+    if len(chunks) == 1 or not need_w or not items_decodable(saved):
         x_hat = _conv_input(saved if need_w else None, grad_out, padded_shape, pad)
         return torch.ops.aten.convolution_backward(grad_out, x_hat, weight, bias_shape, *args,
                                                    [False, need_w, need_b])[1:]
@@ -227,11 +227,11 @@ def _conv_backward(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | Aff
     args = (list(stride), list(padding), list(dilation), False, [0] * len(stride), groups)
     need_x, need_w, need_b = need
     grad_x = grad_w = grad_b = None
+    chunks = _conv_item_spans(padded_shape, weight.shape, stride, padding, dilation)
     if need_w or need_b:
-        grad_w, grad_b = _conv_param_grads(grad_out, saved, weight, bias_shape, args, padded_shape, input_shape, pad,
-                                           need_w, need_b)
+        grad_w, grad_b = _conv_param_grads(grad_out, saved, weight, bias_shape, args, padded_shape, pad, need_w,
+                                           need_b, chunks)
     if need_x:
-        chunks = _conv_item_spans(padded_shape, weight.shape, stride, padding, dilation)
         grad_x = by_items(chunks, padded_shape[0], lambda start, stop: torch.ops.aten.convolution_backward(
             grad_out if len(chunks) == 1 else grad_out[start:stop],
             _conv_input(None, grad_out, (stop - start, *padded_shape[1:])), weight, None, *args,

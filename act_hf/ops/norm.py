@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunks import in_place, spans
+from .._chunks import in_place, row_spans
 from .._constants import reused
 from ..compress import PackedTensor, dequantize, dequantize_items, dequantize_with_factors, unpack_mask
 from ..context import store
@@ -641,10 +641,9 @@ class ActBatchNormFunction(torch.autograd.Function):
                 grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
             return grad_x, grad_w, grad_b, None, None, None, None, None, None
         mask = [need_x, need_w and weight is not None, need_b and weight is not None]
-        per_item = math.prod(shape[1:])
-        if (isinstance(packed, PackedTensor) and len(shape) > 1 and shape[0] * per_item > BATCH_NORM_CHUNK_ELEMENTS
+        if (isinstance(packed, PackedTensor) and grad_out.numel() > BATCH_NORM_CHUNK_ELEMENTS
                 and items_decodable(packed)):
-            chunks = list(spans(shape[0], max(1, BATCH_NORM_CHUNK_ELEMENTS // max(per_item, 1))))
+            chunks = list(row_spans(grad_out, BATCH_NORM_CHUNK_ELEMENTS))
             grad_x, grad_w, grad_b = _bn_backward_by_items(grad_out, packed, weight, invstd, mask, chunks)
         else:
             x_norm = packed.to(grad_out.dtype) if isinstance(packed, Tensor) else dequantize(packed, grad_out.dtype)
