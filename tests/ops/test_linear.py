@@ -231,9 +231,13 @@ def test_conv_forward_exact_and_grads(cls, kwargs, shape, dtype):
         torch.testing.assert_close(act.bias.grad, ref.bias.grad)
 
 
+#: every conv case in its default layout, and the 2-d ones channels last as well (a 4-d layout)
+SLICED_CONV_CASES = ([(*case, False) for case in CONV_CASES]
+                     + [(*case, True) for case in CONV_CASES if len(case[2]) == 4])
+
+
 @pytest.mark.parametrize("sliced_forward", [False, True], ids=["cpu_forward_whole", "forward_sliced"])
-@pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("cls, kwargs, shape", CONV_CASES)
+@pytest.mark.parametrize("cls, kwargs, shape, channels_last", SLICED_CONV_CASES)
 def test_conv_past_the_chunk_size_runs_a_slice_of_the_batch_at_a_time(monkeypatch, cls, kwargs, shape, channels_last,
                                                                        sliced_forward):
     """With ``CONV_CHUNK_ELEMENTS`` below one item, every item's weight and input gradients are calls of their
@@ -242,8 +246,6 @@ def test_conv_past_the_chunk_size_runs_a_slice_of_the_batch_at_a_time(monkeypatc
     (bit for bit when the CPU runs it whole) in its memory layout, and so is the input gradient."""
     from act_hf.ops import linear as linear_ops
 
-    if channels_last and len(shape) != 4:
-        pytest.skip("channels last is a 4-d layout")
     if sliced_forward:
         monkeypatch.setattr(linear_ops, "WHOLE_FORWARD_DEVICES", ())
     torch.manual_seed(0)
