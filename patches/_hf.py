@@ -102,11 +102,12 @@ class ActHFNewGELUMixin(ActActivationMixin):
 class ActIntermediateMixin(ActModule):
     """An HF MLP's first half, ``intermediate_act_fn(dense(x))`` (BERT's ``BertIntermediate`` and every copy of
     it), with the activation written into the linear's output (:func:`activation_of_owned`): the widest two
-    tensors of a transformer layer's forward are never alive together. The rule converts a module only when its
+    tensors of a transformer layer's forward are never alive together (also in a packed checkpoint's first pass,
+    :meth:`~act_hf.nn._base.ActModule.act_owns_intermediates`). The rule converts a module only when its
     ``forward`` is that code (:data:`INTERMEDIATE_FORWARD`); its submodules are converted by their own rules."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.act_enabled(hidden_states):
+        if not self.act_owns_intermediates(hidden_states):
             return super().forward(hidden_states)
         return activation_of_owned(self.intermediate_act_fn, self.dense(hidden_states), self.dense)
 
@@ -150,7 +151,7 @@ class ActFcMLPMixin(ActModule):
     that code (:data:`FC_MLP_FORWARD`); its submodules are converted by their own rules."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.act_enabled(hidden_states):
+        if not self.act_owns_intermediates(hidden_states):
             return super().forward(hidden_states)
         return self.fc2(activation_of_owned(self.activation_fn, self.fc1(hidden_states), self.fc1))
 

@@ -101,7 +101,7 @@ class ActMlpMixin(ActModule):
         (Swin's and ConvNeXt's blocks, through :func:`_mlp_owning`), the MLP's input is freed once ``fc1`` has read
         it instead of living through the MLP in the call's arguments."""
         x = box.pop()
-        if not self.act_enabled(x):
+        if not self.act_owns_intermediates(x):
             return super().forward(x)
         x = self.fc1(x)  # the input's last reference, when the caller handed it over, goes here
         x = activation_of_owned(self.act, x, self.fc1)

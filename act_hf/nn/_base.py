@@ -98,6 +98,13 @@ class ActModule:
             return True
         return any(p.requires_grad for p in self.parameters(recurse=False))  # type: ignore[attr-defined]
 
+    def act_owns_intermediates(self, *inputs: torch.Tensor | None) -> bool:
+        """Whether a converted block runs act_hf's forward, whose tensors made inside it are its own to overwrite
+        (an activation written into the linear's output): when compressing (:meth:`act_enabled`), and in a training
+        forward that autograd does not record (a packed checkpoint's first pass, :mod:`act_hf.checkpoint`), where
+        nothing is saved and the unpatched forward would hold two full-size tensors at once for nothing."""
+        return self.act_enabled(*inputs) or (self.training and not torch.is_grad_enabled())
+
 
 def register_act_class(original: type, mixin: type, cls: type) -> type:
     """Use the predefined ``cls`` (e.g. ``ActLinear``) when converting an exact ``original`` with ``mixin``."""

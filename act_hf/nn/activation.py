@@ -125,8 +125,14 @@ class ActActivationMixin(ActModule):
 
     def forward(self, x: Tensor, *args, act_input_owned: bool = False, **kwargs) -> Tensor:
         """The module's own forward, saving few-bit codes; with ``act_input_owned`` (:func:`activation_of_owned`)
-        written into ``x`` by :meth:`act_inplace_forward` where there is one."""
+        written into ``x`` by :meth:`act_inplace_forward` where there is one, also when nothing is saved and
+        autograd does not need ``x``."""
         if args or kwargs or not isinstance(x, Tensor) or not self.act_enabled(x):
+            if act_input_owned and isinstance(x, Tensor) and not (args or kwargs) \
+                    and not (torch.is_grad_enabled() and x.requires_grad):
+                in_place = self.act_inplace_forward()
+                if in_place is not None:
+                    return in_place(x)
             return super().forward(x, *args, **kwargs)
         spec = self.act_activation_spec()
         if spec is None:
@@ -168,7 +174,8 @@ def activation_of_owned(act: nn.Module, x: Tensor, producer: nn.Module) -> Tenso
     """``act(x)`` for a caller that owns ``x``, the fresh output of its submodule ``producer`` (an MLP's first
     linear) that nothing reads after this call: an act_hf activation with an in-place form
     (:meth:`ActActivationMixin.act_inplace_forward`) writes its output into ``x``, so the two full-size tensors,
-    an MLP's widest, are never alive together, and saves its codes as usual. The values and gradients are
+    an MLP's widest, are never alive together, and saves its codes as usual (or nothing, where autograd records
+    nothing: a packed checkpoint's first pass). The values and gradients are
     ``act(x)``'s. Hooks that could keep ``x`` or read it after the call (forward hooks of ``producer``, any
     hook of ``act``, global module hooks) keep the out-of-place call."""
     if isinstance(act, ActActivationMixin) and act.act_inplace_forward() is not None \

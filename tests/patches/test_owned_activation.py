@@ -82,6 +82,26 @@ def test_the_mlp_activation_runs_in_place_with_the_out_of_place_results(name, au
         assert torch.equal(grads[key], grads_ref[key]), key
 
 
+@pytest.mark.parametrize("name", ["timm-vit", "bert-seqcls", "vit-hf"])
+def test_a_training_forward_without_autograd_runs_the_activation_in_place(name):
+    """A packed checkpoint's first pass runs its layers in training mode without autograd: the activation still
+    writes into the linear's output there (nothing is saved, and nothing reads that output after it), with the
+    values of the out-of-place calls that hooks on the first linears force."""
+    model, inputs = _patched(name)
+    mlps = _mlps(model, name)
+    first = [next(getattr(m, n) for n in ("fc1", "dense") if hasattr(m, n)) for m in mlps]
+    outputs = []
+    for hooked in (False, True):
+        handles = [m.register_forward_hook(lambda mod, args, out: None) for m in first] if hooked else []
+        torch.manual_seed(0)
+        with torch.no_grad(), _GeluCalls() as calls:
+            outputs.append(loss_of(CASES[name], model, inputs))
+        for h in handles:
+            h.remove()
+        assert calls.calls == ({"gelu": len(mlps), "gelu_": 0} if hooked else {"gelu": 0, "gelu_": len(mlps)})
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_a_hook_that_keeps_the_linear_output_sees_it_unchanged():
     """A forward hook on the first linear that keeps its output (feature extraction) gets the linear's values, not
     the activation's: the MLP then calls the activation out of place. So do hooks on the activation itself."""
