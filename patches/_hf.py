@@ -21,7 +21,14 @@ from transformers.pytorch_utils import Conv1D
 from act_hf.config import ActConfig
 from act_hf.errors import ActHFWarning
 from act_hf.nn._base import ActModule
-from act_hf.nn.activation import ActActivationMixin, _calls_only_forward, activation_of_owned, output_is_owned
+from act_hf.nn.activation import (
+    ActActivationMixin,
+    _calls_only_forward,
+    _hooks_could_see,
+    activation_of_owned,
+    output_is_owned,
+)
+from act_hf.nn.linear import ActLinearMixin
 from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output
 from act_hf.ops.product import act_product
 from act_hf.patcher import (
@@ -126,7 +133,11 @@ class ActFeedForwardChunkMixin(ActModule):
     autograd on or off (a checkpoint's first pass), while calling the output module is its ``forward`` alone (no
     hooks, no tracing) and that ``forward`` is the code this reproduces (:data:`RESIDUAL_OUTPUT_FORWARD`);
     otherwise, and in eval mode, HF's method runs. The rule converts a layer whose ``feed_forward_chunk`` is that
-    code (:data:`FEED_FORWARD_CHUNK`)."""
+    code (:data:`FEED_FORWARD_CHUNK`).
+
+    The residual sum is written into ``x`` when nothing else can read ``x`` (:meth:`act_sums_into_input`): HF's
+    ``x + h`` is a third tensor of the residual stream's width beside ``x`` and the LayerNorm's output, all three
+    alive while the LayerNorm runs (bert-large's highest point of a packed checkpoint's recomputation)."""
 
     def feed_forward_chunk(self, attention_output: torch.Tensor) -> torch.Tensor:
         out = self.output
@@ -135,7 +146,26 @@ class ActFeedForwardChunkMixin(ActModule):
         hidden = self.intermediate(attention_output)
         hidden = out.dense(hidden)  # the intermediate's last reference goes here
         hidden = out.dropout(hidden)
-        return out.LayerNorm(hidden + attention_output)
+        if not self.act_sums_into_input(attention_output, hidden):
+            return out.LayerNorm(hidden + attention_output)
+        total = attention_output.add_(hidden)  # x + h, bit for bit: the addition commutes
+        del hidden
+        return out.LayerNorm(total)
+
+    def act_sums_into_input(self, x: torch.Tensor, h: torch.Tensor) -> bool:
+        """Whether ``x + h`` may be written into ``x``, the layer's attention output: the sum has ``x``'s shape and
+        dtype, ``x`` is a tensor of its own (not a view: HF's chunked feed-forward passes slices), no module hook
+        could have kept it (it is the attention's output and the intermediate's input), and no op saved it for
+        backward: while autograd records, the intermediate is act_hf's, whose linear saves a packed copy (or,
+        needing no gradient, nothing); the attention's LayerNorm saves its output packed or its input."""
+        if type(x) is not torch.Tensor or x._is_view() or x.is_leaf and x.requires_grad or x.shape != h.shape \
+                or torch.result_type(x, h) != x.dtype or x.device != h.device:
+            return False
+        if _hooks_could_see(*self.modules()):
+            return False
+        inner = self.intermediate
+        return not torch.is_grad_enabled() or (isinstance(inner, ActIntermediateMixin)
+                                               and isinstance(inner.dense, ActLinearMixin))
 
 
 #: :func:`code_fingerprint` of ``BertLayer.feed_forward_chunk`` and its copies (transformers 5.x).

@@ -1,6 +1,7 @@
 """BERT-style layers whose feed-forward frees its intermediate tensor once the output's dense layer has read it
-(``ActFeedForwardChunkMixin``): the same values and gradients as HF's ``feed_forward_chunk``, and HF's method
-wherever a hook could see the output module's call."""
+(``ActFeedForwardChunkMixin``) and sums the residual into the attention output where nothing else can read it: the
+same values and gradients as HF's ``feed_forward_chunk``, and HF's method wherever a hook could see the output
+module's call."""
 
 from __future__ import annotations
 
@@ -76,3 +77,73 @@ def test_in_eval_mode_hf_method_runs_and_in_a_checkpoints_first_pass_not(mode):
         alive = output_alive_at(layer.intermediate, layer.output.LayerNorm,
                                 lambda: model(**{k: v for k, v in inputs.items() if k != "labels"}))
     assert alive == (mode == "eval")
+
+
+def _norm_calls(monkeypatch, model) -> list[tuple[torch.nn.Module, int, int]]:
+    """``(norm, input data_ptr, output data_ptr)`` of every call of the model's converted LayerNorms, recorded by
+    wrapping their class's ``forward`` (a module hook would make the layer sum out of place)."""
+    calls = []
+    cls = type(_layers(model)[0].output.LayerNorm)
+    original = cls.forward
+
+    def forward(self, x, *args, **kwargs):
+        out = original(self, x, *args, **kwargs)
+        calls.append((self, x.data_ptr(), out.data_ptr()))
+        return out
+
+    monkeypatch.setattr(cls, "forward", forward)
+    return calls
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "checkpoint-first-pass"])
+def test_the_residual_sum_is_written_into_the_attention_output(monkeypatch, grad):
+    """The output LayerNorm's input is the attention output's storage: ``x + h`` made no third tensor of the
+    stream's width, with autograd and in training mode without it (a packed checkpoint's first pass)."""
+    model, inputs = _patched()
+    calls = _norm_calls(monkeypatch, model)
+    with torch.set_grad_enabled(grad):
+        loss_of(CASES["bert-seqcls"], model, inputs)
+    out_of = {id(norm): out for norm, _, out in calls}
+    for layer in _layers(model):
+        attention_norm, output_norm = layer.attention.output.LayerNorm, layer.output.LayerNorm
+        into = next(x for norm, x, _ in calls if norm is output_norm)
+        assert into == out_of[id(attention_norm)]
+
+
+def test_a_hook_that_keeps_the_attention_output_sees_it_unchanged(monkeypatch):
+    """A forward hook that keeps the attention module's output (feature extraction) gets the attention's values:
+    the layer then sums out of place."""
+    model, inputs = _patched()
+    calls = _norm_calls(monkeypatch, model)
+    layer = _layers(model)[0]
+    kept = []
+    layer.attention.register_forward_hook(lambda m, args, out: kept.append((out[0], out[0].clone())))
+    loss_of(CASES["bert-seqcls"], model, inputs).backward()
+    (attention_output, copy), = kept
+    assert torch.equal(attention_output, copy)
+    into = next(x for norm, x, _ in calls if norm is layer.output.LayerNorm)
+    assert into != attention_output.data_ptr()
+
+
+def test_an_intermediate_linear_that_saves_its_input_keeps_the_sum_out_of_place():
+    """An intermediate whose linear is not act_hf's (replaced after patching, as an adapter library might) saves
+    the attention output itself for its weight gradient in fp32: summing into it would fail backward. The layer
+    sums out of place, and the loss and gradients are those of HF's method."""
+    results = []
+    for hf_method in (False, True):
+        model, inputs = _patched()
+        for layer in _layers(model):
+            plain = torch.nn.Linear(layer.intermediate.dense.in_features, layer.intermediate.dense.out_features)
+            plain.load_state_dict(layer.intermediate.dense.state_dict())
+            layer.intermediate.dense = plain
+            if hf_method:
+                layer.output.register_forward_hook(lambda m, a, out: None)
+        act_hf.manual_seed(0)
+        loss = loss_of(CASES["bert-seqcls"], model, inputs)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
