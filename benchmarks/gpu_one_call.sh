@@ -10,9 +10,10 @@
 # CB1 again from its 20x trial (met at the edge there; its layers' feed-forward holds less since),
 # beside the CUDA tests (the three memory tests mended at 8778023 first, then the rest); what is alive at
 # resnet50's 2-bit peaks at batches past the convolutions' and BatchNorm's slicing threshold (84 images: new since
-# the fifth run, measured on the CPU only); then, with the GPU to itself, the rows its time limit cut (resnet50's patched speed and curve; bert-large at 3 bits with attention
-# dropout, against unpatched), then equal-batch speed and peak of the other models of the saved-memory table; the
-# host work per op on the GPU while time is left.
+# the fifth run, measured on the CPU only); then, with the GPU to itself, bert-large's equal-batch speed at 256
+# without the cap (device-bound); the rows the fifth run's time limit cut (resnet50's patched speed and curve;
+# bert-large at 3 bits with attention dropout, against unpatched), then equal-batch speed and peak of the other
+# models of the saved-memory table; the host work per op on the GPU while time is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -65,6 +66,15 @@ timeout $t "$PY" benchmarks/memory_at_peak.py --model resnet50 --setting bits2 -
   --batches 128 256 --rows 16 --out "$W" >"$W/peaks.log" 2>&1
 echo "peaks exit $?"; head -n 40 "$W/peaks.log"; bundle
 
+# equal-batch speed where the step is bound by the device, not the host (batch 32 is host-bound when patched):
+# bert-large at 256, without the cap (unpatched needs about 37 GB there)
+part "bert-large at equal batch 256, no cap, alone on the GPU"
+mkdir -p "$W/speed256"
+t=$(lim 240); (( t > 75 )) && t=75
+timeout $t "$PY" $GT --models bert-large --settings unpatched bits3 --no-search --no-curve --batch 256 \
+  --steps 5 --warmup 2 --out "$W/speed256" >"$W/speed256.log" 2>&1
+echo "speed256 exit $?"; cat "$W/speed256/gpu_training.md" 2>/dev/null; bundle
+
 part "resnet50's speed and throughput against batch size under 16 GiB, alone on the GPU"
 mkdir -p "$W/speed"
 timeout $(lim 180) "$PY" $GT --models resnet50 --settings unpatched bits3 --no-search --cap 16GiB \
@@ -92,6 +102,7 @@ if (( $(left) > 50 )); then
 fi
 cp "$W/targets/gpu_training.md" "$OUT/targets.md" 2>/dev/null
 cp "$W/speed/gpu_training.md" "$OUT/speed.md" 2>/dev/null
+cp "$W/speed256/gpu_training.md" "$OUT/speed256.md" 2>/dev/null
 cp "$W/dropout/gpu_training.md" "$OUT/dropout.md" 2>/dev/null
 cp "$W/models/gpu_training.md" "$OUT/models.md" 2>/dev/null
 cp "$W/tests.log" "$W/dropout_trial.log" "$W/peaks.log" "$OUT/" 2>/dev/null
