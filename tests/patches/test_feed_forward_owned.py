@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import act_hf
 from act_hf.patches._hf import ActFeedForwardChunkMixin
@@ -147,3 +148,43 @@ def test_an_intermediate_linear_that_saves_its_input_keeps_the_sum_out_of_place(
     assert grads.keys() == ref_grads.keys()
     for n in grads:
         assert torch.equal(grads[n], ref_grads[n]), n
+
+
+def _checkpointed_step(checkpoint: str, hf_method: bool, autocast: bool, decoder: bool):
+    """Loss and gradients of one step of a 2-layer BERT masked LM (a decoder with cross-attention: an LM head
+    model), hidden dropout 0.1, at 3 bits, with ``checkpoint`` (``"none"``, HF's checkpointing with exact layer
+    inputs or with inputs packed at 4 bits) and, with ``hf_method``, HF's feed-forward forced by hooks."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128, hidden_dropout_prob=0.1, is_decoder=decoder,
+                                     add_cross_attention=decoder)
+    model = (transformers.BertLMHeadModel if decoder else transformers.BertForMaskedLM)(config).train()
+    if checkpoint != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    act_hf.patch(model, bits=3, checkpoint_bits=4 if checkpoint == "packed" else None)
+    if hf_method:
+        for layer in _layers(model):
+            layer.output.register_forward_hook(lambda m, a, out: None)
+    ids = torch.randint(0, 100, (4, 16))
+    extra = {"encoder_hidden_states": torch.randn(4, 8, 64)} if decoder else {}
+    torch.manual_seed(1)
+    act_hf.manual_seed(0)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids, **extra).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("checkpoint", ["none", "exact", "packed"])
+def test_checkpointed_layers_with_dropout_and_cross_attention_sum_as_hf(checkpoint, autocast):
+    """With gradient checkpointing (the first pass with autograd, or without it for packed layer inputs, and the
+    recomputation), hidden dropout drawn in both passes and a decoder's cross-attention between the attention and
+    the feed-forward, the loss and every gradient are those of HF's method, bit for bit."""
+    for decoder in (False, True):
+        (loss, grads), (ref_loss, ref_grads) = (_checkpointed_step(checkpoint, hf, autocast, decoder)
+                                                for hf in (False, True))
+        assert torch.equal(loss, ref_loss), decoder
+        assert grads.keys() == ref_grads.keys()
+        for n in grads:
+            assert torch.equal(grads[n], ref_grads[n]), (decoder, n)
