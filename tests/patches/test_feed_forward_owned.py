@@ -31,6 +31,29 @@ def _layers(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, ActFeedForwardChunkMixin)]
 
 
+def _force_hf_method(model) -> None:
+    """A no-op forward hook on every layer's output module: the layers then run HF's ``feed_forward_chunk``."""
+    for layer in _layers(model):
+        layer.output.register_forward_hook(lambda m, a, out: None)
+
+
+def _loss_and_grads(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step of the ``bert-seqcls`` case from act_hf's seed 0: its loss and parameter gradients."""
+    act_hf.manual_seed(0)
+    loss = loss_of(CASES["bert-seqcls"], model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_step(step, reference) -> None:
+    """The two ``(loss, gradients)`` pairs are equal, bit for bit."""
+    (loss, grads), (ref_loss, ref_grads) = step, reference
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+
+
 @pytest.mark.parametrize("name", ["bert-seqcls", "roberta", "xlm-roberta", "bert-mlm"])
 def test_bert_style_layers_are_converted(name):
     model, _ = _patched(name)
@@ -50,21 +73,13 @@ def test_values_and_gradients_are_hf_feed_forwards(chunk):
     """Loss and every gradient equal those with HF's ``feed_forward_chunk`` (forced by a hook on each output
     module), bit for bit in fp32, with the same rounding draws; with ``chunk_size_feed_forward`` too, where
     ``apply_chunking_to_forward`` calls the method once per chunk of the sequence."""
-    results = []
+    steps = []
     for hf_method in (False, True):
         model, inputs = _patched(chunk=chunk)
         if hf_method:
-            for layer in _layers(model):
-                layer.output.register_forward_hook(lambda m, a, out: None)
-        act_hf.manual_seed(0)
-        loss = loss_of(CASES["bert-seqcls"], model, inputs)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (loss, grads), (ref_loss, ref_grads) = results
-    assert torch.equal(loss, ref_loss)
-    assert grads.keys() == ref_grads.keys()
-    for n in grads:
-        assert torch.equal(grads[n], ref_grads[n]), n
+            _force_hf_method(model)
+        steps.append(_loss_and_grads(model, inputs))
+    _assert_same_step(*steps)
 
 
 @pytest.mark.parametrize("mode", ["eval", "train-no-grad"])
@@ -130,24 +145,17 @@ def test_an_intermediate_linear_that_saves_its_input_keeps_the_sum_out_of_place(
     """An intermediate whose linear is not act_hf's (replaced after patching, as an adapter library might) saves
     the attention output itself for its weight gradient in fp32: summing into it would fail backward. The layer
     sums out of place, and the loss and gradients are those of HF's method."""
-    results = []
+    steps = []
     for hf_method in (False, True):
         model, inputs = _patched()
         for layer in _layers(model):
             plain = torch.nn.Linear(layer.intermediate.dense.in_features, layer.intermediate.dense.out_features)
             plain.load_state_dict(layer.intermediate.dense.state_dict())
             layer.intermediate.dense = plain
-            if hf_method:
-                layer.output.register_forward_hook(lambda m, a, out: None)
-        act_hf.manual_seed(0)
-        loss = loss_of(CASES["bert-seqcls"], model, inputs)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (loss, grads), (ref_loss, ref_grads) = results
-    assert torch.equal(loss, ref_loss)
-    assert grads.keys() == ref_grads.keys()
-    for n in grads:
-        assert torch.equal(grads[n], ref_grads[n]), n
+        if hf_method:
+            _force_hf_method(model)
+        steps.append(_loss_and_grads(model, inputs))
+    _assert_same_step(*steps)
 
 
 def _checkpointed_step(checkpoint: str, hf_method: bool, autocast: bool, decoder: bool):
@@ -163,8 +171,7 @@ def _checkpointed_step(checkpoint: str, hf_method: bool, autocast: bool, decoder
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     act_hf.patch(model, bits=3, checkpoint_bits=4 if checkpoint == "packed" else None)
     if hf_method:
-        for layer in _layers(model):
-            layer.output.register_forward_hook(lambda m, a, out: None)
+        _force_hf_method(model)
     ids = torch.randint(0, 100, (4, 16))
     extra = {"encoder_hidden_states": torch.randn(4, 8, 64)} if decoder else {}
     torch.manual_seed(1)
@@ -182,9 +189,4 @@ def test_checkpointed_layers_with_dropout_and_cross_attention_sum_as_hf(checkpoi
     recomputation), hidden dropout drawn in both passes and a decoder's cross-attention between the attention and
     the feed-forward, the loss and every gradient are those of HF's method, bit for bit."""
     for decoder in (False, True):
-        (loss, grads), (ref_loss, ref_grads) = (_checkpointed_step(checkpoint, hf, autocast, decoder)
-                                                for hf in (False, True))
-        assert torch.equal(loss, ref_loss), decoder
-        assert grads.keys() == ref_grads.keys()
-        for n in grads:
-            assert torch.equal(grads[n], ref_grads[n]), (decoder, n)
+        _assert_same_step(*(_checkpointed_step(checkpoint, hf, autocast, decoder) for hf in (False, True)))
