@@ -36,6 +36,7 @@ import json
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -136,14 +137,15 @@ _VIEWS = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "expand", "
 _SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal"})
 
 
-def count_ops(step) -> tuple[int, int, int]:
-    """``(device ops, host syncs, bytes moved)`` that one call of ``step`` dispatches: aten ops other than views,
-    the codec's ``act_hf`` ops once each, and the bytes of those ops' tensor inputs and outputs (what a GPU reads and
-    writes for them: the time of the memory-bound ones, most of act_hf's, follows it)."""
+def count_ops(step) -> tuple[int, int, int, dict[str, int]]:
+    """``(device ops, host syncs, bytes moved, device ops by name)`` that one call of ``step`` dispatches: aten ops
+    other than views, the codec's ``act_hf`` ops once each, and the bytes of those ops' tensor inputs and outputs
+    (what a GPU reads and writes for them: the time of the memory-bound ones, most of act_hf's, follows it)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     counts = [0, 0, 0]
+    by_name: Counter[str] = Counter()
 
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -152,13 +154,29 @@ def count_ops(step) -> tuple[int, int, int]:
             if name not in _VIEWS:
                 counts[0] += 1
                 counts[1] += name in _SYNCS
+                by_name[name] += 1
                 tensors = {id(t): t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
                 counts[2] += sum(t.numel() * t.element_size() for t in tensors.values())  # an out= tensor once
             return out
 
     with _Count():
         step()
-    return counts[0], counts[1], counts[2]
+    return counts[0], counts[1], counts[2], dict(by_name)
+
+
+def added_ops(rows: list[dict], top: int = 15) -> list[dict]:
+    """The device ops each patched row makes beyond the unpatched one, by name, most added first: ``[{"op",
+    "unpatched", <setting>..., }]`` for the ``top`` ops whose count changed most in any patched row (an op a
+    patched step makes less often shows a negative difference)."""
+    base = next((r["ops_by_name"] for r in rows if r["setting"] == "unpatched"), None)
+    patched = [r for r in rows if r["setting"] != "unpatched"]
+    if base is None or not patched:
+        return []
+    names = set(base).union(*(r["ops_by_name"] for r in patched))
+    change = {n: max(abs(r["ops_by_name"].get(n, 0) - base.get(n, 0)) for r in patched) for n in names}
+    chosen = sorted((n for n in names if change[n]), key=lambda n: (-change[n], n))[:top]
+    return [{"op": n, "unpatched": base.get(n, 0)} | {r["setting"]: r["ops_by_name"].get(n, 0) for r in patched}
+            for n in chosen]
 
 
 def _fallback_model(name: str, layers: int, hidden: int, seq: int):
@@ -238,7 +256,7 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
             step()
         sync()
         best = min(best, (time.perf_counter() - start) / steps * 1000)
-    ops, syncs, moved = count_ops(step)
+    ops, syncs, moved, ops_by_name = count_ops(step)
 
     def run() -> None:
         for _ in range(steps):
@@ -251,7 +269,7 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
                 fastest[row["op"]] = row
     by_op = sorted(fastest.values(), key=lambda o: -o["ms_per_step"])
     return {"setting": setting, "ms_per_step": best, "ops_per_step": ops, "syncs_per_step": syncs, "by_op": by_op,
-            "mb_moved_per_step": moved / 1e6}
+            "mb_moved_per_step": moved / 1e6, "ops_by_name": ops_by_name}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['setting']} | {r['ms_per_step']:.2f} | "
               f"{'-' if r['vs_unpatched'] is None else format(r['vs_unpatched'], '.2f')} | {r['ops_per_step']} | "
               f"{r['syncs_per_step']} | {r['mb_moved_per_step']:.2f} |" for r in rows]
+    added = added_ops(rows)
+    if added:
+        patched = [r["setting"] for r in rows if r["setting"] != "unpatched"]
+        lines += ["", ("Device ops of one step by aten op (act_hf's codec ops by their own names), where a patched "
+                       "step's count differs most from the unpatched one's:"), "",
+                  "| op | unpatched | " + " | ".join(patched) + " |", "|---|---|" + "---|" * len(patched)]
+        lines += [f"| {a['op']} | {a['unpatched']} | " + " | ".join(f"{a[p]} ({a[p] - a['unpatched']:+d})"
+                                                                   for p in patched) + " |" for a in added]
     for r in rows:
         if r["by_op"]:
             lines += ["", (f"Time inside act_hf's ops at {r['setting']} (forward and backward of each autograd "

@@ -315,6 +315,12 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert [r["setting"] for r in rows] == ["unpatched", "bits3"] and all(r["ms_per_step"] > 0 for r in rows)
     assert rows[0]["vs_unpatched"] == 1.0
     assert 0 < rows[0]["ops_per_step"] < rows[1]["ops_per_step"]  # act_hf's ops come on top of the model's
+    assert all(sum(r["ops_by_name"].values()) == r["ops_per_step"] for r in rows)
+    added = {a["op"]: a for a in host_overhead.added_ops(rows)}
+    assert added["unpack_dequantize"] == {"op": "unpack_dequantize", "unpatched": 0,
+                                          "bits3": rows[1]["ops_by_name"]["unpack_dequantize"]}
+    assert f"| unpack_dequantize | 0 | {added['unpack_dequantize']['bits3']} (+" in \
+        (tmp_path / "host_overhead.md").read_text()
     assert rows[1]["syncs_per_step"] == 0
     assert 0 < rows[0]["mb_moved_per_step"] < rows[1]["mb_moved_per_step"]
     with pytest.raises(SystemExit):
