@@ -79,16 +79,48 @@ class _Call:
         return [where == "arg" and t.is_floating_point() and t.requires_grad
                 for (where, _), t in zip(self.positions, self.tensors())]
 
-    def __call__(self, tensors: list[Tensor]) -> Any:
+    def __call__(self, tensors: list[Tensor], *, owned: bool = False) -> Any:
+        """``function`` with ``tensors`` in their places. The list is emptied, so the caller's reference goes with
+        it. With ``owned`` (a recomputation, whose inputs nothing else holds), a layer that takes its input handed
+        over (:func:`_owned_recompute`) gets it in a one-element list, and frees it once it has read it."""
         args, kwargs = list(self.args), dict(self.kwargs)
         for (where, j), t in zip(self.positions, tensors):
             (args if where == "arg" else kwargs)[j] = t
-        return self.function(*args, **kwargs)
+        t = None  # the loop's last tensor
+        tensors.clear()
+        found = _owned_recompute(self.function, args, kwargs) if owned else None
+        if found is None:
+            return self.function(*args, **kwargs)
+        recompute, first = found
+        box = [args[first]]
+        rest = args[first + 1:]
+        del args
+        return recompute(box, *rest, **kwargs)
 
     def release(self) -> None:
         """Drop the references to the original tensors (backward rebuilds them from the saved context)."""
         for where, j in self.positions:
             (self.args if where == "arg" else self.kwargs)[j] = None
+
+
+def _owned_recompute(function: Callable, args: list, kwargs: dict) -> tuple[Callable, int] | None:
+    """``(layer.act_recompute_owned, i)`` when ``function(*args, **kwargs)`` runs a layer that takes its input,
+    ``args[i]``, handed over in a one-element list (``act_recompute_owned(box, *args[i + 1:], **kwargs)``, the
+    same computation, for example a BERT layer's: ``patches/_hf.py``), and the layer says it may
+    (``act_takes_input_owned``); else ``None``. transformers checkpoints a layer as its class's ``forward`` with the
+    layer first (``forward(layer, x, ...)``, 5.2x) or as ``nn.Module.__call__`` bound to it (5.17), which the
+    layer's method replaces only where no hook could see the call."""
+    if args and isinstance(args[0], nn.Module):
+        layer, first = args[0], 1
+        own = function is getattr(getattr(type(layer), "act_original_class", None), "forward", None)
+    else:
+        layer, first = getattr(function, "__self__", None), 0
+        own = getattr(function, "__func__", None) is nn.Module.__call__
+    recompute = getattr(layer, "act_recompute_owned", None)
+    if not own or recompute is None or len(args) <= first or not isinstance(args[first], Tensor) \
+            or not layer.act_takes_input_owned(tuple(args[first + 1:]), kwargs):
+        return None
+    return recompute, first
 
 
 #: whether ``torch.autograd.backward`` takes gradient edges as its roots (torch 2.5 on): then a recomputed layer's
@@ -191,8 +223,7 @@ class _CompressedCheckpoint(torch.autograd.Function):
             item = None  # the last input goes with the others once the layer has run
             with replayed_rng(ctx.rng), torch.autocast(ctx.device_type, **ctx.autocast), \
                     torch.autocast("cpu", **ctx.cpu_autocast):
-                outputs = ctx.call(inputs)
-        del inputs  # the recomputed layer holds what it needs of them
+                outputs = ctx.call(inputs, owned=True)  # empties inputs: the layer holds what it needs of them
         outputs = (outputs,) if isinstance(outputs, Tensor) else outputs
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
                  if isinstance(o, Tensor) and o.requires_grad and g is not None]

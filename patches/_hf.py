@@ -16,7 +16,7 @@ import transformers
 from packaging import version
 from torch import nn
 from transformers import activations as hf_act
-from transformers.pytorch_utils import Conv1D
+from transformers.pytorch_utils import Conv1D, apply_chunking_to_forward
 
 from act_hf.config import ActConfig
 from act_hf.errors import ActHFWarning
@@ -137,7 +137,9 @@ class ActFeedForwardChunkMixin(ActModule):
 
     The residual sum is written into ``x`` when nothing else can read ``x`` (:meth:`act_sums_into_input`): HF's
     ``x + h`` is a third tensor of the residual stream's width beside ``x`` and the LayerNorm's output, all three
-    alive while the LayerNorm runs (bert-large's highest point of a packed checkpoint's recomputation)."""
+    alive while the LayerNorm runs (bert-large's highest point of a packed checkpoint's recomputation). In that
+    recomputation the layer also takes its decoded input to own (:meth:`act_recompute_owned`), freed once the
+    attention has read it."""
 
     def feed_forward_chunk(self, attention_output: torch.Tensor) -> torch.Tensor:
         out = self.output
@@ -166,6 +168,54 @@ class ActFeedForwardChunkMixin(ActModule):
         inner = self.intermediate
         return not torch.is_grad_enabled() or (isinstance(inner, ActIntermediateMixin)
                                                and isinstance(inner.dense, ActLinearMixin))
+
+    def act_takes_input_owned(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a packed checkpoint's recomputation may run this layer as :meth:`act_recompute_owned` with
+        ``(hidden_states, *args)`` and ``kwargs``: training, no hook could see the call, the layer's ``forward`` is
+        one of the codes that method reproduces (:data:`LAYER_FORWARDS`), called as transformers calls it (at most
+        the three positional arguments after ``hidden_states``, its cache under that release's name)."""
+        cache = _layer_forward_cache_name(type(self))
+        return (cache is not None and self.training and len(args) <= 3 and _calls_only_forward(self)
+                and not (set(LAYER_FORWARDS.values()) - {cache}) & kwargs.keys())
+
+    def act_recompute_owned(self, box: list[torch.Tensor], attention_mask=None, encoder_hidden_states=None,
+                            encoder_attention_mask=None, **kwargs):
+        """The layer's ``forward`` on the one tensor in ``box``, taken out of it, for a packed checkpoint's
+        recomputation (:mod:`act_hf.checkpoint`), where nothing else holds it: the attention is the last to read the
+        layer's input, which then goes once the attention's LayerNorm has summed it, where transformers' forward
+        (and its caller's arguments) held it through the feed-forward, a tensor of the stream's width at the highest
+        point of bert-large's recomputation. The cache goes to the attention under the name the call gave it, as
+        the forward passes it."""
+        self_attention_output, _ = self.attention(box.pop(), attention_mask, **kwargs)
+        attention_output = self_attention_output
+        if self.is_decoder and encoder_hidden_states is not None:
+            if not hasattr(self, "crossattention"):
+                raise ValueError(
+                    f"If `encoder_hidden_states` are passed, {self} has to be instantiated with cross-attention layers"
+                    " by setting `config.add_cross_attention=True`"
+                )
+            cross_attention_output, _ = self.crossattention(self_attention_output, None, encoder_hidden_states,
+                                                            encoder_attention_mask, **kwargs)
+            attention_output = cross_attention_output
+        return apply_chunking_to_forward(self.feed_forward_chunk, self.chunk_size_feed_forward, self.seq_len_dim,
+                                         attention_output)
+
+
+#: :func:`code_fingerprint` of ``BertLayer.forward`` and its copies (RoBERTa, ELECTRA, ...) that
+#: :meth:`ActFeedForwardChunkMixin.act_recompute_owned` reproduces, and the keyword its cache goes by
+LAYER_FORWARDS = {"d6bf7d614f3f616e": "past_key_values",  # transformers 5.17
+                  "2f279cbeae83595e": "cache"}  # transformers 5.24
+
+
+@functools.cache
+def _layer_forward_cache_name(cls: type) -> str | None:
+    """The cache keyword of ``cls``'s original ``forward`` when :data:`LAYER_FORWARDS` knows that code, else
+    ``None`` (also for a forward whose source cannot be read)."""
+    forward = getattr(getattr(cls, "act_original_class", None), "forward", None)
+    try:
+        return LAYER_FORWARDS.get(code_fingerprint(forward)) if forward is not None else None
+    except (OSError, TypeError):
+        return None
 
 
 #: :func:`code_fingerprint` of ``BertLayer.feed_forward_chunk`` and its copies (transformers 5.x).

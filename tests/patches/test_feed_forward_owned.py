@@ -5,11 +5,15 @@ module's call."""
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import pytest
 import torch
 import transformers
 
 import act_hf
+from act_hf.checkpoint import checkpoint, enable_hf_checkpointing
 from act_hf.patches._hf import ActFeedForwardChunkMixin
 from tests.patches.models import ALL_CASES, loss_of
 from tests.utils import alive_unhooked_and_hooked, output_alive_at
@@ -158,20 +162,31 @@ def test_an_intermediate_linear_that_saves_its_input_keeps_the_sum_out_of_place(
     _assert_same_step(*steps)
 
 
-def _checkpointed_step(checkpoint: str, hf_method: bool, autocast: bool, decoder: bool):
-    """Loss and gradients of one step of a 2-layer BERT masked LM (a decoder with cross-attention: an LM head
-    model), hidden dropout 0.1, at 3 bits, with ``checkpoint`` (``"none"``, HF's checkpointing with exact layer
-    inputs or with inputs packed at 4 bits) and, with ``hf_method``, HF's feed-forward forced by hooks."""
+def _checkpointed_model(checkpoint: str, decoder: bool):
+    """A 2-layer BERT masked LM (a decoder with cross-attention: an LM head model), hidden dropout 0.1, at 3 bits,
+    with ``checkpoint``: ``"none"``, HF's checkpointing with exact layer inputs (``"exact"``) or with inputs packed
+    at 4 bits (``"packed"``)."""
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=128, hidden_dropout_prob=0.1, is_decoder=decoder,
                                      add_cross_attention=decoder)
     model = (transformers.BertLMHeadModel if decoder else transformers.BertForMaskedLM)(config).train()
     if checkpoint != "none":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_hf_checkpointing(model)
     act_hf.patch(model, bits=3, checkpoint_bits=4 if checkpoint == "packed" else None)
+    return model
+
+
+def _checkpointed_step(checkpoint: str, hf_method: bool, autocast: bool, decoder: bool, *,
+                       hooked_layers: bool = False):
+    """Loss and gradients of one step of :func:`_checkpointed_model` with, for ``hf_method``, HF's feed-forward
+    forced by hooks on the output modules, and for ``hooked_layers``, a no-op forward hook on every layer."""
+    model = _checkpointed_model(checkpoint, decoder)
     if hf_method:
         _force_hf_method(model)
+    if hooked_layers:
+        for layer in _layers(model):
+            layer.register_forward_hook(lambda m, a, out: None)
     ids = torch.randint(0, 100, (4, 16))
     extra = {"encoder_hidden_states": torch.randn(4, 8, 64)} if decoder else {}
     torch.manual_seed(1)
@@ -190,3 +205,66 @@ def test_checkpointed_layers_with_dropout_and_cross_attention_sum_as_hf(checkpoi
     the feed-forward, the loss and every gradient are those of HF's method, bit for bit."""
     for decoder in (False, True):
         _assert_same_step(*(_checkpointed_step(checkpoint, hf, autocast, decoder) for hf in (False, True)))
+
+
+def test_a_packed_checkpoints_recomputation_frees_the_layer_input_after_the_attention(monkeypatch):
+    """The recomputation hands each layer its decoded input to own (``act_recompute_owned``): by the time the
+    intermediate runs, the input is gone (transformers' forward and the checkpoint's call held it to the end)."""
+    model = _checkpointed_model("packed", decoder=False)
+    layer_cls, inner_cls = type(_layers(model)[0]), type(_layers(model)[0].intermediate)
+    recompute, inner_forward = layer_cls.act_recompute_owned, inner_cls.forward
+    inputs, alive = [], []
+
+    def recompute_spy(self, box, *args, **kwargs):
+        inputs.append(weakref.ref(box[0]))
+        return recompute(self, box, *args, **kwargs)
+
+    def inner_spy(self, x):
+        if inputs:
+            alive.append(inputs[-1]() is not None)
+        return inner_forward(self, x)
+
+    monkeypatch.setattr(layer_cls, "act_recompute_owned", recompute_spy)
+    monkeypatch.setattr(inner_cls, "forward", inner_spy)
+    ids = torch.randint(0, 100, (4, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(inputs) == 2 and alive == [False, False]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_owned_recomputation_gives_the_hooked_layers_bits(autocast):
+    """A hook on each layer keeps the recomputation on transformers' forward: loss and gradients are the same bit
+    for bit, for an encoder and a decoder with cross-attention."""
+    for decoder in (False, True):
+        _assert_same_step(*(_checkpointed_step("packed", False, autocast, decoder, hooked_layers=hooked)
+                            for hooked in (False, True)))
+
+
+def test_a_checkpoint_of_the_layers_module_call_recomputes_it_owned(monkeypatch):
+    """transformers 5.17 checkpoints ``nn.Module.__call__`` bound to the layer (later releases its ``forward`` with
+    the layer first): act_hf's checkpoint of that call runs the owned recomputation too, with the gradients of the
+    recomputation through the call (the layer saying no)."""
+    grads = []
+    for owned in (True, False):
+        model = _checkpointed_model("none", decoder=False)
+        layer = _layers(model)[0]
+        if not owned:
+            monkeypatch.setattr(type(layer), "act_takes_input_owned", lambda self, args, kwargs: False)
+        calls, recompute = [], type(layer).act_recompute_owned
+
+        def recompute_spy(self, box, *args, calls=calls, recompute=recompute, **kwargs):
+            calls.append(1)
+            return recompute(self, box, *args, **kwargs)
+
+        monkeypatch.setattr(type(layer), "act_recompute_owned", recompute_spy)
+        x = torch.randn(2, 8, 64, requires_grad=True)
+        call = functools.partial(super(transformers.modeling_layers.GradientCheckpointingLayer, layer).__call__)
+        torch.manual_seed(3)
+        act_hf.manual_seed(0)
+        checkpoint(call, x, None, bits=4).sum().backward()
+        grads.append((x.grad, {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}))
+        assert calls == ([1] if owned else [])
+        monkeypatch.undo()
+    (x_grad, params), (ref_x_grad, ref_params) = grads
+    assert torch.equal(x_grad, ref_x_grad)
+    _assert_same_step((x_grad.sum(), params), (ref_x_grad.sum(), ref_params))
