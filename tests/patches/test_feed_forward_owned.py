@@ -268,3 +268,24 @@ def test_a_checkpoint_of_the_layers_module_call_recomputes_it_owned(monkeypatch)
     (x_grad, params), (ref_x_grad, ref_params) = grads
     assert torch.equal(x_grad, ref_x_grad)
     _assert_same_step((x_grad.sum(), params), (ref_x_grad.sum(), ref_params))
+
+
+def test_a_layer_takes_its_input_owned_only_as_transformers_calls_it():
+    """``act_takes_input_owned``: in training, with the cache under this transformers release's name and at most
+    three positional arguments after the input; not with the other release's name, a hook on the layer, in eval
+    mode, or with more positional arguments."""
+    from act_hf.patches._hf import LAYER_FORWARDS, _layer_forward_cache_name
+
+    model, _ = _patched()
+    layer = _layers(model)[0]
+    name = _layer_forward_cache_name(type(layer))
+    assert name in LAYER_FORWARDS.values()
+    other = next(n for n in LAYER_FORWARDS.values() if n != name)
+    assert layer.act_takes_input_owned((None, None), {name: None, "encoder_attention_mask": None})
+    assert not layer.act_takes_input_owned((None, None), {other: None})
+    assert not layer.act_takes_input_owned((None, None, None, None), {})
+    handle = layer.register_forward_pre_hook(lambda m, args: None)
+    assert not layer.act_takes_input_owned((None, None), {})
+    handle.remove()
+    layer.eval()
+    assert not layer.act_takes_input_owned((None, None), {})
