@@ -257,7 +257,7 @@ class ActGatedActDenseMixin(ActModule):
     rule converts a module only when its ``forward`` is that code (:data:`GATED_ACT_DENSE_FORWARD`)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.act_enabled(hidden_states):
+        if not self.act_owns_intermediates(hidden_states):
             return super().forward(hidden_states)
         owned = output_is_owned(self.act)
         gate = activation_of_owned(self.act, self.wi_0(hidden_states), self.wi_0)
@@ -278,7 +278,7 @@ class ActDenseActDenseMixin(ActModule):
     (:data:`DENSE_ACT_DENSE_FORWARD`)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.act_enabled(hidden_states):
+        if not self.act_owns_intermediates(hidden_states):
             return super().forward(hidden_states)
         hidden_states = self.dropout(activation_of_owned(self.act, self.wi(hidden_states), self.wi))
         return self.wo(_to_wo_dtype(hidden_states, self.wo))

@@ -31,7 +31,7 @@ class ActGatedMLPMixin(ActModule):
     rules."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.act_enabled(x):
+        if not self.act_owns_intermediates(x):
             return super().forward(x)
         owned = output_is_owned(self.act_fn)
         gate = activation_of_owned(self.act_fn, self.gate_proj(x), self.gate_proj)

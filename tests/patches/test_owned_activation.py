@@ -82,23 +82,25 @@ def test_the_mlp_activation_runs_in_place_with_the_out_of_place_results(name, au
         assert torch.equal(grads[key], grads_ref[key]), key
 
 
-@pytest.mark.parametrize("name", ["timm-vit", "bert-seqcls", "vit-hf"])
+@pytest.mark.parametrize("name", ["timm-vit", "bert-seqcls", "vit-hf", "llama", "t5"])
 def test_a_training_forward_without_autograd_runs_the_activation_in_place(name):
     """A packed checkpoint's first pass runs its layers in training mode without autograd: the activation still
-    writes into the linear's output there (nothing is saved, and nothing reads that output after it), with the
-    values of the out-of-place calls that hooks on the first linears force."""
+    writes into the linear's output there (nothing is saved, and nothing reads that output after it; LLaMA's
+    product goes into the activation's), with the values of the out-of-place calls that hooks on the first
+    linears force."""
     model, inputs = _patched(name)
     mlps = _mlps(model, name)
-    first = [next(getattr(m, n) for n in ("fc1", "dense") if hasattr(m, n)) for m in mlps]
+    first = [next(getattr(m, n) for n in ("fc1", "dense", "gate_proj", "wi") if hasattr(m, n)) for m in mlps]
+    act = ACTIVATION.get(name, "gelu")
     outputs = []
     for hooked in (False, True):
         handles = [m.register_forward_hook(lambda mod, args, out: None) for m in first] if hooked else []
         torch.manual_seed(0)
-        with torch.no_grad(), _GeluCalls() as calls:
+        with torch.no_grad(), _GeluCalls(act) as calls:
             outputs.append(loss_of(CASES[name], model, inputs))
         for h in handles:
             h.remove()
-        assert calls.calls == ({"gelu": len(mlps), "gelu_": 0} if hooked else {"gelu": 0, "gelu_": len(mlps)})
+        assert calls.calls == ({act: len(mlps), act + "_": 0} if hooked else {act: 0, act + "_": len(mlps)})
     assert torch.equal(outputs[0], outputs[1])
 
 
