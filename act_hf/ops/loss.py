@@ -197,6 +197,29 @@ def _replay(logits: Tensor, steps: tuple) -> Tensor:
     return logits
 
 
+def _cross_entropy_by_rows(logits: Tensor, targets: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """``F.cross_entropy(logits.float(), targets, ignore_index=..., reduction=...)``, bit for bit, with the fp32
+    log-probabilities made :data:`CHUNK_BYTES` at a time: each row's ``log_softmax`` is its own (the kernels
+    normalise row by row), and ``nll_loss`` reduces the picked values of an ``(N, 1)`` input as it reduces those
+    of the ``(N, V)`` one (its sum runs over the rows alone). The whole call held an fp32 copy of the logits and
+    their log-probabilities at once: at a 32000-word vocabulary, 31 MiB a sequence of 128 tokens, the highest point
+    of a LLaMA-style step on the CPU."""
+    rows, vocab = logits.shape
+    step = max(1, CHUNK_BYTES // (4 * vocab))
+    if rows <= step:
+        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction=reduction)
+    ignored = targets == ignore_index
+    index = torch.where(ignored, 0, targets).unsqueeze(1)  # an invalid target still fails in gather
+    column = 1 if ignore_index == 0 else 0  # the picked values' class, never the ignored one
+    picked = torch.zeros(rows, column + 1, dtype=torch.float32, device=logits.device)
+    for start in range(0, rows, step):
+        end = min(start + step, rows)
+        log_probs = F.log_softmax(logits[start:end].float(), dim=1)
+        picked[start:end, column] = log_probs.gather(1, index[start:end]).squeeze(1)
+        del log_probs
+    return F.nll_loss(picked, torch.where(ignored, targets, column), ignore_index=ignore_index, reduction=reduction)
+
+
 class HeadCrossEntropyFunction(torch.autograd.Function):
     """``F.cross_entropy(logits.float().view(-1, V), targets, ignore_index=..., reduction=...)`` where
     ``logits = steps(F.linear(hidden, weight, bias))`` (``steps``: from :func:`scaled_head_output`, ``()`` for the
@@ -209,9 +232,7 @@ class HeadCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                 ignore_index: int, reduction: str, steps: tuple = ()) -> Tensor:
-        vocab = logits.shape[-1]
-        loss = F.cross_entropy(logits.float().view(-1, vocab), targets, ignore_index=ignore_index,
-                               reduction=reduction)
+        loss = _cross_entropy_by_rows(logits.view(-1, logits.shape[-1]), targets, ignore_index, reduction)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.meta = (logits.shape, logits.dtype, ignore_index, reduction, autocast_state(logits.device.type), steps)
         return loss

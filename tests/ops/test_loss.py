@@ -441,3 +441,61 @@ def test_eval_and_no_grad_use_the_original_loss():
     with torch.no_grad():
         head.train()
         assert _loss(trunk, head, labels, x, hooked=True).grad_fn is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("ignore_index", [-100, 0, 7])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_loss_by_rows_is_cross_entropys_bit_for_bit(reduction, ignore_index, device, monkeypatch):
+    """The forward's cross-entropy over chunks of rows (the fp32 log-probabilities never whole) gives
+    ``F.cross_entropy(logits.float(), ...)`` bit for bit: fp32 and bf16 logits, under autocast too, a vocabulary of
+    a real LM's width, ignored targets (also class 0 as the ignored one), chunks that do not divide the rows; an
+    invalid target still fails."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    vocab = 32000
+    monkeypatch.setattr(lm_loss, "CHUNK_BYTES", 4 * vocab * 7)  # 7 rows a chunk
+    generator = torch.Generator().manual_seed(0)
+    for dtype, rows, autocast in ((torch.float32, 50, False), (torch.bfloat16, 61, False), (torch.bfloat16, 64, True)):
+        logits = (3 * torch.randn(rows, vocab, generator=generator)).to(dtype).to(device)
+        targets = torch.randint(0, vocab, (rows,), generator=generator)
+        targets[torch.rand(rows, generator=generator) < 0.25] = ignore_index
+        targets = targets.to(device)
+        with torch.autocast(device, torch.bfloat16, enabled=autocast):
+            expected = torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=ignore_index,
+                                                         reduction=reduction)
+            got = lm_loss._cross_entropy_by_rows(logits, targets, ignore_index, reduction)
+        assert torch.equal(got, expected), (dtype, rows, autocast, got.item(), expected.item())
+    if device == "cpu":
+        targets[3] = -5 if ignore_index != -5 else -6
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            lm_loss._cross_entropy_by_rows(logits, targets, ignore_index, reduction)
+
+
+def test_the_loss_by_rows_holds_one_chunk_of_log_probabilities(monkeypatch):
+    """Past one chunk, the forward's highest point is one chunk's fp32 copy and log-probabilities (and the picked
+    values), where the whole call holds an fp32 copy of all the logits and all their log-probabilities at once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.utils import load_benchmark
+
+    allocations = load_benchmark("memory_at_peak")._allocations
+
+    def peak(fn) -> int:  # the running total's highest point over fn's allocations (it runs without autograd)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+            fn()
+        total = best = 0
+        for _, _, size, _, _ in allocations(prof, torch.device("cpu"))[0]:
+            total += size
+            best = max(best, total)
+        return best
+
+    rows, vocab = 64, 32000
+    monkeypatch.setattr(lm_loss, "CHUNK_BYTES", 4 * vocab * 8)  # 8 rows a chunk
+    logits = torch.randn(rows, vocab, dtype=torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,))
+    fp32_logits = rows * vocab * 4
+    chunked = peak(lambda: lm_loss._cross_entropy_by_rows(logits, targets, -100, "mean"))
+    whole = peak(lambda: torch.nn.functional.cross_entropy(logits.float(), targets))
+    chunk = 8 * vocab * 4
+    assert whole >= 2 * fp32_logits and chunked <= 2 * chunk + 2 * rows * 4 + 4096, (chunked, whole, chunk)
