@@ -43,7 +43,7 @@ __all__ = ["HEAD_LOSS_FUNCS", "HeadCrossEntropyFunction", "HeadLossMode", "HeadL
            "cast_head_input", "causal_lm_loss", "flat_head_output", "head_cross_entropy", "note_head_output",
            "note_head_steps", "run_for_head_loss", "scaled_head_output"]
 
-#: Bytes of fp32 logits one backward chunk may hold.
+#: Bytes of fp32 logits one chunk of rows of the loss (its forward or its backward) may hold.
 CHUNK_BYTES = 128 * 2**20
 
 
