@@ -451,8 +451,6 @@ def test_the_loss_by_rows_is_cross_entropys_bit_for_bit(reduction, ignore_index,
     ``F.cross_entropy(logits.float(), ...)`` bit for bit: fp32 and bf16 logits, under autocast too, a vocabulary of
     a real LM's width, ignored targets (also class 0 as the ignored one), chunks that do not divide the rows; an
     invalid target still fails."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     vocab = 32000
     monkeypatch.setattr(lm_loss, "CHUNK_BYTES", 4 * vocab * 7)  # 7 rows a chunk
     generator = torch.Generator().manual_seed(0)
@@ -479,16 +477,12 @@ def test_the_loss_by_rows_holds_one_chunk_of_log_probabilities(monkeypatch):
 
     from tests.utils import load_benchmark
 
-    allocations = load_benchmark("memory_at_peak")._allocations
+    at_peak = load_benchmark("memory_at_peak")
 
-    def peak(fn) -> int:  # the running total's highest point over fn's allocations (it runs without autograd)
+    def peak(fn) -> int:  # the highest point of fn's allocations (it runs without autograd: no backward phase)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
             fn()
-        total = best = 0
-        for _, _, size, _, _ in allocations(prof, torch.device("cpu"))[0]:
-            total += size
-            best = max(best, total)
-        return best
+        return at_peak.peak_sites(*at_peak._allocations(prof, torch.device("cpu")))["peak"]
 
     rows, vocab = 64, 32000
     monkeypatch.setattr(lm_loss, "CHUNK_BYTES", 4 * vocab * 8)  # 8 rows a chunk
