@@ -197,6 +197,11 @@ def _replay(logits: Tensor, steps: tuple) -> Tensor:
     return logits
 
 
+def _chunk_rows(vocab: int) -> int:
+    """Rows of fp32 logits of a ``vocab``-wide vocabulary that one chunk holds (:data:`CHUNK_BYTES`; at least 1)."""
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
 def _cross_entropy_by_rows(logits: Tensor, targets: Tensor, ignore_index: int, reduction: str) -> Tensor:
     """``F.cross_entropy(logits.float(), targets, ignore_index=..., reduction=...)``, bit for bit, with the fp32
     log-probabilities made :data:`CHUNK_BYTES` at a time: each row's ``log_softmax`` is its own (the kernels
@@ -205,7 +210,7 @@ def _cross_entropy_by_rows(logits: Tensor, targets: Tensor, ignore_index: int, r
     their log-probabilities at once: at a 32000-word vocabulary, 31 MiB a sequence of 128 tokens, the highest point
     of a LLaMA-style step on the CPU."""
     rows, vocab = logits.shape
-    step = max(1, CHUNK_BYTES // (4 * vocab))
+    step = _chunk_rows(vocab)
     if rows <= step:
         return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction=reduction)
     ignored = targets == ignore_index
@@ -248,7 +253,7 @@ class HeadCrossEntropyFunction(torch.autograd.Function):
         if reduction == "mean":
             scale = scale / keep.sum()
         grad = torch.empty(rows.shape[0], vocab, dtype=dtype, device=grad_loss.device)
-        step = max(1, CHUNK_BYTES // (4 * vocab))
+        step = _chunk_rows(vocab)
         with torch.no_grad(), torch.autocast(grad_loss.device.type, **autocast):
             for start in range(0, rows.shape[0], step):
                 end = min(start + step, rows.shape[0])
