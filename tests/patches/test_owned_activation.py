@@ -141,9 +141,11 @@ def test_the_activation_output_and_the_linear_output_are_never_alive_together(mo
     (a hook on fc1), which holds fc1's output and the activation's at once: on the CPU from the profiler's
     allocations, the codec's reference stubbed, as a GPU's kernels make no temporaries, below two hidden-width
     tensors where the out-of-place call passes them (0.65 of one lower); on a GPU under bf16 autocast, whose
-    hidden tensors are bf16, by at least half of one too (the bf16 copies of the input and weights, a fifth of a
-    hidden tensor each here, come on top of both: on the H100 at 7a3742d the out-of-place call's 2.66 hidden
-    tensors passed two, and only the cuBLAS workspace in the first call was seen, see ``forward_peak``)."""
+    hidden tensors are bf16, by 0.3 of one or more. There the in-place call's highest point is fc2's: fc2's output,
+    its packed input and the bf16 copy of its weight (0.25, 0.19 and 0.18 of a hidden tensor here) come on top of
+    fc1's output, so the saving is 0.38 of one, not a whole (H200 at 9c33c4f: 2.29 against 2.66 hidden tensors;
+    the CPU under bf16 autocast gives the same to the byte, the input's bf16 copy in both, autocast caching the
+    casts of leaves)."""
     stub_codec(monkeypatch)
     model, _ = _patched("timm-vit")
     mlp = model.to(device).blocks[0].mlp
@@ -153,7 +155,7 @@ def test_the_activation_output_and_the_linear_output_are_never_alive_together(mo
     handle = mlp.fc1.register_forward_hook(lambda mod, args, out: None)
     out_of_place = forward_peak(mlp, x)
     handle.remove()
-    assert out_of_place - in_place >= 0.5 * hidden, (in_place, out_of_place, hidden)
+    assert out_of_place - in_place >= 0.3 * hidden, (in_place, out_of_place, hidden)
     if device == "cpu":
         assert in_place < 2 * hidden <= out_of_place, (in_place, out_of_place, hidden)
 
