@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the unpatched column's transients as a fraction of its saved activations (default 0.05)")
     p.add_argument("--transient-factor", type=float, default=None,
                    help="the act_hf column's transients in units of the largest activation the unpatched model "
-                        "saves (default 2.7; 3.5 with --checkpointing)")
+                        "saves (default 2.5, with --checkpointing too)")
     p.add_argument("--offline", action="store_true", help="never contact the Hugging Face hub")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--checkpointing", action="store_true",

@@ -20,7 +20,7 @@ What the projection is, and is not:
     - the saved activations at the requested batch (measured and fitted as above);
     - the transient working set of the op being computed. Unpatched: a margin of 5% of the saved activations
       (on an H100 those of bert-base/bert-large/swin-tiny/resnet50 were 96-99% of the per-sample peak). With
-      act_hf, whose context is packed while the transients stay full precision: ``transient_factor`` (2.7) times
+      act_hf, whose context is packed while the transients stay full precision: ``transient_factor`` (2.5) times
       the largest single activation the *unpatched* model saves, the working set of its largest layer (a
       decoded input, its gradient, the output's gradient). In the GPU runs (README, "Planning memory") the
       patched peak stood above the saved context by 2.8 MiB a sample for bert-large at 3 bits and 2.7 MiB with
@@ -33,10 +33,11 @@ What the projection is, and is not:
       times bert-large's largest activation (6.87 MiB a sample at the peak against 2.38 of AM2). With
       checkpointing the factor was set to 4.5 then. The fifth GPU run (H100, 7a3742d, expandable segments; README,
       "Planning memory"), after act_hf's transients had shrunk, implied factors of 0.35-1.04 (bert-large, 3 bits),
-      1.2-1.7 (swin-tiny), 1.6-2.6 (resnet50, whose 2-bit figure came from the H200 at b56e4f9) and 3.3-3.5
-      (bert-large with checkpointing and 4-bit layer inputs): the factors are now the largest of these, 2.7 and
-      3.5 (:data:`TRANSIENT_FACTOR`, :data:`CHECKPOINTED_TRANSIENT_FACTOR`), so that no measured model is
-      projected past what fit; bert-large's and swin-tiny's plain projections stay 8-21% under it.
+      up to 2.40 (bert-large, 2 bits, whose search was cut at 751), 1.2-1.7 (swin-tiny), 1.6-2.3 (resnet50, 3
+      bits); the sixth (H200, 9c33c4f) 2.10-2.30 (resnet50, 2 bits) and 2.34-2.49 (bert-large with checkpointing
+      and 4-bit layer inputs, 3.3-3.5 in the fifth). Both factors are now 2.5 (:data:`TRANSIENT_FACTOR`,
+      :data:`CHECKPOINTED_TRANSIENT_FACTOR`), the largest of these rounded up, so that no measured model is
+      projected past what fit; swin-tiny's projections stay 16-18% under it, the others 0-8%.
 
     Not included: the CUDA context and cuBLAS/cuDNN handles (about 0.3-0.6 GiB outside PyTorch's allocator;
     give ``gpu_mem`` as the memory PyTorch may allocate, not the card's nominal size), the caching allocator's
@@ -105,9 +106,9 @@ _VISION_TYPES = frozenset({
 _ATTN_DROPOUT_ATTRS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop", "attn_dropout")
 
 #: the act_hf column's transients in units of the largest unpatched activation (GPU peaks: module docstring)
-TRANSIENT_FACTOR = 2.7
-#: the same with HF gradient checkpointing, whose recomputed layer adds its own (bert-large CB1 on an H100)
-CHECKPOINTED_TRANSIENT_FACTOR = 3.5
+TRANSIENT_FACTOR = 2.5
+#: the same with HF gradient checkpointing, whose recomputed layer adds its own (bert-large CB1 on an H200)
+CHECKPOINTED_TRANSIENT_FACTOR = 2.5
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}  # fp32 states per trainable parameter
 _DTYPES = {"bf16": torch.bfloat16, "fp32": None}
 
@@ -720,8 +721,8 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         checkpoint_bits: with ``checkpointing``, keep the checkpointed layer inputs packed at this width (1..8,
             ``ActConfig.checkpoint_bits``); None keeps them exact.
         transient_factor: the act_hf column's transient working set, in units of the largest activation the
-            unpatched model saves; ``None``: :data:`TRANSIENT_FACTOR` (2.7), or with ``checkpointing``
-            :data:`CHECKPOINTED_TRANSIENT_FACTOR` (3.5), about the measured GPU peaks (see :mod:`act_hf.estimate`).
+            unpatched model saves; ``None``: :data:`TRANSIENT_FACTOR` (2.5), or with ``checkpointing``
+            :data:`CHECKPOINTED_TRANSIENT_FACTOR` (2.5), about the measured GPU peaks (see :mod:`act_hf.estimate`).
 
     Returns:
         An :class:`Estimate`.
