@@ -2,10 +2,10 @@
 # Everything issue #6 still needs a GPU for, in phases that each fit one 10-minute device call.
 # Run from the repository root on the GPU machine (no pip there: the tree runs from PYTHONPATH=.):
 #
-#   bash benchmarks/gpu_session.sh all          # one ~9.5-minute call for a short lease: what the fifth run left
-#                                               # open (gpu_one_call.sh): the resnet50 bits2 and swap searches
-#                                               # beside the cuda tests, resnet50's curve, bert-large with
-#                                               # attention dropout, the other models at equal batch
+#   bash benchmarks/gpu_session.sh all          # one ~9.5-minute call for a short lease: what the sixth run left
+#                                               # open (gpu_one_call.sh): the mended memory test, bert-large's
+#                                               # device-bound step under the profiler, swin-tiny and resnet50 at
+#                                               # equal batch 256, the models cut at batch 32, host work per op
 #   bash benchmarks/gpu_session.sh build-test   # compile the extension, the cuda-marked tests, kernel throughput
 #   bash benchmarks/gpu_session.sh memory       # saved-memory table on the GPU (all models, adaptive 2.5 included)
 #   bash benchmarks/gpu_session.sh targets      # bert-large, swin-tiny, resnet50: speed, peak, largest batch < 16 GiB
