@@ -38,6 +38,14 @@ What the projection is, and is not:
       and 4-bit layer inputs, 3.3-3.5 in the fifth). Both factors are now 2.5 (:data:`TRANSIENT_FACTOR`,
       :data:`CHECKPOINTED_TRANSIENT_FACTOR`), the largest of these rounded up, so that no measured model is
       projected past what fit; swin-tiny's projections stay 16-18% under it, the others 0-8%.
+      A language model's largest saved tensor is its loss's fp32 log-probabilities (``4 * V`` bytes a token),
+      which act_hf's loss never keeps (:mod:`act_hf.ops.loss`); its step holds the LM head's output, the logits in
+      the compute dtype, once, beside a chunk of rows. So for a model with an LM head (``get_output_embeddings()``)
+      ``largest`` stops at the head's output and the logits come on top, once (:attr:`Estimate.logits`). On the
+      CPU (``benchmarks/memory_at_peak.py``, bf16, 3 bits) the step's peak grew 14.86 MiB a sample for the
+      llama-style config of the benchmarks and 19.26 for GPT-2, which this projects as 15.85 and 20.76 (the
+      factor times the largest activation before the head would have said 45.38 and 67.96); no GPU has measured an
+      LM's largest batch yet.
 
     Not included: the CUDA context and cuBLAS/cuDNN handles (about 0.3-0.6 GiB outside PyTorch's allocator;
     give ``gpu_mem`` as the memory PyTorch may allocate, not the card's nominal size), the caching allocator's
@@ -215,9 +223,12 @@ class Estimate:
         param_bytes, grad_bytes, optimizer_bytes, weight_copy_bytes: the batch-independent terms.
         baseline, act_hf: the saved-activation fits, unpatched and patched.
         saved_baseline, saved_act_hf: projected saved activations at ``batch``.
-        largest: the fit of the largest single activation the unpatched model saves (None: the act_hf column
-            takes the unpatched margin too).
+        largest: the fit of the largest single activation the unpatched model saves up to its LM head's output,
+            if it has one (the loss's fp32 log-probabilities, which act_hf's loss never keeps, left out; None: the
+            act_hf column takes the unpatched margin too).
         transient_factor: the act_hf column's transient working set in units of ``largest``.
+        logits: for a model with an LM head (``get_output_embeddings()``), the fit of the head's output, the
+            logits in the compute dtype, which the act_hf column adds once to its transients (None without a head).
         workspace, workspace_act_hf: the transient working set in bytes at ``batch``, unpatched and act_hf.
         peak_baseline, peak_act_hf: projected peak training memory at ``batch``.
         max_batch_baseline, max_batch_act_hf: the largest batch whose projected peak fits ``gpu_mem`` (0 when
@@ -257,6 +268,7 @@ class Estimate:
     checkpoint_bits: int | None = None
     largest: SavedFit | None = None
     transient_factor: float = TRANSIENT_FACTOR
+    logits: SavedFit | None = None
     workspace_act_hf: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -281,17 +293,16 @@ class Estimate:
         """Unpatched over act_hf saved bytes per sample."""
         return self.baseline.per_sample / self.act_hf.per_sample if self.act_hf.per_sample > 0 else math.inf
 
-    def _transient_fit(self, act_hf: bool) -> tuple[float, SavedFit]:
-        """``(factor, fit)`` with the transient working set ``factor * fit.bytes_at(batch)``."""
+    def _transient_terms(self, act_hf: bool) -> list[tuple[float, SavedFit]]:
+        """``(factor, fit)`` pairs whose ``factor * fit.bytes_at(batch)`` sum to the transient working set."""
         if act_hf and self.largest is not None:
-            return self.transient_factor, self.largest
-        return self.margin, self.baseline
+            return [(self.transient_factor, self.largest)] + ([(1.0, self.logits)] if self.logits is not None else [])
+        return [(self.margin, self.baseline)]
 
     def transients(self, batch: int, *, act_hf: bool) -> float:
         """Projected transient working set in bytes at ``batch``: the unpatched margin, or with act_hf
-        ``transient_factor`` times the largest unpatched activation."""
-        factor, fit = self._transient_fit(act_hf)
-        return factor * fit.bytes_at(batch)
+        ``transient_factor`` times the largest unpatched activation, plus an LM head's logits."""
+        return sum(factor * fit.bytes_at(batch) for factor, fit in self._transient_terms(act_hf))
 
     def peak(self, batch: int, *, act_hf: bool) -> float:
         """Projected peak training memory in bytes at ``batch``."""
@@ -301,11 +312,12 @@ class Estimate:
     def max_batch(self, gpu_mem: int, *, act_hf: bool) -> int:
         """The largest batch whose projected peak is at most ``gpu_mem`` bytes (0 if none)."""
         fit = self.act_hf if act_hf else self.baseline
-        factor, transient = self._transient_fit(act_hf)
-        slope = fit.per_sample + factor * transient.per_sample
+        terms = self._transient_terms(act_hf)
+        slope = fit.per_sample + sum(factor * t.per_sample for factor, t in terms)
         if slope <= 0:
             raise ActHFValueError("measured no saved activations per sample; cannot project a largest batch")
-        b = max(0, int((gpu_mem - self.state_bytes - fit.fixed - factor * transient.fixed) // slope))
+        fixed = fit.fixed + sum(factor * t.fixed for factor, t in terms)
+        b = max(0, int((gpu_mem - self.state_bytes - fixed) // slope))
         while b > 0 and self.peak(b, act_hf=act_hf) > gpu_mem:  # the clamp in bytes_at / rounding
             b -= 1
         while self.peak(b + 1, act_hf=act_hf) <= gpu_mem:
@@ -315,7 +327,7 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         """Every field (fits included) plus ``state_bytes`` and ``ratio``, JSON-serialisable."""
         out = dataclasses.asdict(self)
-        for key in ("baseline", "act_hf", "largest"):
+        for key in ("baseline", "act_hf", "largest", "logits"):
             if out[key] is not None:
                 out[key]["measured"] = {str(k): v for k, v in out[key]["measured"].items()}
         out["state_bytes"] = self.state_bytes
@@ -348,7 +360,8 @@ class Estimate:
             rows.append(("autocast bf16 weight copies", format_bytes(self.weight_copy_bytes),
                          format_bytes(self.weight_copy_bytes), ""))
         label = f"transients ({self.margin:.0%} of unpatched" + (
-            f"; act_hf {self.transient_factor:g}x largest activation)" if self.largest is not None else ")")
+            f"; act_hf {self.transient_factor:g}x largest activation" if self.largest is not None else "") + (
+            " + logits)" if self.largest is not None and self.logits is not None else ")")
         rows += [
             (label, format_bytes(self.workspace), format_bytes(self.workspace_act_hf), ""),
             (f"projected peak @ batch {self.batch}", format_bytes(self.peak_baseline), format_bytes(self.peak_act_hf),
@@ -567,22 +580,39 @@ def saved_with_checkpointing(model: nn.Module, run: Callable[[], Any], autocast:
     the context of everything outside the checkpointed layers); AM2 adds the context one layer keeps while it
     is recomputed in backward (the first checkpointed layer, re-run on the input it had, uncheckpointed).
     Without checkpointed layers AM2 equals AM1."""
-    am1, am2, _ = _saved_and_largest(model, run, autocast)
+    am1, am2, _, _ = _saved_and_largest(model, run, autocast)
     return am1, am2
 
 
-def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any) -> tuple[int, int, int]:
-    """:func:`saved_with_checkpointing`'s ``(AM1, AM2)`` and the largest single storage saved in either pass."""
+def _lm_head(model: nn.Module) -> nn.Module | None:
+    """The model's LM head (HF ``get_output_embeddings()``), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None
+
+
+def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any) -> tuple[int, int, int, int | None]:
+    """:func:`saved_with_checkpointing`'s ``(AM1, AM2)``, the largest single storage saved in either pass up to
+    the LM head's output (what the loss saves after it left out), and the bytes of that output, the logits (None
+    without a head, or when it did not run)."""
     import act_hf
 
     calls: list[tuple[nn.Module, tuple, dict]] = []
+    at_head: dict[str, int] = {}
 
     def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not calls:
             calls.append((module, args, kwargs))
 
+    def note_head(module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            at_head.update(largest=saved.largest, logits=output.untyped_storage().nbytes())
+
     layers = checkpointed_layers(model)
     handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in layers]
+    head = _lm_head(model)
+    if head is not None:
+        handles.append(head.register_forward_hook(note_head))
     try:
         with autocast, act_hf.track_saved(model) as saved:
             out = run()
@@ -590,8 +620,9 @@ def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any) 
         for h in handles:
             h.remove()
     del out
+    largest, logits = at_head.get("largest", saved.largest), at_head.get("logits")
     if not calls:
-        return saved.bytes, saved.bytes, saved.largest
+        return saved.bytes, saved.bytes, largest, logits
     module, args, kwargs = calls[0]
     args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
     module.gradient_checkpointing = False
@@ -601,18 +632,19 @@ def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any) 
     finally:
         module.gradient_checkpointing = True
     del out
-    return saved.bytes, saved.bytes + one.bytes, max(saved.largest, one.largest)
+    return saved.bytes, saved.bytes + one.bytes, max(largest, one.largest), logits
 
 
 def _saved_bytes(built: _Built, model: nn.Module, batch: int, seq: int, device: torch.device,
-                 dtype: torch.dtype | None) -> tuple[int, int]:
+                 dtype: torch.dtype | None) -> tuple[int, int, int | None]:
     """Saved bytes of one training-mode forward at ``batch`` (AM2, :func:`saved_with_checkpointing`, when the
-    model has checkpointed layers) and the largest single storage among them."""
+    model has checkpointed layers), the largest single storage among them and the logits' bytes
+    (:func:`_saved_and_largest`)."""
     inputs = _inputs(built, batch, seq, device)
     model.train()
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    _, am2, largest = _saved_and_largest(model, lambda: _loss(model, inputs), autocast)
-    return am2, largest
+    _, am2, largest, logits = _saved_and_largest(model, lambda: _loss(model, inputs), autocast)
+    return am2, largest, logits
 
 
 def _allocate(built: _Built, model: nn.Module, seq: int, device: torch.device, dtype: torch.dtype | None) -> float:
@@ -630,19 +662,23 @@ def _allocate(built: _Built, model: nn.Module, seq: int, device: torch.device, d
 
 
 def _calibrate(built: _Built, model: nn.Module, *, batches: tuple[int, ...], max_batch: int, tol: float, seq: int,
-               device: torch.device, dtype: torch.dtype | None) -> tuple[SavedFit, SavedFit]:
-    """Fits of the saved bytes and of the largest saved storage, through the same two batches (the saved bytes'
-    linearity check decides which)."""
+               device: torch.device, dtype: torch.dtype | None) -> tuple[SavedFit, SavedFit, SavedFit | None]:
+    """Fits of the saved bytes, of the largest saved storage and of the LM head's logits (None without a head),
+    through the same two batches (the saved bytes' linearity check decides which)."""
     measured: dict[int, int] = {}
     largest: dict[int, int] = {}
+    logits: dict[int, int | None] = {}
     points = sorted(set(batches))
 
     def line(a: int, b: int, values: dict[int, int] = measured) -> tuple[float, float]:
         slope = (values[b] - values[a]) / (b - a)
         return slope, values[a] - slope * a
 
+    def measure(b: int) -> None:
+        measured[b], largest[b], logits[b] = _saved_bytes(built, model, b, seq, device, dtype)
+
     for b in points:
-        measured[b], largest[b] = _saved_bytes(built, model, b, seq, device, dtype)
+        measure(b)
     error = 0.0
     while True:
         if len(points) >= 3:
@@ -654,13 +690,15 @@ def _calibrate(built: _Built, model: nn.Module, *, batches: tuple[int, ...], max
         elif points[-1] * 2 > max_batch:
             break
         points.append(points[-1] * 2)
-        measured[points[-1]], largest[points[-1]] = _saved_bytes(built, model, points[-1], seq, device, dtype)
+        measure(points[-1])
     a, b = points[-2], points[-1]
-    slope, fixed = line(a, b)
-    largest_slope, largest_fixed = line(a, b, largest)
-    return (SavedFit(measured=measured, fit_batches=(a, b), per_sample=slope, fixed=fixed, linearity_error=error),
-            SavedFit(measured=largest, fit_batches=(a, b), per_sample=largest_slope, fixed=largest_fixed,
-                     linearity_error=0.0))
+
+    def fit(values: dict, error: float = 0.0) -> SavedFit:
+        slope, fixed = line(a, b, values)
+        return SavedFit(measured=values, fit_batches=(a, b), per_sample=slope, fixed=fixed, linearity_error=error)
+
+    head = fit(logits) if all(logits[p] is not None for p in (a, b)) else None
+    return fit(measured, error), fit(largest), head
 
 
 def _count(model: nn.Module, dtype: torch.dtype | None) -> tuple[int, int, int, int, int]:
@@ -785,7 +823,7 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
               "seq": seq, "device": device, "dtype": amp}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            baseline, largest = _calibrate(built, base, **kwargs)
+            baseline, largest, logits = _calibrate(built, base, **kwargs)
             patched = copy.deepcopy(base)
             if checkpointing:
                 with warnings.catch_warnings():
@@ -794,7 +832,7 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
             patched = act_hf.patch(patched, bits=bits, checkpoint_bits=checkpoint_bits)
             try:
                 avg_bits = _allocate(built, patched, seq, device, amp) if isinstance(bits, float) else None
-                fit, _ = _calibrate(built, patched, **kwargs)
+                fit, _, _ = _calibrate(built, patched, **kwargs)
             finally:
                 del patched
                 gc.collect()
@@ -814,7 +852,9 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
          + (" + autocast bf16 weight copies" if copies else "")
          + f" + saved activations + transients ({margin:.0%} of the unpatched saved activations; with act_hf "
            f"{transient_factor:g}x the largest activation the unpatched model saves, "
-           f"{format_bytes(largest.per_sample)} a sample)"),
+           f"{format_bytes(largest.per_sample)} a sample"
+         + (f", up to its LM head's output, plus those logits, {format_bytes(logits.per_sample)} a sample"
+            if logits is not None else "") + ")"),
         (f"saved activations measured with act_hf.track_saved on {device.type} "
          f"({'bf16 autocast' if amp is not None else 'fp32'}, training-mode forward and loss) and fitted as "
          f"fixed + per_sample * batch through batches {fits}"),
@@ -839,5 +879,6 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         trainable_params=trainable, param_bytes=param_bytes, grad_bytes=grad_bytes,
         optimizer_bytes=_OPTIMIZER_STATES[optimizer] * 4 * trainable, weight_copy_bytes=copies,
         baseline=baseline, act_hf=fit, avg_bits=avg_bits, checkpointing=checkpointing,
-        checkpoint_bits=checkpoint_bits, largest=largest, transient_factor=float(transient_factor), notes=notes,
+        checkpoint_bits=checkpoint_bits, largest=largest, transient_factor=float(transient_factor), logits=logits,
+        notes=notes,
     )

@@ -58,12 +58,14 @@ def _check_fields(est: Estimate) -> None:
     assert est.optimizer_bytes == 8 * est.trainable_params
     assert est.grad_bytes == est.param_bytes == 4 * est.num_params
     assert est.ratio == pytest.approx(est.baseline.per_sample / est.act_hf.per_sample)
-    # transients: the unpatched margin, and with act_hf 2.5x the largest unpatched activation (checkpointed too)
+    # transients: the unpatched margin, and with act_hf 2.5x the largest unpatched activation (checkpointed too),
+    # plus an LM head's logits
     assert est.largest.fit_batches == est.baseline.fit_batches
     assert est.transient_factor == 2.5
     assert 0 < est.largest.per_sample < est.baseline.per_sample
     assert est.workspace == pytest.approx(est.margin * est.saved_baseline)
-    assert est.workspace_act_hf == pytest.approx(est.transient_factor * est.largest.bytes_at(est.batch))
+    logits = 0.0 if est.logits is None else est.logits.bytes_at(est.batch)
+    assert est.workspace_act_hf == pytest.approx(est.transient_factor * est.largest.bytes_at(est.batch) + logits)
     assert est.peak_act_hf == pytest.approx(est.state_bytes + est.saved_act_hf + est.workspace_act_hf)
     assert est.peak_baseline == pytest.approx(est.state_bytes + est.saved_baseline + est.workspace)
 
@@ -87,6 +89,27 @@ def test_api_hf_folder_matches_direct_measurement(bert_est):
     assert est.baseline.bytes_at(batch) == pytest.approx(direct.bytes, rel=0.05)
     assert est.act_hf.bytes_at(batch) == pytest.approx(direct_act, rel=0.05)
     assert est.largest.bytes_at(batch) == pytest.approx(direct.largest, rel=0.05)
+    assert est.logits is None  # no LM head
+
+
+def test_a_language_model_counts_its_logits_once_not_the_losss_log_probabilities(tmp_path):
+    """A causal LM's largest saved tensor is its loss's fp32 log-probabilities, which act_hf's loss never keeps:
+    the act_hf column's transients take the largest activation up to the LM head's output, plus those logits (in
+    the compute dtype, bf16) once."""
+    vocab, seq = 1000, 32
+    config = {"vocab_size": vocab, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64, "bos_token_id": 0,
+              "eos_token_id": 0}
+    transformers.GPT2Config(**config).save_pretrained(tmp_path)
+    est = estimate(tmp_path, batch=8, seq=seq, bits=3, gpu_mem="1GiB", device="cpu")
+    assert est.model_class == "GPT2LMHeadModel"
+    _check_fields(est)
+    assert est.logits.per_sample == seq * vocab * 2 and est.logits.fixed == 0
+    log_probs = seq * vocab * 4  # a sample's fp32 log-probabilities, what the unpatched loss saves
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config, attn_pdrop=0.0))
+    ids = torch.randint(0, vocab, (8, seq))
+    direct = _tracked(model, lambda m, b: m(input_ids=ids, labels=ids).loss, 8)
+    assert direct.largest >= 8 * log_probs > est.largest.bytes_at(8)
+    assert est.largest.per_sample == seq * 4 * 64 * 2  # the MLP's hidden activation, bf16: the widest before the head
 
 
 def test_api_timm_name_matches_direct_measurement():
