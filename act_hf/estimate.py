@@ -40,12 +40,15 @@ What the projection is, and is not:
       projected past what fit; swin-tiny's projections stay 16-18% under it, the others 0-8%.
       A language model's largest saved tensor is its loss's fp32 log-probabilities (``4 * V`` bytes a token),
       which act_hf's loss never keeps (:mod:`act_hf.ops.loss`); its step holds the LM head's output, the logits in
-      the compute dtype, once, beside a chunk of rows. So for a model with an LM head (``get_output_embeddings()``)
-      ``largest`` stops at the head's output and the logits come on top, once (:attr:`Estimate.logits`). On the
-      CPU (``benchmarks/memory_at_peak.py``, bf16, 3 bits) the step's peak grew 14.86 MiB a sample for the
-      llama-style config of the benchmarks and 19.26 for GPT-2, which this projects as 15.85 and 20.76 (the
-      factor times the largest activation before the head would have said 45.38 and 67.96); no GPU has measured an
-      LM's largest batch yet.
+      the compute dtype, once, and two fp32 chunks of rows of the loss (each at most
+      :data:`~act_hf.ops.loss.CHUNK_BYTES`). So for a model with an LM head (``get_output_embeddings()``)
+      ``largest`` stops at the head's output, and the logits and the two chunks come on top
+      (:attr:`Estimate.logits`, :attr:`Estimate.loss_context`). The unpatched loss's backward holds two gradients
+      the size of its log-probabilities (``nll_loss``'s and ``log_softmax``'s), which the unpatched column adds to
+      its margin. On the CPU (``benchmarks/memory_at_peak.py``, bf16, batches 16 and 32 or 8 and 16) the step's
+      peak grew 14.86 MiB a sample at 3 bits for the llama-style config of the benchmarks and 19.26 for GPT-2,
+      100.70 and 150.96 unpatched; this projects 15.85 and 20.76, 104.70 and 156.26 (before: 45.38 and 67.96,
+      73.45 and 107.17). No GPU has measured an LM's largest batch yet.
 
     Not included: the CUDA context and cuBLAS/cuDNN handles (about 0.3-0.6 GiB outside PyTorch's allocator;
     give ``gpu_mem`` as the memory PyTorch may allocate, not the card's nominal size), the caching allocator's
@@ -87,6 +90,7 @@ from torch import nn
 
 from .checkpoint import enable_hf_checkpointing
 from .errors import ActHFRuntimeError, ActHFValueError
+from .ops.loss import CHUNK_BYTES
 
 __all__ = ["CHECKPOINTED_TRANSIENT_FACTOR", "TASKS", "TRANSIENT_FACTOR", "Estimate", "SavedFit", "build_model",
            "checkpointed_layers", "estimate", "format_bytes", "parse_size", "saved_with_checkpointing"]
@@ -229,6 +233,10 @@ class Estimate:
         transient_factor: the act_hf column's transient working set in units of ``largest``.
         logits: for a model with an LM head (``get_output_embeddings()``), the fit of the head's output, the
             logits in the compute dtype, which the act_hf column adds once to its transients (None without a head).
+        loss_context: for a model with an LM head, the fit of the largest storage its loss saves, the fp32
+            log-probabilities, of which the unpatched column adds two to its transients: the gradients of the
+            loss's ``nll_loss`` and ``log_softmax``, which its backward holds together; the act_hf column adds two
+            chunks of it, each at most :data:`~act_hf.ops.loss.CHUNK_BYTES` (None without a head).
         workspace, workspace_act_hf: the transient working set in bytes at ``batch``, unpatched and act_hf.
         peak_baseline, peak_act_hf: projected peak training memory at ``batch``.
         max_batch_baseline, max_batch_act_hf: the largest batch whose projected peak fits ``gpu_mem`` (0 when
@@ -269,6 +277,7 @@ class Estimate:
     largest: SavedFit | None = None
     transient_factor: float = TRANSIENT_FACTOR
     logits: SavedFit | None = None
+    loss_context: SavedFit | None = None
     workspace_act_hf: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -297,12 +306,21 @@ class Estimate:
         """``(factor, fit)`` pairs whose ``factor * fit.bytes_at(batch)`` sum to the transient working set."""
         if act_hf and self.largest is not None:
             return [(self.transient_factor, self.largest)] + ([(1.0, self.logits)] if self.logits is not None else [])
-        return [(self.margin, self.baseline)]
+        return [(self.margin, self.baseline)] + ([(2.0, self.loss_context)] if self.loss_context is not None else [])
+
+    def _loss_chunks(self, batch: int, act_hf: bool) -> float:
+        """act_hf's LM loss over chunks of rows: two fp32 chunks of its log-probabilities at a time, a chunk being
+        at most :data:`~act_hf.ops.loss.CHUNK_BYTES` (0 unpatched, or without an LM head)."""
+        if not act_hf or self.loss_context is None:
+            return 0.0
+        return 2.0 * min(self.loss_context.bytes_at(batch), CHUNK_BYTES)
 
     def transients(self, batch: int, *, act_hf: bool) -> float:
-        """Projected transient working set in bytes at ``batch``: the unpatched margin, or with act_hf
-        ``transient_factor`` times the largest unpatched activation, plus an LM head's logits."""
-        return sum(factor * fit.bytes_at(batch) for factor, fit in self._transient_terms(act_hf))
+        """Projected transient working set in bytes at ``batch``: the unpatched margin plus two of an LM loss's
+        fp32 log-probabilities, or with act_hf ``transient_factor`` times the largest unpatched activation plus an
+        LM head's logits and two chunks of its loss."""
+        linear = sum(factor * fit.bytes_at(batch) for factor, fit in self._transient_terms(act_hf))
+        return linear + self._loss_chunks(batch, act_hf)
 
     def peak(self, batch: int, *, act_hf: bool) -> float:
         """Projected peak training memory in bytes at ``batch``."""
@@ -316,7 +334,8 @@ class Estimate:
         slope = fit.per_sample + sum(factor * t.per_sample for factor, t in terms)
         if slope <= 0:
             raise ActHFValueError("measured no saved activations per sample; cannot project a largest batch")
-        fixed = fit.fixed + sum(factor * t.fixed for factor, t in terms)
+        fixed = fit.fixed + sum(factor * t.fixed for factor, t in terms) + (
+            2.0 * CHUNK_BYTES if act_hf and self.loss_context is not None else 0.0)  # the chunks at their largest
         b = max(0, int((gpu_mem - self.state_bytes - fixed) // slope))
         while b > 0 and self.peak(b, act_hf=act_hf) > gpu_mem:  # the clamp in bytes_at / rounding
             b -= 1
@@ -327,7 +346,7 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         """Every field (fits included) plus ``state_bytes`` and ``ratio``, JSON-serialisable."""
         out = dataclasses.asdict(self)
-        for key in ("baseline", "act_hf", "largest", "logits"):
+        for key in ("baseline", "act_hf", "largest", "logits", "loss_context"):
             if out[key] is not None:
                 out[key]["measured"] = {str(k): v for k, v in out[key]["measured"].items()}
         out["state_bytes"] = self.state_bytes
@@ -359,9 +378,11 @@ class Estimate:
         if self.weight_copy_bytes:
             rows.append(("autocast bf16 weight copies", format_bytes(self.weight_copy_bytes),
                          format_bytes(self.weight_copy_bytes), ""))
+        with_logits = self.largest is not None and self.logits is not None
         label = f"transients ({self.margin:.0%} of unpatched" + (
+            " + 2x loss log-probs" if self.loss_context is not None else "") + (
             f"; act_hf {self.transient_factor:g}x largest activation" if self.largest is not None else "") + (
-            " + logits)" if self.largest is not None and self.logits is not None else ")")
+            " + logits)" if with_logits else ")")
         rows += [
             (label, format_bytes(self.workspace), format_bytes(self.workspace_act_hf), ""),
             (f"projected peak @ batch {self.batch}", format_bytes(self.peak_baseline), format_bytes(self.peak_act_hf),
@@ -591,10 +612,20 @@ def _lm_head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
-def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any) -> tuple[int, int, int, int | None]:
+@dataclass
+class _HeadOutput:
+    """What one forward measured at and after its LM head: the bytes of the head's output (the logits) and of the
+    largest storage saved after it (the loss's fp32 log-probabilities)."""
+
+    logits: int
+    loss_largest: int
+
+
+def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any
+                       ) -> tuple[int, int, int, _HeadOutput | None]:
     """:func:`saved_with_checkpointing`'s ``(AM1, AM2)``, the largest single storage saved in either pass up to
-    the LM head's output (what the loss saves after it left out), and the bytes of that output, the logits (None
-    without a head, or when it did not run)."""
+    the LM head's output (what the loss saves after it left out), and what was measured at and after that output
+    (None without a head, or when it did not run)."""
     import act_hf
 
     calls: list[tuple[nn.Module, tuple, dict]] = []
@@ -607,6 +638,7 @@ def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any) 
     def note_head(module: nn.Module, args: tuple, output: Any) -> None:
         if isinstance(output, torch.Tensor):
             at_head.update(largest=saved.largest, logits=output.untyped_storage().nbytes())
+            saved.largest = 0  # from here on: the largest storage the loss saves
 
     layers = checkpointed_layers(model)
     handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in layers]
@@ -620,9 +652,12 @@ def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any) 
         for h in handles:
             h.remove()
     del out
-    largest, logits = at_head.get("largest", saved.largest), at_head.get("logits")
+    head_out = None
+    if at_head:
+        head_out = _HeadOutput(logits=at_head["logits"], loss_largest=saved.largest)
+    largest = at_head.get("largest", saved.largest)
     if not calls:
-        return saved.bytes, saved.bytes, largest, logits
+        return saved.bytes, saved.bytes, largest, head_out
     module, args, kwargs = calls[0]
     args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
     module.gradient_checkpointing = False
@@ -632,19 +667,19 @@ def _saved_and_largest(model: nn.Module, run: Callable[[], Any], autocast: Any) 
     finally:
         module.gradient_checkpointing = True
     del out
-    return saved.bytes, saved.bytes + one.bytes, max(largest, one.largest), logits
+    return saved.bytes, saved.bytes + one.bytes, max(largest, one.largest), head_out
 
 
 def _saved_bytes(built: _Built, model: nn.Module, batch: int, seq: int, device: torch.device,
-                 dtype: torch.dtype | None) -> tuple[int, int, int | None]:
+                 dtype: torch.dtype | None) -> tuple[int, int, _HeadOutput | None]:
     """Saved bytes of one training-mode forward at ``batch`` (AM2, :func:`saved_with_checkpointing`, when the
-    model has checkpointed layers), the largest single storage among them and the logits' bytes
-    (:func:`_saved_and_largest`)."""
+    model has checkpointed layers), the largest single storage among them and what the LM head and the loss after
+    it held (:func:`_saved_and_largest`)."""
     inputs = _inputs(built, batch, seq, device)
     model.train()
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    _, am2, largest, logits = _saved_and_largest(model, lambda: _loss(model, inputs), autocast)
-    return am2, largest, logits
+    _, am2, largest, head = _saved_and_largest(model, lambda: _loss(model, inputs), autocast)
+    return am2, largest, head
 
 
 def _allocate(built: _Built, model: nn.Module, seq: int, device: torch.device, dtype: torch.dtype | None) -> float:
@@ -662,12 +697,14 @@ def _allocate(built: _Built, model: nn.Module, seq: int, device: torch.device, d
 
 
 def _calibrate(built: _Built, model: nn.Module, *, batches: tuple[int, ...], max_batch: int, tol: float, seq: int,
-               device: torch.device, dtype: torch.dtype | None) -> tuple[SavedFit, SavedFit, SavedFit | None]:
-    """Fits of the saved bytes, of the largest saved storage and of the LM head's logits (None without a head),
-    through the same two batches (the saved bytes' linearity check decides which)."""
+               device: torch.device, dtype: torch.dtype | None
+               ) -> tuple[SavedFit, SavedFit, tuple[SavedFit, SavedFit] | None]:
+    """Fits of the saved bytes, of the largest saved storage and, for a model with an LM head, of its logits and
+    of the largest storage its loss saves (None without a head), through the same two batches (the saved bytes'
+    linearity check decides which)."""
     measured: dict[int, int] = {}
     largest: dict[int, int] = {}
-    logits: dict[int, int | None] = {}
+    heads: dict[int, _HeadOutput | None] = {}
     points = sorted(set(batches))
 
     def line(a: int, b: int, values: dict[int, int] = measured) -> tuple[float, float]:
@@ -675,7 +712,7 @@ def _calibrate(built: _Built, model: nn.Module, *, batches: tuple[int, ...], max
         return slope, values[a] - slope * a
 
     def measure(b: int) -> None:
-        measured[b], largest[b], logits[b] = _saved_bytes(built, model, b, seq, device, dtype)
+        measured[b], largest[b], heads[b] = _saved_bytes(built, model, b, seq, device, dtype)
 
     for b in points:
         measure(b)
@@ -697,7 +734,10 @@ def _calibrate(built: _Built, model: nn.Module, *, batches: tuple[int, ...], max
         slope, fixed = line(a, b, values)
         return SavedFit(measured=values, fit_batches=(a, b), per_sample=slope, fixed=fixed, linearity_error=error)
 
-    head = fit(logits) if all(logits[p] is not None for p in (a, b)) else None
+    head = None
+    if heads[a] is not None and heads[b] is not None:
+        head = (fit({p: h.logits for p, h in heads.items() if h is not None}),
+                fit({p: h.loss_largest for p, h in heads.items() if h is not None}))
     return fit(measured, error), fit(largest), head
 
 
@@ -823,7 +863,8 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
               "seq": seq, "device": device, "dtype": amp}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            baseline, largest, logits = _calibrate(built, base, **kwargs)
+            baseline, largest, head = _calibrate(built, base, **kwargs)
+            logits, loss_context = head if head is not None else (None, None)
             patched = copy.deepcopy(base)
             if checkpointing:
                 with warnings.catch_warnings():
@@ -850,11 +891,13 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
     notes += [
         ("projected peak = a model of memory, not a measured peak: params + grads + optimizer states"
          + (" + autocast bf16 weight copies" if copies else "")
-         + f" + saved activations + transients ({margin:.0%} of the unpatched saved activations; with act_hf "
-           f"{transient_factor:g}x the largest activation the unpatched model saves, "
+         + f" + saved activations + transients ({margin:.0%} of the unpatched saved activations"
+         + (f" plus two of its loss's fp32 log-probabilities, {format_bytes(loss_context.per_sample)} a sample"
+            if loss_context is not None else "") + "; with act_hf "
+         + f"{transient_factor:g}x the largest activation the unpatched model saves, "
            f"{format_bytes(largest.per_sample)} a sample"
-         + (f", up to its LM head's output, plus those logits, {format_bytes(logits.per_sample)} a sample"
-            if logits is not None else "") + ")"),
+         + (f", up to its LM head's output, plus those logits, {format_bytes(logits.per_sample)} a sample, and "
+            f"two chunks of its loss, up to {format_bytes(2 * CHUNK_BYTES)}" if logits is not None else "") + ")"),
         (f"saved activations measured with act_hf.track_saved on {device.type} "
          f"({'bf16 autocast' if amp is not None else 'fp32'}, training-mode forward and loss) and fitted as "
          f"fixed + per_sample * batch through batches {fits}"),
@@ -880,5 +923,5 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
         optimizer_bytes=_OPTIMIZER_STATES[optimizer] * 4 * trainable, weight_copy_bytes=copies,
         baseline=baseline, act_hf=fit, avg_bits=avg_bits, checkpointing=checkpointing,
         checkpoint_bits=checkpoint_bits, largest=largest, transient_factor=float(transient_factor), logits=logits,
-        notes=notes,
+        loss_context=loss_context, notes=notes,
     )

@@ -12,6 +12,7 @@ import act_hf
 from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.cli import main
 from act_hf.estimate import Estimate, checkpointed_layers, estimate, parse_size, saved_with_checkpointing
+from act_hf.ops.loss import CHUNK_BYTES
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -58,14 +59,17 @@ def _check_fields(est: Estimate) -> None:
     assert est.optimizer_bytes == 8 * est.trainable_params
     assert est.grad_bytes == est.param_bytes == 4 * est.num_params
     assert est.ratio == pytest.approx(est.baseline.per_sample / est.act_hf.per_sample)
-    # transients: the unpatched margin, and with act_hf 2.5x the largest unpatched activation (checkpointed too),
-    # plus an LM head's logits
+    # transients: the unpatched margin plus two of an LM loss's fp32 log-probabilities, and with act_hf 2.5x the
+    # largest unpatched activation (checkpointed too) plus an LM head's logits
     assert est.largest.fit_batches == est.baseline.fit_batches
     assert est.transient_factor == 2.5
     assert 0 < est.largest.per_sample < est.baseline.per_sample
-    assert est.workspace == pytest.approx(est.margin * est.saved_baseline)
+    loss = 0.0 if est.loss_context is None else 2 * est.loss_context.bytes_at(est.batch)
+    assert est.workspace == pytest.approx(est.margin * est.saved_baseline + loss)
     logits = 0.0 if est.logits is None else est.logits.bytes_at(est.batch)
-    assert est.workspace_act_hf == pytest.approx(est.transient_factor * est.largest.bytes_at(est.batch) + logits)
+    chunks = 0.0 if est.loss_context is None else 2 * min(est.loss_context.bytes_at(est.batch), CHUNK_BYTES)
+    assert est.workspace_act_hf == pytest.approx(est.transient_factor * est.largest.bytes_at(est.batch) + logits
+                                                 + chunks)
     assert est.peak_act_hf == pytest.approx(est.state_bytes + est.saved_act_hf + est.workspace_act_hf)
     assert est.peak_baseline == pytest.approx(est.state_bytes + est.saved_baseline + est.workspace)
 
@@ -89,13 +93,14 @@ def test_api_hf_folder_matches_direct_measurement(bert_est):
     assert est.baseline.bytes_at(batch) == pytest.approx(direct.bytes, rel=0.05)
     assert est.act_hf.bytes_at(batch) == pytest.approx(direct_act, rel=0.05)
     assert est.largest.bytes_at(batch) == pytest.approx(direct.largest, rel=0.05)
-    assert est.logits is None  # no LM head
+    assert est.logits is None and est.loss_context is None  # no LM head
 
 
 def test_a_language_model_counts_its_logits_once_not_the_losss_log_probabilities(tmp_path):
     """A causal LM's largest saved tensor is its loss's fp32 log-probabilities, which act_hf's loss never keeps:
     the act_hf column's transients take the largest activation up to the LM head's output, plus those logits (in
-    the compute dtype, bf16) once."""
+    the compute dtype, bf16) once. The unpatched column's take two of those log-probabilities on top of its margin,
+    the gradients its loss's backward holds together."""
     vocab, seq = 1000, 32
     config = {"vocab_size": vocab, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64, "bos_token_id": 0,
               "eos_token_id": 0}
@@ -105,11 +110,47 @@ def test_a_language_model_counts_its_logits_once_not_the_losss_log_probabilities
     _check_fields(est)
     assert est.logits.per_sample == seq * vocab * 2 and est.logits.fixed == 0
     log_probs = seq * vocab * 4  # a sample's fp32 log-probabilities, what the unpatched loss saves
+    assert est.loss_context.per_sample == log_probs
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config, attn_pdrop=0.0))
     ids = torch.randint(0, vocab, (8, seq))
     direct = _tracked(model, lambda m, b: m(input_ids=ids, labels=ids).loss, 8)
     assert direct.largest >= 8 * log_probs > est.largest.bytes_at(8)
     assert est.largest.per_sample == seq * 4 * 64 * 2  # the MLP's hidden activation, bf16: the widest before the head
+
+
+def test_a_language_models_projection_grows_with_the_batch_at_least_as_its_measured_peak(tmp_path, monkeypatch):
+    """Per sample, each column's projected peak (saved bytes plus transients) grows at least as fast as the step's
+    measured highest point on the CPU (the profiler's allocations, between batches 8 and 16, bf16 autocast; act_hf's
+    codec stubbed as a GPU's kernels make no temporaries): the loss's fp32 copies of the logits are in both."""
+    from tests.utils import load_benchmark, stub_codec
+
+    vocab, seq = 1000, 32
+    config = {"vocab_size": vocab, "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64, "bos_token_id": 0,
+              "eos_token_id": 0}
+    transformers.GPT2Config(**config).save_pretrained(tmp_path)
+    est = estimate(tmp_path, batch=8, seq=seq, bits=3, device="cpu")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config, attn_pdrop=0.0)).train()
+    stub_codec(monkeypatch)
+    patched = act_hf.patch(copy.deepcopy(model), bits=3)
+    profile_peak = load_benchmark("memory_at_peak").profile_peak
+
+    def peak(m, batch: int) -> int:
+        ids = torch.randint(0, vocab, (batch, seq))
+
+        def loss():
+            with torch.autocast("cpu", torch.bfloat16):
+                return m(input_ids=ids, labels=ids).loss
+
+        loss().backward()  # parameter gradients exist before the profiled step
+        phases = profile_peak(loss, torch.device("cpu"))["phases"]
+        return max(phases["forward"]["peak"], phases["backward"]["peak"])
+
+    for m, act in ((model, False), (patched, True)):
+        fit = est.act_hf if act else est.baseline
+        projected = [fit.bytes_at(b) + est.transients(b, act_hf=act) for b in (8, 16)]
+        measured = [peak(m, b) for b in (8, 16)]
+        assert projected[1] - projected[0] >= measured[1] - measured[0] > 0, (act, projected, measured)
 
 
 def test_api_timm_name_matches_direct_measurement():
