@@ -25,18 +25,28 @@
 namespace act_hf {
 namespace {
 
-// One thread per octet; the octet's work is fewbit_octets.cuh's.
+// One thread per octet; the octet's work is fewbit_octets.cuh's. Up to kUnrolledEncodeBits bits each thread
+// copies the bounds into registers, which the unrolled comparisons of encode_octet index by constants.
 template <typename T, int B>
 __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
     const T* __restrict__ x, int64_t n, const T* __restrict__ bounds, int n_bounds, bool vec,
     uint8_t* __restrict__ payload) {
-  __shared__ acc_t<T> sb[(1 << B) - 1];
+  constexpr int kBounds = (1 << B) - 1;
+  __shared__ acc_t<T> sb[kBounds];
   for (int k = threadIdx.x; k < n_bounds; k += blockDim.x) sb[k] = static_cast<acc_t<T>>(bounds[k]);
   __syncthreads();
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
   if (i >= n) return;
-  encode_octet<T, B>(x + i, static_cast<int>(n - i < 8 ? n - i : 8), vec, sb, n_bounds, payload + o * B);
+  const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
+  if constexpr (B <= kUnrolledEncodeBits) {
+    acc_t<T> rb[kBounds];
+#pragma unroll
+    for (int k = 0; k < kBounds; ++k) rb[k] = k < n_bounds ? sb[k] : acc_t<T>(0);
+    encode_octet<T, B>(x + i, cnt, vec, rb, n_bounds, payload + o * B);
+  } else {
+    encode_octet<T, B>(x + i, cnt, vec, sb, n_bounds, payload + o * B);
+  }
 }
 
 template <typename T, int B>

@@ -26,6 +26,24 @@ ACT_HD void load_octet_widened(const T* __restrict__ p, int cnt, bool vec, acc_t
   for (int j = 0; j < 8; ++j) v[j] = j < cnt ? static_cast<acc_t<T>>(raw[j]) : acc_t<T>(0);
 }
 
+// Up to this many bits, a code's comparisons are unrolled over the 2^B - 1 bounds a code can have (fewer given
+// are skipped), so that a kernel's bounds sit in registers (a loop over n_bounds read them from shared memory).
+constexpr int kUnrolledEncodeBits = 4;
+
+// #{k : bounds[k] <= v} over the n_bounds bounds (NaN: n_bounds, above every bound).
+template <int B, typename A>
+ACT_HD int bucket(A v, const A* bounds, int n_bounds) {
+  if (is_nan(v)) return n_bounds;
+  int code = 0;
+  if constexpr (B <= kUnrolledEncodeBits) {
+#pragma unroll
+    for (int k = 0; k < (1 << B) - 1; ++k) code += k < n_bounds && bounds[k] <= v;
+  } else {
+    for (int k = 0; k < n_bounds; ++k) code += bounds[k] <= v;
+  }
+  return code;
+}
+
 // The codes #{k : bounds[k] <= x[j]} (NaN: n_bounds, above every bound) of x[0..cnt), packed at B bits into the
 // stream's bytes at `dst`.
 template <typename T, int B>
@@ -36,14 +54,7 @@ ACT_HD void encode_octet(const T* __restrict__ x, int cnt, bool vec, const acc_t
   uint64_t word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    if (j < cnt) {
-      int code = n_bounds;
-      if (!is_nan(v[j])) {
-        code = 0;
-        for (int k = 0; k < n_bounds; ++k) code += bounds[k] <= v[j];
-      }
-      word |= static_cast<uint64_t>(code) << (j * B);
-    }
+    if (j < cnt) word |= static_cast<uint64_t>(bucket<B>(v[j], bounds, n_bounds)) << (j * B);
   }
   store_octet<B>(dst, word, (cnt * B + 7) / 8);
 }

@@ -222,6 +222,17 @@ def test_encode_and_grad_octets_give_the_reference(octets, dtype, bits):
                     f"gradients differ (n={n}, start={start}, vec={allow_vec})")
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_encode_octets_with_fewer_bounds_than_codes(octets, bits):
+    """Fewer sorted bounds than the ``2^bits - 1`` a code can have: the comparisons past them count nothing (the
+    kernel's unrolled ones up to 4 bits included) and NaN takes the number of bounds, as ``bucketize`` does."""
+    gen = torch.Generator().manual_seed(bits)
+    bounds = torch.randn((1 << bits) - 3, generator=gen).sort().values
+    x = torch.cat([torch.tensor([math.nan, math.inf, -math.inf]), bounds, torch.randn(61, generator=gen) * 3])
+    for allow_vec in (True, False):
+        assert torch.equal(octets.encode(x, bounds, bits, allow_vec), R.fewbit_encode_pack(x, bounds, bits))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_zero_unmasked_octets_give_the_reference(octets, dtype):
     """``where(mask, values, 0)`` from the packed mask, bit for bit (dropped NaN and inf become +0), into a new
