@@ -2,8 +2,8 @@
 
 For bf16 tensors of 64 MiB to 1 GiB at 1, 2, 3, 4 and 8 bits, measures each direction's effective bandwidth
 (bytes read + bytes written per second) and compares it with ``copy_`` of the same tensor, measured in the
-same run. Target: each direction >= 70% of copy bandwidth. Writes JSON and a markdown table under
-``benchmarks/results/``.
+same run; up to 4 bits also Few-Bit Backward's encode (an activation's input read, its codes written).
+Target: each direction >= 70% of copy bandwidth. Writes JSON and a markdown table under ``benchmarks/results/``.
 
     python benchmarks/benchmark_quantize.py [--sizes-mib 64 256 1024] [--bits 1 2 3 4 8] [--out DIR]
 """
@@ -73,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
             q_ms = _time_ms(lambda: ext.quantize_pack(x, bits, args.group_size, 1), args.repeat)
             d_ms = _time_ms(lambda: ext.unpack_dequantize(*packed, bits, args.group_size, n, x.dtype), args.repeat)
             moved = x.nbytes + packed_bytes  # bytes read + written, both directions
-            for direction, times in (("quantize_pack", q_ms), ("unpack_dequantize", d_ms)):
-                gbs = moved / (times[len(times) // 2] * 1e-3) / 1e9
+            timed = [("quantize_pack", q_ms, moved), ("unpack_dequantize", d_ms, moved)]
+            if bits <= 4:  # Few-Bit Backward's codes: x read, its codes at `bits` written
+                bounds = torch.linspace(-2, 2, (1 << bits) - 1, device="cuda", dtype=x.dtype)
+                e_ms = _time_ms(lambda: ext.fewbit_encode_pack(x, bounds, bits), args.repeat)
+                timed.append(("fewbit_encode_pack", e_ms, x.nbytes + -(-n * bits // 8)))
+            for direction, times, nbytes in timed:
+                gbs = nbytes / (times[len(times) // 2] * 1e-3) / 1e9
                 rows.append({"op": direction, "size_mib": mib, "bits": bits, "ms": _quantiles(times),
                              "gb_per_s": gbs, "copy_gb_per_s": copy_gbs, "fraction_of_copy": gbs / copy_gbs})
                 print(f"{direction:18s} {mib:5d} MiB {bits} bit: {gbs:7.1f} GB/s = {gbs / copy_gbs:.2f} x copy")
@@ -100,7 +105,7 @@ def plot(rows: list[dict], path: Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for op, style in (("quantize_pack", "-o"), ("unpack_dequantize", "--s")):
+    for op, style in (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^")):
         for mib in sorted({r["size_mib"] for r in rows}):
             points = sorted((r["bits"], r["fraction_of_copy"]) for r in rows if r["op"] == op and r["size_mib"] == mib)
             if points:

@@ -6,7 +6,8 @@
 # bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
 # Order, after the sixth run (H200, 9c33c4f; README "Sixth GPU run"), what it left open: the build; the memory
-# test whose bound was mended since; where a device-bound step's extra time goes (bert-large at batch 128 under
+# test whose bound was mended since; the kernels' throughput against a copy (the few-bit encode's bounds moved into
+# registers since); where a device-bound step's extra time goes (bert-large at batch 128 under
 # the profiler, the kernel families' differences from unpatched: the 0.708x at batch 256 is the speed target's
 # device side); the equal-batch speed of swin-tiny and resnet50 where the device bounds it (batch 256, no cap);
 # the models the sixth run's limit cut at batch 32; the host work per op on the GPU while time is left.
@@ -32,6 +33,12 @@ part "the memory test mended since the sixth run"
 timeout "$(cap 60)" "$PY" -m pytest -q -m cuda tests/patches/test_owned_activation.py -p no:cacheprovider -rfEs \
   >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
+
+part "kernel throughput against a copy: quantize, decode, few-bit encode (its bounds in registers since the sixth run)"
+mkdir -p "$W/quant"
+timeout "$(cap 60)" "$PY" benchmarks/benchmark_quantize.py --sizes-mib 256 --bits 2 3 4 --out "$W/quant" \
+  >"$W/quant.log" 2>&1
+echo "quantize exit $?"; cat "$W/quant/quantize_throughput.md" 2>/dev/null; bundle
 
 part "bert-large at batch 128 under the profiler, unpatched and 3 bits, alone on the GPU"
 mkdir -p "$W/profile"
@@ -62,5 +69,6 @@ cp "$W/profile/profile_bert-large.md" "$OUT/profile.md" 2>/dev/null
 cp "$W/speed256/gpu_training.md" "$OUT/speed256.md" 2>/dev/null
 cp "$W/models/gpu_training.md" "$OUT/models.md" 2>/dev/null
 cp "$W/host/host_overhead.md" "$OUT/host.md" 2>/dev/null
+cp "$W/quant/quantize_throughput.md" "$OUT/quant.md" 2>/dev/null
 cp "$W/tests.log" "$OUT/" 2>/dev/null
 part done
