@@ -44,16 +44,50 @@ ACT_HD uint64_t load_octet(const uint8_t* __restrict__ src, int nbytes) {
   return word;
 }
 
+// An octet of 2-byte values (c10::Half, c10::BFloat16: their bits in `.x`) in one 16-byte word and back, by shifts
+// and masks: a T[8] reinterpreted as a uint4 instead has its address taken and lives in local memory.
+template <typename T>
+ACT_HD void octet_from_word(const uint4& w, T (&vals)[8]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    vals[2 * k] = T(static_cast<uint16_t>(words[k] & 0xFFFFu), T::from_bits());
+    vals[2 * k + 1] = T(static_cast<uint16_t>(words[k] >> 16), T::from_bits());
+  }
+}
+
+template <typename T>
+ACT_HD uint32_t pair_word(const T& even, const T& odd) {
+  return static_cast<uint32_t>(even.x) | (static_cast<uint32_t>(odd.x) << 16);
+}
+
+template <typename T>
+ACT_HD uint4 word_from_octet(const T (&vals)[8]) {
+  uint4 w;
+  w.x = pair_word(vals[0], vals[1]);
+  w.y = pair_word(vals[2], vals[3]);
+  w.z = pair_word(vals[4], vals[5]);
+  w.w = pair_word(vals[6], vals[7]);
+  return w;
+}
+
 // Reads src[0..cnt) into vals (the rest left as they are); 16-byte loads when `vec` (src 16-byte aligned) and the
 // octet is full.
 template <typename T>
 ACT_HD void load_octet_values(const T* src, int cnt, bool vec, T (&vals)[8]) {
   if (vec && cnt == 8) {
-    constexpr int kVec = sizeof(T) * 8 / 16;
+    if constexpr (sizeof(T) == 2) {
+      octet_from_word(*reinterpret_cast<const uint4*>(src), vals);
+    } else {
+      constexpr int kVec = sizeof(T) * 8 / 16;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(vals)[k] = reinterpret_cast<const uint4*>(src)[k];
+      for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(vals)[k] = reinterpret_cast<const uint4*>(src)[k];
+    }
   } else {
-    for (int j = 0; j < cnt; ++j) vals[j] = src[j];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // constant indices keep vals in registers
+      if (j < cnt) vals[j] = src[j];
+    }
   }
 }
 
@@ -61,11 +95,18 @@ ACT_HD void load_octet_values(const T* src, int cnt, bool vec, T (&vals)[8]) {
 template <typename T>
 ACT_HD void store_octet_values(T* dst, const T (&vals)[8], int cnt, bool vec) {
   if (vec && cnt == 8) {
-    constexpr int kVec = sizeof(T) * 8 / 16;
+    if constexpr (sizeof(T) == 2) {
+      *reinterpret_cast<uint4*>(dst) = word_from_octet(vals);
+    } else {
+      constexpr int kVec = sizeof(T) * 8 / 16;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(vals)[k];
+      for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(vals)[k];
+    }
   } else {
-    for (int j = 0; j < cnt; ++j) dst[j] = vals[j];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < cnt) dst[j] = vals[j];
+    }
   }
 }
 
