@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "octets.cuh"
 
@@ -142,8 +143,9 @@ ACT_HD void uniform_pair(uint64_t z, float& even, float& odd) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z ^= z >> 31;
-  even = static_cast<float>(z >> 40) * 5.9604644775390625e-8f;  // 2^-24
-  odd = static_cast<float>((z >> 16) & 0xFFFFFFull) * 5.9604644775390625e-8f;
+  // 24-bit fields: converted from 32 bits (a 64-bit integer's conversion is a slower instruction), exactly
+  even = static_cast<float>(static_cast<uint32_t>(z >> 40)) * 5.9604644775390625e-8f;  // 2^-24
+  odd = static_cast<float>(static_cast<uint32_t>(z >> 16) & 0xFFFFFFu) * 5.9604644775390625e-8f;
 }
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
@@ -186,18 +188,19 @@ ACT_HD int64_t advance_channel(int64_t c, int64_t step_mod, int64_t channels) {
 template <int B>
 ACT_HD uint64_t quantize_octet(const float (&v)[8], int cnt, const GroupFactors& f, uint64_t seed, int64_t i) {
   constexpr int kLevels = (1 << B) - 1;
+  using Word = std::conditional_t<(8 * B <= 32), uint32_t, uint64_t>;  // 32-bit shifts where the octet fits
   uint64_t z = seed + static_cast<uint64_t>(i / 2) * kGolden;
   float u[8];
 #pragma unroll
   for (int p = 0; p < 4; ++p, z += kGolden) uniform_pair(z, u[2 * p], u[2 * p + 1]);
-  uint64_t word = 0;
+  Word word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (j < cnt) {
       const float q = f.has_scale ? mul_rn(sub_rn(v[j], f.lo), f.inv_scale) : 0.f;
       float c = floorf(add_rn(q, u[j]));
       c = fminf(fmaxf(c, 0.f), static_cast<float>(kLevels));
-      word |= static_cast<uint64_t>(c) << (j * B);
+      word |= static_cast<Word>(static_cast<uint32_t>(c)) << (j * B);  // c in [0, 255]: exact in 32 bits
     }
   }
   return word;
