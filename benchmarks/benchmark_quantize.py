@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             timed = [("quantize_pack", q_ms, moved), ("unpack_dequantize", d_ms, moved)]
             if bits <= 4:  # Few-Bit Backward's codes: x read, its codes at `bits` written
                 bounds = torch.linspace(-2, 2, (1 << bits) - 1, device="cuda", dtype=x.dtype)
-                e_ms = _time_ms(lambda: ext.fewbit_encode_pack(x, bounds, bits), args.repeat)
+                e_ms = _time_ms(lambda x=x, b=bounds, k=bits: ext.fewbit_encode_pack(x, b, k), args.repeat)
                 timed.append(("fewbit_encode_pack", e_ms, x.nbytes + -(-n * bits // 8)))
             for direction, times, nbytes in timed:
                 gbs = nbytes / (times[len(times) // 2] * 1e-3) / 1e9
@@ -105,7 +105,8 @@ def plot(rows: list[dict], path: Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for op, style in (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^")):
+    styles = (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^"))
+    for op, style in styles:
         for mib in sorted({r["size_mib"] for r in rows}):
             points = sorted((r["bits"], r["fraction_of_copy"]) for r in rows if r["op"] == op and r["size_mib"] == mib)
             if points:
