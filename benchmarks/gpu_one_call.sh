@@ -5,8 +5,9 @@
 # `gpu_session.sh all`; results under $1 (the files a device call returns are few: the tables and logs are
 # bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
-# Order, after the sixth run (H200, 9c33c4f; README "Sixth GPU run"), what it left open: the build; the memory
-# test whose bound was mended since; the kernels' throughput against a copy (the few-bit encode's bounds moved into
+# Order, after the sixth run (H200, 9c33c4f; README "Sixth GPU run"), what it left open: the build; the kernel
+# tests (their instructions changed since: README "Since the sixth GPU run") and the memory test whose bound was
+# mended since; the kernels' throughput against a copy (the few-bit encode's bounds moved into
 # registers since); where a device-bound step's extra time goes (bert-large at batch 128 under
 # the profiler, the kernel families' differences from unpatched: the 0.708x at batch 256 is the speed target's
 # device side); the equal-batch speed of swin-tiny and resnet50 where the device bounds it (batch 256, no cap);
@@ -29,9 +30,9 @@ part build
 timeout 150 "$PY" -m act_hf.cli build-ext >"$W/build.log" 2>&1
 echo "build exit $?"; tail -n 3 "$W/build.log"
 
-part "the memory test mended since the sixth run"
-timeout "$(cap 60)" "$PY" -m pytest -q -m cuda tests/patches/test_owned_activation.py -p no:cacheprovider -rfEs \
-  >"$W/tests.log" 2>&1
+part "the kernel tests (the kernels' instructions changed since the sixth run) and the memory test mended since"
+TESTS="tests/compress/test_kernels_cuda.py tests/patches/test_owned_activation.py"
+timeout "$(cap 120)" "$PY" -m pytest -q -m cuda $TESTS -p no:cacheprovider -rfEs >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
 
 part "kernel throughput against a copy: quantize, decode, few-bit encode (its bounds in registers since the sixth run)"
