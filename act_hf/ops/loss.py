@@ -262,6 +262,7 @@ class HeadCrossEntropyFunction(torch.autograd.Function):
                 probs[torch.arange(end - start, device=probs.device), chunk_targets.clamp_min(0)] -= 1
                 probs *= torch.where(chunk_keep, scale, scale.new_zeros(())).unsqueeze(-1)
                 grad[start:end] = probs.to(dtype)
+                del probs  # else the next chunk's softmax is made while this one's is alive
         return grad.view(shape), None, None, None, None, None, None, None
 
 

@@ -493,3 +493,21 @@ def test_the_loss_by_rows_holds_one_chunk_of_log_probabilities(monkeypatch):
     whole = peak(lambda: torch.nn.functional.cross_entropy(logits.float(), targets))
     chunk = 8 * vocab * 4
     assert whole >= 2 * fp32_logits and chunked <= 2 * chunk + 2 * rows * 4 + 4096, (chunked, whole, chunk)
+
+
+def test_the_head_losss_backward_holds_one_chunk_of_probabilities_at_a_time(monkeypatch):
+    """Past one chunk, the backward's highest point is the logits' gradient and one chunk's recomputed logits and
+    probabilities. The chunk before is gone by then: it used to stay alive beside them, one chunk more, until the
+    loop's next assignment."""
+    from tests.utils import load_benchmark
+
+    profile_peak = load_benchmark("memory_at_peak").profile_peak
+    rows, vocab, width = 64, 32000, 4
+    monkeypatch.setattr(lm_loss, "CHUNK_BYTES", 4 * vocab * 8)  # 8 rows a chunk
+    hidden, weight = torch.randn(rows, width), torch.randn(vocab, width)
+    logits = torch.nn.functional.linear(hidden, weight).requires_grad_()  # a leaf: its gradient is kept, not used
+    targets = torch.randint(0, vocab, (rows,))
+    phases = profile_peak(lambda: lm_loss.HeadCrossEntropyFunction.apply(logits, hidden, weight, None, targets, -100,
+                                                                         "mean"), torch.device("cpu"))["phases"]
+    chunk, grad = 8 * vocab * 4, rows * vocab * 4
+    assert grad + 2 * chunk <= phases["backward"]["peak"] < grad + 2 * chunk + chunk // 2, (phases, chunk)
