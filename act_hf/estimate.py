@@ -99,6 +99,7 @@ __all__ = ["CHECKPOINTED_TRANSIENT_FACTOR", "TASKS", "TRANSIENT_FACTOR", "Estima
 TASKS = {
     "sequence-classification": "AutoModelForSequenceClassification",
     "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",  # never detected: BERT's hub configs name their MLM, most train classifiers
     "seq2seq-lm": "AutoModelForSeq2SeqLM",
     "image-classification": "AutoModelForImageClassification",
 }

@@ -118,6 +118,16 @@ def test_a_language_model_counts_its_logits_once_not_the_losss_log_probabilities
     assert est.largest.per_sample == seq * 4 * 64 * 2  # the MLP's hidden activation, bf16: the widest before the head
 
 
+def test_a_masked_lm_is_a_task_to_ask_for(bert_dir):
+    """``task="masked-lm"`` builds the MLM (BERT's pretraining), whose head and loss the LM rule counts; a BERT
+    folder alone still builds a sequence classifier."""
+    est = estimate(bert_dir, batch=8, seq=32, bits=3, gpu_mem="1GiB", device="cpu", task="masked-lm")
+    assert est.model_class == "BertForMaskedLM" and est.task == "masked-lm"
+    _check_fields(est)
+    tokens = 32 * BERT["vocab_size"]  # a sample's logits
+    assert est.logits.per_sample == 2 * tokens and est.loss_context.per_sample == 4 * tokens
+
+
 def test_a_language_models_projection_grows_with_the_batch_at_least_as_its_measured_peak(tmp_path, monkeypatch):
     """Per sample, each column's projected peak (saved bytes plus transients) grows at least as fast as the step's
     measured highest point on the CPU (the profiler's allocations, between batches 8 and 16, bf16 autocast; act_hf's
