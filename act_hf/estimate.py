@@ -607,9 +607,12 @@ def saved_with_checkpointing(model: nn.Module, run: Callable[[], Any], autocast:
 
 
 def _lm_head(model: nn.Module) -> nn.Module | None:
-    """The model's LM head (HF ``get_output_embeddings()``), or None."""
+    """The model's LM head (HF ``get_output_embeddings()``), or None (also where that method fails)."""
     get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
     return head if isinstance(head, nn.Module) else None
 
 
