@@ -317,3 +317,17 @@ def test_parse_size(text, expected):
 def test_parse_size_errors(text):
     with pytest.raises(ValueError, match="--gpu-mem"):
         parse_size(text)
+
+
+def test_a_model_whose_output_embeddings_fail_has_no_lm_head():
+    """A ``get_output_embeddings`` that raises (as ``PreTrainedModel``'s can for a head-less subclass) means no LM
+    head: the estimate then measures the model as one without."""
+    from act_hf.estimate import _lm_head
+
+    class Failing(torch.nn.Linear):
+        def get_output_embeddings(self):
+            raise NotImplementedError
+
+    assert _lm_head(Failing(2, 2)) is None and _lm_head(torch.nn.Linear(2, 2)) is None
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16))
+    assert _lm_head(gpt2) is gpt2.lm_head
