@@ -11,7 +11,8 @@
 # registers since); where a device-bound step's extra time goes (bert-large at batch 128 under
 # the profiler, the kernel families' differences from unpatched: the 0.708x at batch 256 is the speed target's
 # device side); the equal-batch speed of swin-tiny and resnet50 where the device bounds it (batch 256, no cap);
-# the models the sixth run's limit cut at batch 32; the host work per op on the GPU while time is left.
+# the models the sixth run's limit cut at batch 32; an LM's largest batch (no GPU has measured one: the estimate's
+# LM rule rests on CPU peaks; in all.tgz only); the host work per op on the GPU while time is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -58,6 +59,12 @@ mkdir -p "$W/models"
 timeout "$(cap 100)" "$PY" $GT --models llama-style vit-base convnext-tiny --settings unpatched bits3 --no-search \
   --no-curve --steps 5 --warmup 2 --out "$W/models" >"$W/models.log" 2>&1
 echo "models exit $?"; cat "$W/models/gpu_training.md" 2>/dev/null; bundle
+
+part "an LM's largest batch under 16 GiB, unpatched and 3 bits (act-hf estimate projects 131 and 852 for llama-style)"
+mkdir -p "$W/lm"
+timeout "$(cap 150)" "$PY" $GT --models llama-style --settings unpatched bits3 --no-curve --cap 16GiB \
+  --resolution 0.05 --parallel 2 --alloc-conf expandable_segments:True --out "$W/lm" >"$W/lm.log" 2>&1
+echo "lm exit $?"; grep -E "fits batch" "$W/lm.log" | tail -n 12; cat "$W/lm/gpu_training.md" 2>/dev/null; bundle
 
 if (( $(left) > 40 )); then
   part "host work per act_hf op on this machine (tiny BERT, CUDA kernels)"
