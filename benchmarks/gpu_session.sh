@@ -6,7 +6,7 @@
 #                                               # open (gpu_one_call.sh): the kernel tests and the mended memory
 #                                               # test, kernel throughput, bert-large's device-bound step under the
 #                                               # profiler, swin-tiny and resnet50 at equal batch 256, the models
-#                                               # cut at batch 32, host work per op
+#                                               # cut at batch 32, llama-style's largest batch, host work per op
 #   bash benchmarks/gpu_session.sh build-test   # compile the extension, the cuda-marked tests, kernel throughput
 #   bash benchmarks/gpu_session.sh memory       # saved-memory table on the GPU (all models, adaptive 2.5 included)
 #   bash benchmarks/gpu_session.sh targets      # bert-large, swin-tiny, resnet50: speed, peak, largest batch < 16 GiB
