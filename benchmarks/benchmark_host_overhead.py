@@ -144,7 +144,7 @@ def count_ops(step) -> tuple[int, int, int, dict[str, int]]:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    counts = [0, 0, 0]
+    counts = [0, 0]  # host syncs, bytes moved
     by_name: Counter[str] = Counter()
 
     class _Count(TorchDispatchMode):
@@ -152,16 +152,15 @@ def count_ops(step) -> tuple[int, int, int, dict[str, int]]:
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
             if name not in _VIEWS:
-                counts[0] += 1
-                counts[1] += name in _SYNCS
+                counts[0] += name in _SYNCS
                 by_name[name] += 1
                 tensors = {id(t): t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
-                counts[2] += sum(t.numel() * t.element_size() for t in tensors.values())  # an out= tensor once
+                counts[1] += sum(t.numel() * t.element_size() for t in tensors.values())  # an out= tensor once
             return out
 
     with _Count():
         step()
-    return counts[0], counts[1], counts[2], dict(by_name)
+    return sum(by_name.values()), counts[0], counts[1], dict(by_name)
 
 
 def added_ops(rows: list[dict], top: int = 15) -> list[dict]:
