@@ -309,12 +309,13 @@ class Estimate:
             return [(self.transient_factor, self.largest)] + ([(1.0, self.logits)] if self.logits is not None else [])
         return [(self.margin, self.baseline)] + ([(2.0, self.loss_context)] if self.loss_context is not None else [])
 
-    def _loss_chunks(self, batch: int, act_hf: bool) -> float:
+    def _loss_chunks(self, batch: int | None, act_hf: bool) -> float:
         """act_hf's LM loss over chunks of rows: two fp32 chunks of its log-probabilities at a time, a chunk being
-        at most :data:`~act_hf.ops.loss.CHUNK_BYTES` (0 unpatched, or without an LM head)."""
+        at most :data:`~act_hf.ops.loss.CHUNK_BYTES` (their largest for ``batch`` None; 0 unpatched, or without an
+        LM head)."""
         if not act_hf or self.loss_context is None:
             return 0.0
-        return 2.0 * min(self.loss_context.bytes_at(batch), CHUNK_BYTES)
+        return 2.0 * (CHUNK_BYTES if batch is None else min(self.loss_context.bytes_at(batch), CHUNK_BYTES))
 
     def transients(self, batch: int, *, act_hf: bool) -> float:
         """Projected transient working set in bytes at ``batch``: the unpatched margin plus two of an LM loss's
@@ -335,8 +336,7 @@ class Estimate:
         slope = fit.per_sample + sum(factor * t.per_sample for factor, t in terms)
         if slope <= 0:
             raise ActHFValueError("measured no saved activations per sample; cannot project a largest batch")
-        fixed = fit.fixed + sum(factor * t.fixed for factor, t in terms) + (
-            2.0 * CHUNK_BYTES if act_hf and self.loss_context is not None else 0.0)  # the chunks at their largest
+        fixed = fit.fixed + sum(factor * t.fixed for factor, t in terms) + self._loss_chunks(None, act_hf)
         b = max(0, int((gpu_mem - self.state_bytes - fixed) // slope))
         while b > 0 and self.peak(b, act_hf=act_hf) > gpu_mem:  # the clamp in bytes_at / rounding
             b -= 1
