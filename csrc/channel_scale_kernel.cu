@@ -17,7 +17,7 @@ namespace act_hf {
 namespace {
 
 constexpr int kShiftThreads = 1024;
-constexpr int64_t kAbsmaxThreads = int64_t{1} << 16;  // about this many threads read the tensor
+constexpr int64_t kAbsmaxThreads = int64_t{1} << 18;  // about this many threads read the tensor (a full GPU)
 
 // Thread t reads elements t, t + stride, ... of a row-major (rows, channels) tensor: stride is a multiple of
 // `channels`, so all of them lie in channel t % channels, and a warp's reads are consecutive.
@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(kThreads) channel_absmax_kernel(const T* __res
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= stride) return;
   uint32_t m = 0;
-  for (int64_t i = t; i < n; i += stride) m = max(m, magnitude_bits(static_cast<float>(x[i])));
+#pragma unroll 4
+  for (int64_t i = t; i < n; i += stride) m = max(m, magnitude_bits(static_cast<float>(x[i])));  // loads in flight
   atomicMax(absmax + t % channels, m);
 }
 

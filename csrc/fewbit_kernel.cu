@@ -6,7 +6,7 @@
 // and a 1-bit mask applied straight from its packed bits (zero_unmasked: torch.where(mask, values, 0), in place or
 // into a new tensor): a ReLU's input gradient, a rectified input rebuilt for a conv's weight gradient.
 // Comparisons are exact: x and the bounds share a dtype and are widened without rounding. 64-bit element indexing,
-// current stream, no host synchronisation; one thread per octet of eight elements.
+// current stream, no host synchronisation; one thread per octet of eight elements (four for the encode).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -25,8 +25,11 @@
 namespace act_hf {
 namespace {
 
-// One thread per octet; the octet's work is fewbit_octets.cuh's. Up to kUnrolledEncodeBits bits each thread
-// copies the bounds into registers, which the unrolled comparisons of encode_octet index by constants.
+// kEncodeOctets octets a thread (those at kThreads apart), all loaded before any is encoded: with one octet a
+// thread, the kernel waited on memory. The octets' work is fewbit_octets.cuh's. Up to kUnrolledEncodeBits bits
+// each thread copies the bounds into registers, which the unrolled comparisons of encode_values index by constants.
+constexpr int kEncodeOctets = 4;
+
 template <typename T, int B>
 __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
     const T* __restrict__ x, int64_t n, const T* __restrict__ bounds, int n_bounds, bool vec,
@@ -34,18 +37,32 @@ __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
   constexpr int kBounds = (1 << B) - 1;
   __shared__ acc_t<T> sb[kBounds];
   for (int k = threadIdx.x; k < n_bounds; k += blockDim.x) sb[k] = static_cast<acc_t<T>>(bounds[k]);
-  __syncthreads();
-  const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t i = o * 8;
-  if (i >= n) return;
-  const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
+  const int64_t o0 = static_cast<int64_t>(blockIdx.x) * (kEncodeOctets * kThreads) + threadIdx.x;
+  acc_t<T> v[kEncodeOctets][8];
+  int cnt[kEncodeOctets];
+#pragma unroll
+  for (int r = 0; r < kEncodeOctets; ++r) {
+    const int64_t i = (o0 + r * kThreads) * 8;
+    cnt[r] = static_cast<int>(i >= n ? 0 : (n - i < 8 ? n - i : 8));
+    if (cnt[r] > 0) load_octet_widened(x + i, cnt[r], vec, v[r]);
+  }
+  __syncthreads();  // the bounds, after the loads are issued
+  auto encode_all = [&](const acc_t<T>* b) {
+#pragma unroll
+    for (int r = 0; r < kEncodeOctets; ++r) {
+      if (cnt[r] > 0) {
+        const int64_t o = o0 + r * kThreads;
+        store_octet<B>(payload + o * B, encode_values<B>(v[r], cnt[r], b, n_bounds), (cnt[r] * B + 7) / 8);
+      }
+    }
+  };
   if constexpr (B <= kUnrolledEncodeBits) {
     acc_t<T> rb[kBounds];
 #pragma unroll
     for (int k = 0; k < kBounds; ++k) rb[k] = k < n_bounds ? sb[k] : acc_t<T>(0);
-    encode_octet<T, B>(x + i, cnt, vec, rb, n_bounds, payload + o * B);
+    encode_all(rb);
   } else {
-    encode_octet<T, B>(x + i, cnt, vec, sb, n_bounds, payload + o * B);
+    encode_all(sb);
   }
 }
 
@@ -81,7 +98,7 @@ at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds
   const int64_t n = x.numel();
   auto payload = at::empty({ceil_div(n * bits, 8)}, x.options().dtype(at::kByte));
   if (n == 0) return payload;
-  const int64_t blocks = ceil_div(ceil_div(n, 8), kThreads);
+  const int64_t blocks = ceil_div(ceil_div(n, 8), kEncodeOctets * kThreads);
   const bool vec = aligned16(x.data_ptr());
   const int n_bounds = static_cast<int>(bounds.numel());
   auto stream = c10::cuda::getCurrentCUDAStream();

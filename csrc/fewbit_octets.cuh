@@ -44,19 +44,25 @@ ACT_HD int bucket(A v, const A* bounds, int n_bounds) {
   return code;
 }
 
-// The codes #{k : bounds[k] <= x[j]} (NaN: n_bounds, above every bound) of x[0..cnt), packed at B bits into the
-// stream's bytes at `dst`.
-template <typename T, int B>
-ACT_HD void encode_octet(const T* __restrict__ x, int cnt, bool vec, const acc_t<T>* bounds, int n_bounds,
-                         uint8_t* __restrict__ dst) {
-  acc_t<T> v[8];
-  load_octet_widened(x, cnt, vec, v);
+// The codes #{k : bounds[k] <= v[j]} (NaN: n_bounds, above every bound) of v[0..cnt), packed into the low
+// cnt * B bits.
+template <int B, typename A>
+ACT_HD uint64_t encode_values(const A (&v)[8], int cnt, const A* bounds, int n_bounds) {
   uint64_t word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (j < cnt) word |= static_cast<uint64_t>(bucket<B>(v[j], bounds, n_bounds)) << (j * B);
   }
-  store_octet<B>(dst, word, (cnt * B + 7) / 8);
+  return word;
+}
+
+// The codes of x[0..cnt) (encode_values), packed at B bits into the stream's bytes at `dst`.
+template <typename T, int B>
+ACT_HD void encode_octet(const T* __restrict__ x, int cnt, bool vec, const acc_t<T>* bounds, int n_bounds,
+                         uint8_t* __restrict__ dst) {
+  acc_t<T> v[8];
+  load_octet_widened(x, cnt, vec, v);
+  store_octet<B>(dst, encode_values<B>(v, cnt, bounds, n_bounds), (cnt * B + 7) / 8);
 }
 
 // out[j] = grad[j] * values[code j] for j < cnt, the codes read from the stream's bytes at `src`.

@@ -49,8 +49,8 @@ __device__ __forceinline__ void load8(const T* __restrict__ p, int cnt, bool vec
   }
 }
 
-// Channel scaling of the quantize kernel: element i times 2^shifts[i % channels] (Scaled only). lane_step is
-// (8 * kWarp) % channels, a lane's move from one octet to its next; small_index: indices fit 32 bits.
+// Channel scaling of the quantize kernels: element i times 2^shifts[i % channels] (Scaled only). lane_step is a
+// lane's move from one octet to its next, modulo channels; small_index: indices fit 32 bits.
 struct ChannelScaling {
   const int32_t* shifts;
   int64_t channels;
@@ -58,8 +58,9 @@ struct ChannelScaling {
   bool small_index;
 };
 
-// One warp per group. Pass 1: min, max and a non-finite flag over the group's octets; pass 2 (re-reading the
-// group from L1/L2): codes, packed one octet (8 elements = B bytes, byte aligned since G % 8 == 0) per lane.
+// One warp per group, for group sizes that do not divide a warp's 8 * kWarp elements (the others:
+// quantize_pack_lanes_kernel). Pass 1: min, max and a non-finite flag over the group's octets; pass 2 (re-reading
+// the group from L1/L2): codes, packed one octet (8 elements = B bytes, byte aligned since G % 8 == 0) per lane.
 // Scaled: each value is first multiplied by its channel's power of two (quantize_octets.cuh: scale_octet).
 template <typename T, int B, bool Scaled>
 __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
@@ -128,6 +129,83 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
   }
 }
 
+// Groups of kOctets * `lanes` octets, `lanes` a power of two up to kWarp (group sizes 32, 64, ..., 1024): a group is a
+// sub-warp of `lanes` lanes, and lane s of it takes the group's octets s, s + lanes, ... (kOctets of them, loaded
+// before any is used and kept in registers for the second pass). A lane's min/max runs over its 8 * kOctets
+// values, the shuffles over log2(lanes) steps and the group's zero point and scale are computed once for them all
+// (with one octet a lane, that work was most of the kernel's). The arithmetic is quantize_pack_kernel's, octet for
+// octet.
+constexpr int kOctets = 4;
+
+template <typename T, int B, bool Scaled>
+__global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(
+    const T* __restrict__ x, int64_t n, int lanes, int group_shift, uint64_t seed, bool vec, ChannelScaling scaling,
+    uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out, uint16_t* __restrict__ scale_out) {
+  const int lane = threadIdx.x % kWarp;
+  const int sub = lane & (lanes - 1);  // the lane within its group's sub-warp
+  const int64_t base = (static_cast<int64_t>(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp) *
+                       (kOctets * 8 * kWarp);
+  if (base >= n) return;  // uniform across the warp
+  const int64_t start = base + (lane - sub) * (8 * kOctets);  // the group's first element: a group is 8 * kOctets
+  // elements a lane
+  const int64_t first = start + 8 * sub;  // the lane's first octet; octet k is at first + 8 * lanes * k
+  float v[kOctets][8];
+  int cnt[kOctets];
+#pragma unroll
+  for (int k = 0; k < kOctets; ++k) {
+    const int64_t i = first + 8 * lanes * k;
+    cnt[k] = static_cast<int>(i >= n ? 0 : (n - i < 8 ? n - i : 8));
+    if (cnt[k] > 0) {
+      load8(x + i, cnt[k], vec, v[k]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[k][j] = 0.f;
+    }
+  }
+  if constexpr (Scaled) {
+    int64_t c = scaling.small_index
+                    ? static_cast<int64_t>(static_cast<uint32_t>(first) % static_cast<uint32_t>(scaling.channels))
+                    : first % scaling.channels;
+#pragma unroll
+    for (int k = 0; k < kOctets; ++k) {
+      scale_octet(v[k], cnt[k], scaling.shifts, scaling.channels, c);
+      c = advance_channel(c, scaling.lane_step, scaling.channels);
+    }
+  }
+  float mn = INFINITY, mx = -INFINITY;
+  int nonfinite = 0;
+#pragma unroll
+  for (int k = 0; k < kOctets; ++k) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < cnt[k]) {
+        nonfinite |= !isfinite(v[k][j]);
+        mn = fminf(mn, v[k][j]);
+        mx = fmaxf(mx, v[k][j]);
+      }
+    }
+  }
+  for (int off = lanes / 2; off > 0; off /= 2) {  // xor offsets below `lanes` stay inside the sub-warp
+    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, off);
+  }
+  if (start >= n) return;  // a group past the end (after the shuffles, which every lane takes part in)
+  uint16_t lo_bits, scale_bits;
+  group_metadata<T, B>(mn, mx, nonfinite, lo_bits, scale_bits);
+  if (sub == 0) {
+    lo_out[start >> group_shift] = lo_bits;
+    scale_out[start >> group_shift] = scale_bits;
+  }
+  const GroupFactors factors = group_factors<T>(lo_bits, scale_bits);
+#pragma unroll
+  for (int k = 0; k < kOctets; ++k) {
+    if (cnt[k] == 0) continue;
+    const int64_t i = first + 8 * lanes * k;
+    store_octet<B>(payload + (i / 8) * B, quantize_octet<B>(v[k], cnt[k], factors, seed, i), (cnt[k] * B + 7) / 8);
+  }
+}
+
 // One thread per octet.
 template <typename T, int B>
 __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
@@ -187,22 +265,34 @@ std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tens
   auto scale = at::empty({n_groups}, x.options().dtype(at::kShort));
   if (n == 0) return {payload, lo, scale};
   const bool vec = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-  const int64_t blocks = ceil_div(n_groups, kThreads / kWarp);
+  const int64_t lanes = group_size / (8 * kOctets);  // quantize_pack_lanes_kernel's lanes a group, where it applies
+  const bool by_lanes = group_size % (8 * kOctets) == 0 && lanes <= kWarp && (lanes & (lanes - 1)) == 0;
+  const int64_t blocks = by_lanes ? ceil_div(n, kOctets * 8 * kThreads) : ceil_div(n_groups, kThreads / kWarp);
+  int group_shift = 0;
+  while ((int64_t{1} << group_shift) < group_size) ++group_shift;  // log2(group_size) where `by_lanes`
   ChannelScaling scaling{nullptr, 1, 0, true};
   if (shifts != nullptr) {
     scaling.shifts = shifts->data_ptr<int32_t>();
     scaling.channels = shifts->numel();
-    scaling.lane_step = (8 * kWarp) % scaling.channels;
-    scaling.small_index = n + 8 * kWarp <= (int64_t{1} << 32);
+    scaling.lane_step = (8 * (by_lanes ? lanes : kWarp)) % scaling.channels;  // from a lane's octet to its next
+    scaling.small_index = n + kOctets * 8 * kWarp <= (int64_t{1} << 32);  // every lane's first element too
   }
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_hf_quantize_pack", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {
       auto launch = [&](auto scaled) {  // std::true_type or std::false_type
-        quantize_pack_kernel<scalar_t, B, decltype(scaled)::value><<<blocks, kThreads, 0, stream>>>(
-            x.data_ptr<scalar_t>(), n, group_size, n_groups, static_cast<uint64_t>(seed), vec, scaling,
-            payload.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(lo.data_ptr<int16_t>()),
-            reinterpret_cast<uint16_t*>(scale.data_ptr<int16_t>()));
+        constexpr bool kScaled = decltype(scaled)::value;
+        auto* lo_out = reinterpret_cast<uint16_t*>(lo.data_ptr<int16_t>());
+        auto* scale_out = reinterpret_cast<uint16_t*>(scale.data_ptr<int16_t>());
+        if (by_lanes) {
+          quantize_pack_lanes_kernel<scalar_t, B, kScaled><<<blocks, kThreads, 0, stream>>>(
+              x.data_ptr<scalar_t>(), n, static_cast<int>(lanes), group_shift, static_cast<uint64_t>(seed),
+              vec, scaling, payload.data_ptr<uint8_t>(), lo_out, scale_out);
+        } else {
+          quantize_pack_kernel<scalar_t, B, kScaled><<<blocks, kThreads, 0, stream>>>(
+              x.data_ptr<scalar_t>(), n, group_size, n_groups, static_cast<uint64_t>(seed), vec, scaling,
+              payload.data_ptr<uint8_t>(), lo_out, scale_out);
+        }
       };
       if (shifts != nullptr) {
         launch(std::true_type{});

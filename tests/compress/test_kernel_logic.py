@@ -73,9 +73,11 @@ at::Tensor grad(const at::Tensor& g, const at::Tensor& payload, const at::Tensor
   return out;
 }
 
-// The quantize kernel's two passes over each group, its warp's lanes in turn (lane l takes the octets at
-// start + 8 * l + 256 * t; the min/max reduction across lanes is a loop here), channel scaled by `shifts` when
-// it is not empty, each lane tracking its channel as the kernel does.
+// The quantize kernels' two passes over each group, its lanes in turn (the min/max reduction across lanes is a
+// loop here), channel scaled by `shifts` when it is not empty, each lane tracking its channel as the kernels do:
+// group sizes 32 * 2^k up to 1024 in G / 32 lanes, lane l taking the octets at start + 8 * l + G / 4 * t for
+// t < 4 (quantize_pack_lanes_kernel), others in a warp's 32 lanes, lane l taking those at start + 8 * l + 256 * t
+// (quantize_pack_kernel).
 std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, int64_t bits, int64_t group_size,
                                  int64_t seed) {
   constexpr int kLanes = 32;
@@ -83,7 +85,9 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, 
   const int64_t n_groups = act_hf::ceil_div(n, group_size);
   const bool scaled = shifts.numel() > 0;
   const int64_t channels = scaled ? shifts.numel() : 1;
-  const int64_t lane_step = (8 * kLanes) % channels;
+  const int64_t lanes = group_size / 32;
+  const bool by_lanes = group_size % 32 == 0 && lanes <= kLanes && (lanes & (lanes - 1)) == 0;
+  const int64_t n_lanes = by_lanes ? lanes : kLanes, lane_step = (8 * n_lanes) % channels;
   auto payload = at::full({act_hf::ceil_div(n * bits, 8)}, 0xAB, x.options().dtype(at::kByte));
   auto lo = at::empty({n_groups}, x.options().dtype(at::kShort));
   auto scale = at::empty({n_groups}, x.options().dtype(at::kShort));
@@ -92,9 +96,9 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, 
     ACT_BITS_SWITCH(bits, B, [&] {
       // calls f(i, cnt, v) for each octet of the group, lane by lane, with the octet's (scaled) fp32 values
       auto each_octet = [&](int64_t start, int64_t end, auto&& f) {
-        for (int lane = 0; lane < kLanes; ++lane) {
+        for (int lane = 0; lane < n_lanes; ++lane) {
           int64_t c = (start + 8 * lane) % channels;
-          for (int64_t i = start + 8 * lane; i < end; i += 8 * kLanes) {
+          for (int64_t i = start + 8 * lane; i < end; i += 8 * n_lanes) {
             const int cnt = octet_count(end, i);
             float v[8] = {};
             for (int j = 0; j < cnt; ++j) v[j] = static_cast<float>(p[i + j]);
@@ -254,7 +258,7 @@ def test_zero_unmasked_octets_give_the_reference(octets, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("group_size", [8, 64, 256])
+@pytest.mark.parametrize("group_size", [8, 24, 32, 256, 1024])  # 32 to 1024: quantize_pack_lanes_kernel's
 def test_quantize_octets_give_the_reference(octets, dtype, bits, group_size):
     """Zero points, scales and codes of the quantize kernel's arithmetic, bit for bit with the reference: groups
     of mixed magnitudes, a zero-range group, a group whose range is below bf16's smallest normal number (its
@@ -293,7 +297,7 @@ def test_channel_scaled_quantize_octets_give_the_reference(octets, dtype, channe
     for n in (channels, 7 * channels + 5, 4099):
         scaled = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
         x = (scaled.float() / R.channel_powers(shifts, 0, n)).to(dtype)  # exact: powers of two
-        for bits, group_size in ((1, 8), (3, 64), (8, 256), (3, 1024)):  # 1024: four octets a lane
+        for bits, group_size in ((1, 8), (3, 64), (8, 256), (3, 1024), (2, 96)):  # 96: one warp a group
             got = octets.quantize(x, shifts, bits, group_size, 5)
             want = R.quantize_pack(x, bits, group_size, 5, shifts=shifts)
             for g, w, name in zip(got, want, ("payload", "lo", "scale")):

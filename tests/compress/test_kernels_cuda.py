@@ -29,7 +29,7 @@ SHAPES = [1, 7, 8, 255, 256, 257, 1000, 4099, 65536 + 13]
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("group_size", [8, 24, 64, 256, 1024])  # 24: decoding's group index by division
+@pytest.mark.parametrize("group_size", [8, 24, 32, 64, 256, 1024])  # 24: decoding's group index by division
 def test_quantize_pack_matches_reference(ext, bits, dtype, group_size):
     for n in SHAPES:
         x = (torch.randn(n, device="cuda") * 4 - 1).to(dtype)
@@ -58,7 +58,7 @@ def test_quantize_pack_scaled_matches_reference(ext, bits, dtype, channels):
         shifts = torch.randint(0, 16 if dtype == torch.float16 else 25, (channels,), dtype=torch.int32,
                                device="cuda")
         x = (x.float() / R.channel_powers(shifts, 0, n)).to(dtype)  # no channel carried past the largest value
-        for group_size in (64, 256, 1024):  # 1024: four octets a lane, its channel carried between them
+        for group_size in (64, 96, 256, 1024):  # a lane's channel carried between its octets; 96: a warp a group
             got = ext.quantize_pack_scaled(x, shifts, bits, group_size, 99 + n)
             want = R.quantize_pack(x, bits, group_size, 99 + n, shifts=shifts)
             for g, w, name in zip(got, want, ("payload", "lo", "scale")):
