@@ -6,7 +6,7 @@
 // and a 1-bit mask applied straight from its packed bits (zero_unmasked: torch.where(mask, values, 0), in place or
 // into a new tensor): a ReLU's input gradient, a rectified input rebuilt for a conv's weight gradient.
 // Comparisons are exact: x and the bounds share a dtype and are widened without rounding. 64-bit element indexing,
-// current stream, no host synchronisation; one thread per octet of eight elements (four for the encode).
+// current stream, no host synchronisation; one thread per octet of eight elements (four for the encode from 4 bits).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -25,10 +25,12 @@
 namespace act_hf {
 namespace {
 
-// kEncodeOctets octets a thread (those at kThreads apart), all loaded before any is encoded: with one octet a
-// thread, the kernel waited on memory. The octets' work is fewbit_octets.cuh's. Up to kUnrolledEncodeBits bits
-// each thread copies the bounds into registers, which the unrolled comparisons of encode_values index by constants.
-constexpr int kEncodeOctets = 4;
+// kEncodeOctets<B> octets a thread (those at kThreads apart), all loaded before any is encoded. The octets' work is
+// fewbit_octets.cuh's. Up to kUnrolledEncodeBits bits each thread copies the bounds into registers, which the
+// unrolled comparisons of encode_values index by constants. Four octets a thread ran 24% faster than one at 4 bits
+// on the H200 (15 comparisons a value), as fast at 3 bits and 11% slower at 2 (README, "Eighth GPU run").
+template <int B>
+constexpr int kEncodeOctets = B >= 4 ? 4 : 1;
 
 template <typename T, int B>
 __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
@@ -37,11 +39,12 @@ __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
   constexpr int kBounds = (1 << B) - 1;
   __shared__ acc_t<T> sb[kBounds];
   for (int k = threadIdx.x; k < n_bounds; k += blockDim.x) sb[k] = static_cast<acc_t<T>>(bounds[k]);
-  const int64_t o0 = static_cast<int64_t>(blockIdx.x) * (kEncodeOctets * kThreads) + threadIdx.x;
-  acc_t<T> v[kEncodeOctets][8];
-  int cnt[kEncodeOctets];
+  constexpr int kOctets = kEncodeOctets<B>;
+  const int64_t o0 = static_cast<int64_t>(blockIdx.x) * (kOctets * kThreads) + threadIdx.x;
+  acc_t<T> v[kOctets][8];
+  int cnt[kOctets];
 #pragma unroll
-  for (int r = 0; r < kEncodeOctets; ++r) {
+  for (int r = 0; r < kOctets; ++r) {
     const int64_t i = (o0 + r * kThreads) * 8;
     cnt[r] = static_cast<int>(i >= n ? 0 : (n - i < 8 ? n - i : 8));
     if (cnt[r] > 0) load_octet_widened(x + i, cnt[r], vec, v[r]);
@@ -49,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
   __syncthreads();  // the bounds, after the loads are issued
   auto encode_all = [&](const acc_t<T>* b) {
 #pragma unroll
-    for (int r = 0; r < kEncodeOctets; ++r) {
+    for (int r = 0; r < kOctets; ++r) {
       if (cnt[r] > 0) {
         const int64_t o = o0 + r * kThreads;
         store_octet<B>(payload + o * B, encode_values<B>(v[r], cnt[r], b, n_bounds), (cnt[r] * B + 7) / 8);
@@ -98,12 +101,12 @@ at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds
   const int64_t n = x.numel();
   auto payload = at::empty({ceil_div(n * bits, 8)}, x.options().dtype(at::kByte));
   if (n == 0) return payload;
-  const int64_t blocks = ceil_div(ceil_div(n, 8), kEncodeOctets * kThreads);
   const bool vec = aligned16(x.data_ptr());
   const int n_bounds = static_cast<int>(bounds.numel());
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_hf_fewbit_encode_pack", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {
+      const int64_t blocks = ceil_div(ceil_div(n, 8), kEncodeOctets<B> * kThreads);
       fewbit_encode_pack_kernel<scalar_t, B><<<blocks, kThreads, 0, stream>>>(
           x.data_ptr<scalar_t>(), n, bounds.data_ptr<scalar_t>(), n_bounds, vec, payload.data_ptr<uint8_t>());
     });
