@@ -575,10 +575,11 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
             lines.append(f"| {r['model']} | {r['setting']} | "
                          + " | ".join(_cell(by_batch.get(b), ".1f") for b in batches) + " |")
     (out / "gpu_training.md").write_text("\n".join(lines) + "\n")
-    if not curves:
-        return
     plt = pyplot()
     if plt is None:
+        return
+    if not curves:
+        _plot_ratios(plt, rows, out / "gpu_training.png")
         return
     models = list(dict.fromkeys(r["model"] for r in curves))
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
@@ -593,6 +594,33 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "gpu_training.png", dpi=120)
+
+
+def _plot_ratios(plt, rows: list[dict], path: Path) -> None:
+    """Without curves: each setting's samples/s and largest batch against its model's unpatched row (the table's
+    two ratio columns), a bar for each model and setting; a panel only where some row has its ratio."""
+    panels = [(key, label) for key, label in (("speed_vs_unpatched", "samples/s vs unpatched"),
+                                              ("max_batch_vs_unpatched", "largest batch vs unpatched"))
+              if any(r.get(key) is not None for r in rows)]
+    if not panels:
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    width = 0.8 / len(settings)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.5, 1.2 * len(models) + 2) * len(panels), 3.6),
+                             squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for k, setting in enumerate(settings):
+            by_model = {r["model"]: r.get(key) for r in rows if r["setting"] == setting}
+            ax.bar([m + (k - (len(settings) - 1) / 2) * width for m in range(len(models))],
+                   [by_model.get(model) or math.nan for model in models], width, label=setting)  # NaN: no bar
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(models)), models)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _known_setting(name: str) -> None:
