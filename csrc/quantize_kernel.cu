@@ -58,9 +58,9 @@ struct ChannelScaling {
   bool small_index;
 };
 
-// One warp per group, for group sizes that do not divide a warp's 8 * kWarp elements (the others:
-// quantize_pack_lanes_kernel). Pass 1: min, max and a non-finite flag over the group's octets; pass 2 (re-reading
-// the group from L1/L2): codes, packed one octet (8 elements = B bytes, byte aligned since G % 8 == 0) per lane.
+// One warp per group, for the group sizes other than 32, 64, ..., 1024 (those: quantize_pack_lanes_kernel).
+// Pass 1: min, max and a non-finite flag over the group's octets; pass 2 (re-reading the group from L1/L2): codes,
+// packed one octet (8 elements = B bytes, byte aligned since G % 8 == 0) per lane.
 // Scaled: each value is first multiplied by its channel's power of two (quantize_octets.cuh: scale_octet).
 template <typename T, int B, bool Scaled>
 __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
 constexpr int kOctets = 4;
 
 template <typename T, int B, bool Scaled>
-__global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(
+__global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(  // 3 blocks an SM: at most 80 registers
     const T* __restrict__ x, int64_t n, int lanes, int group_shift, uint64_t seed, bool vec, ChannelScaling scaling,
     uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out, uint16_t* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
@@ -146,8 +146,8 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(
   const int64_t base = (static_cast<int64_t>(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp) *
                        (kOctets * 8 * kWarp);
   if (base >= n) return;  // uniform across the warp
-  const int64_t start = base + (lane - sub) * (8 * kOctets);  // the group's first element: a group is 8 * kOctets
-  // elements a lane
+  // the group's first element (a group holds 8 * kOctets elements a lane)
+  const int64_t start = base + (lane - sub) * (8 * kOctets);
   const int64_t first = start + 8 * sub;  // the lane's first octet; octet k is at first + 8 * lanes * k
   float v[kOctets][8];
   int cnt[kOctets];
