@@ -29,7 +29,7 @@ from act_hf.nn.activation import (
     output_is_owned,
 )
 from act_hf.nn.linear import ActLinearMixin
-from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output
+from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output, output_embeddings
 from act_hf.ops.product import act_product
 from act_hf.patcher import (
     Rule,
@@ -450,10 +450,7 @@ def disable_training_cache(model: nn.Module) -> None:
 def _output_head(model: nn.Module) -> nn.Linear | None:
     """The ``nn.Linear`` that makes the model's logits: its output embedding (``lm_head``; a masked LM's
     ``cls.predictions.decoder``), else an ``lm_head`` attribute; ``None`` if neither is an ``nn.Linear``."""
-    try:
-        head = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        head = None
+    head = output_embeddings(model)
     head = head if isinstance(head, nn.Linear) else getattr(model, "lm_head", None)
     return head if isinstance(head, nn.Linear) else None
 

@@ -41,10 +41,21 @@ from ._saving import autocast_casts, autocast_dtype, autocast_state
 
 __all__ = ["HEAD_LOSS_FUNCS", "HeadCrossEntropyFunction", "HeadLossMode", "HeadLossScope", "ReplayedLogits",
            "cast_head_input", "causal_lm_loss", "flat_head_output", "head_cross_entropy", "note_head_output",
-           "note_head_steps", "run_for_head_loss", "scaled_head_output"]
+           "note_head_steps", "output_embeddings", "run_for_head_loss", "scaled_head_output"]
 
 #: Bytes of fp32 logits one chunk of rows of the loss (its forward or its backward) may hold.
 CHUNK_BYTES = 128 * 2**20
+
+
+def output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's HF output embedding (``get_output_embeddings()``, its LM head), or ``None`` where the method is
+    missing, returns no module, or raises (``PreTrainedModel``'s can for a head-less subclass)."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    return head if isinstance(head, nn.Module) else None
 
 
 def note_head_output(module: nn.Module, args: tuple, output: Tensor) -> None:
