@@ -226,11 +226,12 @@ _AT_BOUND: dict[str, bool] = {}  # clamp's form -> whether this torch's autograd
 def passes_at_bound(form: str) -> bool:
     """Whether autograd's ``clamp`` with numeric bounds (``form``: ``"clamp"``, ``"clamp_min"``, ``"clamp_max"``)
     passes the gradient to an element equal to a bound. torch 2.14.1 does not (``x > lo``); a release whose
-    autograd tests ``x >= lo`` does. Asked of autograd once per form."""
+    autograd tests ``x >= lo`` does. Asked of autograd once per form, under hooks of its own: the saved-tensor
+    hooks around the caller (a patched model's, ``track_saved``'s) never see the probe."""
     hit = _AT_BOUND.get(form)
     if hit is None:
         x = torch.zeros(1, requires_grad=True)
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             y = torch.clamp(x, 0.0, 1.0) if form == "clamp" else getattr(torch, form)(x, 0.0)
             (grad,) = torch.autograd.grad(y.sum(), x)
         hit = _AT_BOUND[form] = bool(grad.item() == 1.0)
