@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
   if constexpr (B <= kUnrolledEncodeBits) {
     acc_t<T> rb[kBounds];
 #pragma unroll
-    for (int k = 0; k < kBounds; ++k) rb[k] = k < n_bounds ? sb[k] : acc_t<T>(0);
+    for (int k = 0; k < kBounds; ++k) rb[k] = padded_bound(sb, n_bounds, k);
     encode_all(rb);
   } else {
     encode_all(sb);

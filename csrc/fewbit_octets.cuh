@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "octets.cuh"
@@ -26,33 +27,39 @@ ACT_HD void load_octet_widened(const T* __restrict__ p, int cnt, bool vec, acc_t
   for (int j = 0; j < 8; ++j) v[j] = j < cnt ? static_cast<acc_t<T>>(raw[j]) : acc_t<T>(0);
 }
 
-// Up to this many bits, a code's comparisons are unrolled over the 2^B - 1 bounds a code can have (fewer given
-// are skipped), so that a kernel's bounds sit in registers (a loop over n_bounds read them from shared memory).
+// Up to this many bits, a code's comparisons are unrolled over 2^B - 1 bounds, those past the n_bounds given NaN
+// (padded_bound), so that a kernel's bounds sit in registers (a loop over n_bounds read them from shared memory).
 constexpr int kUnrolledEncodeBits = 4;
 
-// #{k : bounds[k] <= v} over the n_bounds bounds (NaN: n_bounds, above every bound).
+// bounds[k] for k < n_bounds, else NaN, which no comparison counts: the unrolled bounds of bucket.
+template <typename A>
+ACT_HD A padded_bound(const A* bounds, int n_bounds, int k) {
+  return k < n_bounds ? bounds[k] : std::numeric_limits<A>::quiet_NaN();
+}
+
+// #{k : bounds[k] <= v} over the n_bounds bounds (NaN: n_bounds, above every bound), without a branch. Up to
+// kUnrolledEncodeBits bits `bounds` holds 2^B - 1 entries, those past n_bounds NaN (padded_bound).
 template <int B, typename A>
 ACT_HD int bucket(A v, const A* bounds, int n_bounds) {
-  if (is_nan(v)) return n_bounds;
   int code = 0;
   if constexpr (B <= kUnrolledEncodeBits) {
 #pragma unroll
-    for (int k = 0; k < (1 << B) - 1; ++k) code += k < n_bounds && bounds[k] <= v;
+    for (int k = 0; k < (1 << B) - 1; ++k) code += bounds[k] <= v ? 1 : 0;
   } else {
-    for (int k = 0; k < n_bounds; ++k) code += bounds[k] <= v;
+    for (int k = 0; k < n_bounds; ++k) code += bounds[k] <= v ? 1 : 0;
   }
-  return code;
+  return is_nan(v) ? n_bounds : code;
 }
 
 // The codes #{k : bounds[k] <= v[j]} (NaN: n_bounds, above every bound) of v[0..cnt), packed into the low
-// cnt * B bits.
+// cnt * B bits; all eight are computed, without a branch, and those past cnt masked off.
 template <int B, typename A>
 ACT_HD uint64_t encode_values(const A (&v)[8], int cnt, const A* bounds, int n_bounds) {
-  uint64_t word = 0;
+  using Word = std::conditional_t<(8 * B <= 32), uint32_t, uint64_t>;  // 32-bit shifts where the octet fits
+  Word word = 0;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (j < cnt) word |= static_cast<uint64_t>(bucket<B>(v[j], bounds, n_bounds)) << (j * B);
-  }
+  for (int j = 0; j < 8; ++j) word |= static_cast<Word>(bucket<B>(v[j], bounds, n_bounds)) << (j * B);
+  if (cnt < 8) word &= (static_cast<Word>(1) << (cnt * B)) - 1;  // cnt * B < 8 * B: the shift is in range
   return word;
 }
 

@@ -127,14 +127,12 @@ ACT_HD void group_metadata(float mn, float mx, bool nonfinite, uint16_t& lo_bits
 struct GroupFactors {
   float lo;
   float inv_scale;
-  bool has_scale;
 };
 
 template <typename T>
 ACT_HD GroupFactors group_factors(uint16_t lo_bits, uint16_t scale_bits) {
   const float scale = bf16_bits_to_float(scale_bits);
-  const bool has_scale = scale > 0.f;  // false for zero range and NaN
-  return {ZeroPoint<T>::decode(lo_bits), has_scale ? rcp_rn(scale) : 0.f, has_scale};
+  return {ZeroPoint<T>::decode(lo_bits), scale > 0.f ? rcp_rn(scale) : 0.f};  // no scale: zero range and NaN
 }
 
 // splitmix64 of a pair of elements (2p, 2p + 1): element 2p draws bits 40..63 of the hash, element 2p + 1 bits
@@ -183,8 +181,22 @@ ACT_HD int64_t advance_channel(int64_t c, int64_t step_mod, int64_t channels) {
   return c >= channels ? c - channels : c;
 }
 
+// floor(t) clamped to the codes 0..levels, as an integer; NaN (the codes of a non-finite group) gives 0. On the GPU
+// one conversion that rounds down (cvt.rmi saturates, and takes NaN to 0) and integer clamps, in place of a floor,
+// two float clamps and a conversion: the same integer for every t.
+ACT_HD uint32_t clamped_floor(float t, int levels) {
+#if defined(__CUDA_ARCH__)
+  const int c = __float2int_rd(t);
+  return static_cast<uint32_t>(c < 0 ? 0 : (c > levels ? levels : c));
+#else
+  return static_cast<uint32_t>(fminf(fmaxf(floorf(t), 0.f), static_cast<float>(levels)));  // fmaxf(NaN, 0) is 0
+#endif
+}
+
 // The B-bit codes of the octet of elements [i, i + cnt) (i a multiple of 8, cnt <= 8) whose fp32 values are v,
-// packed into the low cnt * B bits of the result.
+// packed into the low cnt * B bits of the result. All eight lanes of the octet are computed without a branch and
+// the codes past cnt masked off (v must hold numbers there, any). A group without a scale has inv_scale 0, so its
+// q is 0, or NaN for a non-finite value (its group is non-finite): its codes are 0 either way.
 template <int B>
 ACT_HD uint64_t quantize_octet(const float (&v)[8], int cnt, const GroupFactors& f, uint64_t seed, int64_t i) {
   constexpr int kLevels = (1 << B) - 1;
@@ -196,13 +208,10 @@ ACT_HD uint64_t quantize_octet(const float (&v)[8], int cnt, const GroupFactors&
   Word word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    if (j < cnt) {
-      const float q = f.has_scale ? mul_rn(sub_rn(v[j], f.lo), f.inv_scale) : 0.f;
-      float c = floorf(add_rn(q, u[j]));
-      c = fminf(fmaxf(c, 0.f), static_cast<float>(kLevels));
-      word |= static_cast<Word>(static_cast<uint32_t>(c)) << (j * B);  // c in [0, 255]: exact in 32 bits
-    }
+    const float q = mul_rn(sub_rn(v[j], f.lo), f.inv_scale);
+    word |= static_cast<Word>(clamped_floor(add_rn(q, u[j]), kLevels)) << (j * B);  // a code < 256: exact
   }
+  if (cnt < 8) word &= (static_cast<Word>(1) << (cnt * B)) - 1;  // cnt * B < 8 * B: the shift is in range
   return word;
 }
 

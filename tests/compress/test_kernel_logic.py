@@ -47,9 +47,13 @@ at::Tensor encode(const at::Tensor& x, const at::Tensor& bounds, int64_t bits, b
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "encode", [&] {
     const auto b = widened<scalar_t>(bounds);
     ACT_BITS_SWITCH(bits, B, [&] {
+      // the kernel's bounds: up to kUnrolledEncodeBits bits, 2^B - 1 of them, padded with NaN as it pads them
+      const int n_bounds = static_cast<int>(b.size());
+      std::vector<act_hf::acc_t<scalar_t>> padded(B <= act_hf::kUnrolledEncodeBits ? (1 << B) - 1 : n_bounds);
+      for (size_t k = 0; k < padded.size(); ++k) padded[k] = act_hf::padded_bound(b.data(), n_bounds, int(k));
       for (int64_t i = 0; i < n; i += 8) {
-        act_hf::encode_octet<scalar_t, B>(x.data_ptr<scalar_t>() + i, octet_count(n, i), vec, b.data(),
-                                          static_cast<int>(b.size()), payload.data_ptr<uint8_t>() + i / 8 * B);
+        act_hf::encode_octet<scalar_t, B>(x.data_ptr<scalar_t>() + i, octet_count(n, i), vec, padded.data(),
+                                          n_bounds, payload.data_ptr<uint8_t>() + i / 8 * B);
       }
     });
   });
