@@ -3,12 +3,12 @@
 On the H200 a patched bert-large step at batch 32 was bound by host work, not by the GPU (README, "First GPU run").
 This benchmark isolates that work on any machine: a tiny BERT (hidden 32, batch 8 x seq 16, one thread), so that
 the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec`` the codec's
-CPU implementations (quantize+pack, unpack+dequantize, the bit packers of masks, few-bit codes' encode+pack and
-their decode times the gradient, channel scaling's shifts) are replaced by stand-ins that return tensors of the
-right shapes and dtypes without computing anything, as a GPU kernel launch would cost next to nothing on the host;
-what remains is act_hf's own work per op. The stand-ins make the gradients meaningless: this measures time only. The time spent inside each
-act_hf op (its autograd Function's forward and backward, aten calls included) is listed per call, from one more
-timed run with each Function wrapped.
+CPU implementations (quantize+pack, unpack+dequantize and its affine form, the bit packers of masks, few-bit codes'
+encode+pack and their decode times the gradient, channel scaling's shifts) are replaced by stand-ins that return
+tensors of the right shapes and dtypes without computing anything, as a GPU kernel launch would cost next to
+nothing on the host; what remains is act_hf's own work per op. The stand-ins make the gradients meaningless: this
+measures time only. The time spent inside each act_hf op (its autograd Function's forward and backward, aten
+calls included) is listed per call, from one more timed run with each Function wrapped.
 
 It also counts the device ops of one step, the number a GPU would launch: every aten op that is not a view, and
 each codec call once (counted under a dispatch mode, where the codec runs as its ``torch.ops.act_hf`` op), and
@@ -58,6 +58,10 @@ def _stub_unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype, 
     return torch.zeros(numel, dtype=dtype)
 
 
+def _stub_unpack_dequantize_affine(payload, lo, scale, bits, group_size, numel, mult, shift, chunk=None):
+    return torch.zeros(numel, dtype=torch.float32)
+
+
 def _stub_pack_bits(codes, bits, chunk=None):
     return torch.zeros(-(-codes.numel() * bits // 8), dtype=torch.uint8)
 
@@ -80,6 +84,7 @@ def _stub_channel_shifts(x, max_shift):
 
 #: the CPU kernels ``--stub-codec`` replaces (``act_hf.compress.reference`` attributes) and their stand-ins
 STUBS = {"quantize_pack_chunked": _stub_quantize_pack, "unpack_dequantize_chunked": _stub_unpack_dequantize,
+         "unpack_dequantize_affine": _stub_unpack_dequantize_affine,
          "pack_bits_chunked": _stub_pack_bits, "unpack_bits_chunked": _stub_unpack_bits,
          "fewbit_encode_pack_chunked": _stub_fewbit_encode_pack, "fewbit_grad_chunked": _stub_fewbit_grad,
          "channel_shifts": _stub_channel_shifts}

@@ -31,6 +31,9 @@ std::vector<at::Tensor> quantize_pack_scaled_cuda(const at::Tensor& x, const at:
 at::Tensor channel_shifts_cuda(const at::Tensor& x, int64_t channels, int64_t max_shift);
 at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                   int64_t bits, int64_t group_size, int64_t numel, at::ScalarType dtype);
+at::Tensor unpack_dequantize_affine_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
+                                         int64_t bits, int64_t group_size, int64_t numel, const at::Tensor& mult,
+                                         const at::Tensor& shift);
 at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits);
 at::Tensor unpack_bits_cuda(const at::Tensor& payload, int64_t bits, int64_t numel);
 at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits);
@@ -114,8 +117,9 @@ at::Tensor channel_shifts(const at::Tensor& x, int64_t channels, int64_t max_shi
   return act_hf::channel_shifts_cuda(x, channels, max_shift);
 }
 
-at::Tensor unpack_dequantize(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale, int64_t bits,
-                             int64_t group_size, int64_t numel, at::ScalarType dtype) {
+// The packed tensor a decode reads: numel elements at `bits` bits in groups of group_size.
+void check_packed(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale, int64_t bits,
+                  int64_t group_size, int64_t numel) {
   CHECK_CUDA(payload);
   CHECK_CUDA(lo);
   CHECK_CUDA(scale);
@@ -128,13 +132,37 @@ at::Tensor unpack_dequantize(const at::Tensor& payload, const at::Tensor& lo, co
   check_bits(bits);
   check_group_size(group_size);
   TORCH_CHECK(numel >= 0, "numel must be >= 0, got " + std::to_string(numel));
-  TORCH_CHECK(is_float_type(dtype),
-              std::string("dtype must be float32, float16, bfloat16 or float64, got ") + c10::toString(dtype));
   CHECK_LENGTH(payload, ceil_div(numel * bits, 8));
   CHECK_LENGTH(lo, ceil_div(numel, group_size));
   CHECK_LENGTH(scale, ceil_div(numel, group_size));
+}
+
+at::Tensor unpack_dequantize(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale, int64_t bits,
+                             int64_t group_size, int64_t numel, at::ScalarType dtype) {
+  check_packed(payload, lo, scale, bits, group_size, numel);
+  TORCH_CHECK(is_float_type(dtype),
+              std::string("dtype must be float32, float16, bfloat16 or float64, got ") + c10::toString(dtype));
   py::gil_scoped_release no_gil;
   return act_hf::unpack_dequantize_cuda(payload, lo, scale, bits, group_size, numel, dtype);
+}
+
+at::Tensor unpack_dequantize_affine(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
+                                    int64_t bits, int64_t group_size, int64_t numel, const at::Tensor& mult,
+                                    const at::Tensor& shift) {
+  check_packed(payload, lo, scale, bits, group_size, numel);
+  CHECK_DTYPE(mult, at::kFloat);
+  CHECK_DTYPE(shift, at::kFloat);
+  check_same_device(payload, mult, "mult");
+  check_same_device(payload, shift, "shift");
+  TORCH_CHECK(mult.dim() == 1 && mult.numel() > 0 && mult.sizes() == shift.sizes(),
+              "mult and shift must be flat, one value a channel (at least one), got shapes " +
+                  act_hf::shape_str(mult.sizes()) + " and " + act_hf::shape_str(shift.sizes()));
+  CHECK_CONTIGUOUS(mult);
+  CHECK_CONTIGUOUS(shift);
+  TORCH_CHECK(numel % mult.numel() == 0, "numel must be a whole number of rows of " + std::to_string(mult.numel()) +
+                                             " channels, got " + std::to_string(numel));
+  py::gil_scoped_release no_gil;
+  return act_hf::unpack_dequantize_affine_cuda(payload, lo, scale, bits, group_size, numel, mult, shift);
 }
 
 at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
@@ -219,6 +247,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_dequantize", &unpack_dequantize, "Unpack and dequantize into a flat tensor of dtype",
         py::arg("payload"), py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"),
         py::arg("numel"), py::arg("dtype"));
+  m.def("unpack_dequantize_affine", &unpack_dequantize_affine,
+        "unpack_dequantize to float32 of a row-major tensor of len(mult) channels, each value v then v * mult[c] - "
+        "shift[c] for its channel c", py::arg("payload"), py::arg("lo"), py::arg("scale"), py::arg("bits"),
+        py::arg("group_size"), py::arg("numel"), py::arg("mult"), py::arg("shift"));
   m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"));
   m.def("fewbit_encode_pack", &fewbit_encode_pack,
         "Few-bit codes #{k : bounds[k] <= x} (NaN: all of them) of a flat tensor, packed at bits each",

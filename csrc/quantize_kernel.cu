@@ -206,11 +206,19 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(  // 3
   }
 }
 
-// One thread per octet.
-template <typename T, int B>
+// A per-channel affine map of a decode (unpack_dequantize_affine; fp32 only): element i, of channel i % channels
+// of a row-major tensor, becomes v * mult[c] - shift[c], each operation rounded (no fused multiply-add).
+struct ChannelAffine {
+  const float* mult;
+  const float* shift;
+  int64_t channels;
+};
+
+// One thread per octet; with Affine, each value then mapped by `affine`.
+template <typename T, int B, bool Affine>
 __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
     const uint8_t* __restrict__ payload, const uint16_t* __restrict__ lo_in, const uint16_t* __restrict__ scale_in,
-    int64_t n, int64_t group_size, int group_shift, T* __restrict__ out) {
+    int64_t n, int64_t group_size, int group_shift, ChannelAffine affine, T* __restrict__ out) {
   constexpr uint64_t kMask = (1u << B) - 1;
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
@@ -220,11 +228,21 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   const int64_t g = group_shift >= 0 ? i >> group_shift : i / group_size;  // a 64-bit division is a long routine
   const float lo = ZeroPoint<T>::decode(lo_in[g]);
   const float scale = bf16_bits_to_float(scale_in[g]);
+  int64_t c = 0;
+  if constexpr (Affine) {
+    c = i <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(i) % static_cast<uint32_t>(affine.channels))
+                        : i % affine.channels;
+  }
   alignas(16) T vals[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float code = static_cast<float>((word >> (j * B)) & kMask);
-    vals[j] = from_float<T>(__fadd_rn(lo, __fmul_rn(code, scale)));
+    float v = __fadd_rn(lo, __fmul_rn(code, scale));
+    if constexpr (Affine) {  // past cnt too: c stays a channel, and those values are not stored
+      v = __fsub_rn(__fmul_rn(v, affine.mult[c]), affine.shift[c]);
+      if (++c == affine.channels) c = 0;
+    }
+    vals[j] = from_float<T>(v);
   }
   store_octet_values(out + i, vals, cnt, true);  // `out` is a new tensor: aligned
 }
@@ -316,24 +334,52 @@ std::vector<at::Tensor> quantize_pack_scaled_cuda(const at::Tensor& x, const at:
   return launch_quantize_pack(x, &shifts, bits, group_size, seed);
 }
 
+namespace {
+
+int log2_or_minus_one(int64_t group_size) {  // log2(group_size) for a power of two, else -1
+  for (int k = 0; k < 63; ++k) {
+    if ((int64_t{1} << k) == group_size) return k;
+  }
+  return -1;
+}
+
+}  // namespace
+
 at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                   int64_t bits, int64_t group_size, int64_t numel, at::ScalarType dtype) {
   const c10::cuda::CUDAGuard guard(payload.device());
   auto out = at::empty({numel}, payload.options().dtype(dtype));
   if (numel == 0) return out;
   const int64_t blocks = ceil_div(ceil_div(numel, 8), kThreads);
-  int group_shift = -1;  // log2(group_size) for a power of two
-  for (int k = 0; k < 63; ++k) {
-    if ((int64_t{1} << k) == group_size) group_shift = k;
-  }
+  const int group_shift = log2_or_minus_one(group_size);
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "act_hf_unpack_dequantize", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {
-      unpack_dequantize_kernel<scalar_t, B><<<blocks, kThreads, 0, stream>>>(
+      unpack_dequantize_kernel<scalar_t, B, false><<<blocks, kThreads, 0, stream>>>(
           payload.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(lo.data_ptr<int16_t>()),
           reinterpret_cast<const uint16_t*>(scale.data_ptr<int16_t>()), numel, group_size, group_shift,
-          out.data_ptr<scalar_t>());
+          ChannelAffine{nullptr, nullptr, 1}, out.data_ptr<scalar_t>());
     });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor unpack_dequantize_affine_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
+                                         int64_t bits, int64_t group_size, int64_t numel, const at::Tensor& mult,
+                                         const at::Tensor& shift) {
+  const c10::cuda::CUDAGuard guard(payload.device());
+  auto out = at::empty({numel}, payload.options().dtype(at::kFloat));
+  if (numel == 0) return out;
+  const int64_t blocks = ceil_div(ceil_div(numel, 8), kThreads);
+  const int group_shift = log2_or_minus_one(group_size);
+  const ChannelAffine affine{mult.data_ptr<float>(), shift.data_ptr<float>(), mult.numel()};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  ACT_BITS_SWITCH(bits, B, [&] {
+    unpack_dequantize_kernel<float, B, true><<<blocks, kThreads, 0, stream>>>(
+        payload.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(lo.data_ptr<int16_t>()),
+        reinterpret_cast<const uint16_t*>(scale.data_ptr<int16_t>()), numel, group_size, group_shift, affine,
+        out.data_ptr<float>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -23,6 +23,9 @@ def test_opcheck_quantize_and_dequantize(dtype):
     torch.library.opcheck(
         torch.ops.act_hf.unpack_dequantize.default, (payload, lo, scale, 3, 256, 1000, dtype), test_utils=OPCHECK_TESTS
     )
+    torch.library.opcheck(torch.ops.act_hf.unpack_dequantize_affine.default,
+                          (payload, lo, scale, 3, 256, 1000, torch.rand(40) + 0.5, torch.randn(40)),
+                          test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,7 +17,8 @@ from .reference import channel_shifts, empty_packed, lo_dtype_for, place_packed
 from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
-           "dequantize", "dequantize_items", "dequantize_with_factors", "quantize", "quantize_by_rows"]
+           "dequantize", "dequantize_affine", "dequantize_items", "dequantize_with_factors", "quantize",
+           "quantize_by_rows"]
 
 DEFAULT_GROUP_SIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -237,6 +238,31 @@ def dequantize_with_factors(packed: PackedTensor,
     flat = _library.run(_library.unpack_dequantize, packed.payload, packed.lo, packed.scale, spec.bits,
                         spec.group_size, spec.numel, dtype if direct else spec.dtype)
     return _with_factors(packed, spec.laid_out(flat), dtype, direct)
+
+
+def dequantize_affine(packed: PackedTensor, mult: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``dequantize(packed, torch.float32) * mult - shift``, bit for bit, ``mult`` and ``shift`` (fp32, one value
+    per channel of the last dimension) broadcasting over the rows; the product and the difference each rounded (no
+    fused multiply-add). A norm's ``x_hat = (y - beta) / gamma`` from its saved output, as ``y * (1 / gamma) -
+    beta / gamma``. In one pass, decoding and mapping together, for a context stored row-major that decodes
+    straight to fp32 (every original but fp16), a channel-scaled one's factors folded into ``mult`` (powers of two:
+    the same bits); otherwise a decode and two passes over it."""
+    if not isinstance(packed, PackedTensor):
+        raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
+    spec = packed.spec
+    channels = spec.shape[-1] if spec.shape else 1
+    for name, t in (("mult", mult), ("shift", shift)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (channels,):
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ActHFValueError(f"{name} must be a float32 tensor of shape ({channels},), one value per channel "
+                                  f"of the packed tensor's last dimension, got {got}")
+    if spec.memory_order is not None or spec.numel == 0 or lo_dtype_for(spec.dtype) != lo_dtype_for(torch.float32):
+        return dequantize(packed, torch.float32).mul_(mult).sub_(shift)
+    if spec.channel_scaled:
+        mult = mult * _powers_of_two(packed.channel, torch.float32, negate=True)
+    flat = _library.run(_library.unpack_dequantize_affine, packed.payload, packed.lo, packed.scale, spec.bits,
+                        spec.group_size, spec.numel, mult.contiguous(), shift.contiguous())
+    return spec.laid_out(flat)
 
 
 def _reader_dtype(spec: PackedSpec, dtype: torch.dtype | None) -> torch.dtype:

@@ -62,6 +62,7 @@ __all__ = [
     "unpack_bits",
     "unpack_bits_chunked",
     "unpack_dequantize",
+    "unpack_dequantize_affine",
     "unpack_dequantize_chunked",
     "zero_unmasked",
     "zero_unmasked_chunked",
@@ -265,6 +266,17 @@ def unpack_dequantize(
     scale_f = metadata_to_float(scale, torch.bfloat16)[:, None]
     out = lo_f + codes.view(n_groups, group_size) * scale_f
     return out.view(-1)[:numel].to(dtype)
+
+
+def unpack_dequantize_affine(payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
+                             group_size: int, numel: int, mult: torch.Tensor, shift: torch.Tensor,
+                             chunk: int = 1 << 18) -> torch.Tensor:
+    """:func:`unpack_dequantize` to fp32 of a row-major tensor of ``len(mult)`` channels, each value ``v`` then
+    ``v * mult[c] - shift[c]`` for its channel ``c`` (``mult``, ``shift``: fp32), the product and the difference each
+    rounded; decoded a chunk at a time like :func:`unpack_dequantize_chunked`."""
+    out = unpack_dequantize_chunked(payload, lo, scale, bits, group_size, numel, torch.float32, chunk)
+    rows = out.view(-1, mult.numel())
+    return rows.mul_(mult).sub_(shift).view(-1)
 
 
 def _chunk_elements(group_size: int, chunk: int) -> int:

@@ -22,7 +22,8 @@ from ..compress import reference
 from ..errors import ActHFWarning
 
 __all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "quantize_pack_scaled",
-           "run", "unpack_bits", "unpack_dequantize", "zero_unmasked", "zero_unmasked_inplace"]
+           "run", "unpack_bits", "unpack_dequantize", "unpack_dequantize_affine", "zero_unmasked",
+           "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -148,6 +149,32 @@ unpack_dequantize.register_kernel("cuda", _unpack_dequantize_cuda)
 def _(payload, lo, scale, bits, group_size, numel, dtype):
     torch._check(lo.numel() == _ceil_div(numel, group_size), lambda: "lo has the wrong number of groups")
     return payload.new_empty(numel, dtype=dtype)
+
+
+def _unpack_dequantize_affine(payload: Tensor, lo: Tensor, scale: Tensor, bits: int, group_size: int, numel: int,
+                              mult: Tensor, shift: Tensor) -> Tensor:
+    """``unpack_dequantize`` to fp32 of a row-major tensor of ``len(mult)`` channels, each value then times its
+    channel's ``mult`` minus its ``shift`` (``act_hf.compress.reference.unpack_dequantize_affine``)."""
+    return reference.unpack_dequantize_affine(payload, lo, scale, bits, group_size, numel, mult, shift)
+
+
+def _unpack_dequantize_affine_cuda(payload, lo, scale, bits, group_size, numel, mult, shift):
+    module = _cuda_ext()
+    kernel = _unpack_dequantize_affine if module is None else module.unpack_dequantize_affine
+    return kernel(payload, lo, scale, bits, group_size, numel, mult, shift)
+
+
+unpack_dequantize_affine = torch.library.custom_op("act_hf::unpack_dequantize_affine", _unpack_dequantize_affine,
+                                                   mutates_args=())
+unpack_dequantize_affine.register_kernel("cuda", _unpack_dequantize_affine_cuda)
+
+
+@unpack_dequantize_affine.register_fake
+def _(payload, lo, scale, bits, group_size, numel, mult, shift):
+    torch._check(lo.numel() == _ceil_div(numel, group_size), lambda: "lo has the wrong number of groups")
+    torch._check(mult.shape == shift.shape and numel % mult.numel() == 0,
+                 lambda: "mult and shift need one value a channel of whole rows")
+    return payload.new_empty(numel, dtype=torch.float32)
 
 
 def _pack_bits(codes: Tensor, bits: int) -> Tensor:
@@ -277,6 +304,7 @@ _IMPLEMENTATIONS = {
     quantize_pack_scaled: {"cpu": _quantize_pack_scaled, "cuda": _quantize_pack_scaled_cuda},
     channel_shifts: {"cpu": _channel_shifts, "cuda": _channel_shifts_cuda},
     unpack_dequantize: {"cpu": _unpack_dequantize, "cuda": _unpack_dequantize_cuda},
+    unpack_dequantize_affine: {"cpu": _unpack_dequantize_affine, "cuda": _unpack_dequantize_affine_cuda},
     pack_bits: {"cpu": _pack_bits, "cuda": _pack_bits_cuda},
     unpack_bits: {"cpu": _unpack_bits, "cuda": _unpack_bits_cuda},
     fewbit_encode_pack: {"cpu": _fewbit_encode_pack, "cuda": _fewbit_encode_pack_cuda},

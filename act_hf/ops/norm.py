@@ -54,7 +54,8 @@ from torch import Tensor
 
 from .._chunks import in_place, row_spans
 from .._constants import reused
-from ..compress import PackedTensor, dequantize, dequantize_items, dequantize_with_factors, unpack_mask
+from ..compress import (PackedTensor, dequantize, dequantize_affine, dequantize_items, dequantize_with_factors,
+                        unpack_mask)
 from ..context import store
 from ..derived import items_decodable, note_pending
 from ..errors import ActHFValueError
@@ -270,16 +271,22 @@ class ActLayerNormFunction(torch.autograd.Function):
             grad_b = g.sum(0).reshape(shape[-k:]).to(bias_dtype) if need_b else None
             return None, None, grad_b, None, None, None, None, None
         w = None if weight is None else weight.float()
-        # x_hat = (y - beta) / gamma of the output form takes the channel factors f of a channel-scaled y:
-        # (y/f - beta/f) / (gamma/f), the same bits without a pass for them
-        fold = context == "output" and out_perm is None and w is not None
-        saved, factors = _decoded_and_factors(packed, fold)
-        if out_perm is not None and context == "output":  # the saved output is the permuted view
-            saved = saved.permute(_inverse_perm(out_perm))
-        saved = saved.reshape(rows, n)
-        if context == "output":  # x_hat, in place (the decoded tensor is this backward's own), fed to aten's
-            # backward as an input of mean 0 and rstd 1
-            _undo_affine_(saved, w, None if bias is None else bias.float(), factors, (1, n))
+        if context == "output" and out_perm is None and w is not None and k == 1:
+            # x_hat = (y - beta) / gamma as y * (1 / gamma) - beta / gamma, decoded and mapped in one pass
+            mult = w.reshape(n).reciprocal()
+            shift = torch.zeros_like(mult) if bias is None else bias.float().reshape(n) / w.reshape(n)
+            saved = dequantize_affine(packed, mult, shift).reshape(rows, n)
+        else:
+            # x_hat = (y - beta) / gamma of the output form takes the channel factors f of a channel-scaled y:
+            # (y/f - beta/f) / (gamma/f), the same bits without a pass for them
+            fold = context == "output" and out_perm is None and w is not None
+            saved, factors = _decoded_and_factors(packed, fold)
+            if out_perm is not None and context == "output":  # the saved output is the permuted view
+                saved = saved.permute(_inverse_perm(out_perm))
+            saved = saved.reshape(rows, n)
+            if context == "output":  # x_hat, in place (the decoded tensor is this backward's own)
+                _undo_affine_(saved, w, None if bias is None else bias.float(), factors, (1, n))
+        if context == "output":  # x_hat is fed to aten's backward as an input of mean 0 and rstd 1
             mean, unit_rstd = _unit_statistics((rows, 1), g)
         else:
             unit_rstd = None

@@ -91,6 +91,23 @@ def test_unpack_dequantize_into_another_dtype_matches_reference(ext, packed_dtyp
     assert out.dtype == dtype and torch.equal(out, R.unpack_dequantize(*packed, 3, 256, x.numel(), dtype))
 
 
+@pytest.mark.parametrize("bits", [1, 3, 8])
+@pytest.mark.parametrize("group_size", [24, 256])
+@pytest.mark.parametrize("channels", [1, 7, 1024])
+def test_unpack_dequantize_affine_matches_reference(ext, bits, group_size, channels):
+    """The decode's per-channel ``v * mult - shift`` (each rounded, no fused multiply-add): rows that straddle
+    groups and octets, channels fewer than and more than an octet."""
+    for rows in (1, 3, 70):
+        n = rows * channels
+        x = torch.randn(n, device="cuda") * 3
+        packed = ext.quantize_pack(x, bits, group_size, 5)
+        mult = torch.rand(channels, device="cuda") + 0.3
+        shift = torch.randn(channels, device="cuda")
+        out = ext.unpack_dequantize_affine(*packed, bits, group_size, n, mult, shift)
+        ref = R.unpack_dequantize_affine(*packed, bits, group_size, n, mult, shift)
+        assert out.dtype == torch.float32 and torch.equal(out, ref), f"rows={rows}"
+
+
 def test_unaligned_input_view(ext):
     base = torch.randn(10_000, device="cuda", dtype=torch.bfloat16)
     x = base[3:]  # storage offset breaks 16-byte alignment
@@ -227,7 +244,9 @@ def test_kernel_errors_name_arguments(ext):
         calls = [(ext.fewbit_encode_pack, (x, bounds, 1)), (ext.fewbit_encode_pack, (x, bounds.double(), 2)),
                  (ext.fewbit_grad, (x, payload, torch.zeros(3, device="cuda"), 2)),
                  (ext.fewbit_grad, (x, payload[:2], torch.zeros(4, device="cuda"), 2)),
-                 (ext.zero_unmasked, (x, payload[:1], False))]
+                 (ext.zero_unmasked, (x, payload[:1], False)),
+                 (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds, bounds[:2])),
+                 (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds, bounds))]
         for fn, args in calls:
             try:
                 fn(*args)
@@ -249,6 +268,8 @@ def test_kernel_errors_name_arguments(ext):
     assert "values must be flat with 2**bits = 4 elements, got shape (3)" in lines[5]
     assert "payload holds 2 bytes, fewer than ceil(grad.numel() * bits / 8) = 3" in lines[6]
     assert "mask holds 1 bytes, fewer than ceil(values.numel() / 8) = 2" in lines[7]
+    assert "mult and shift must be flat, one value a channel (at least one), got shapes (3) and (2)" in lines[8]
+    assert "numel must be a whole number of rows of 3 channels, got 10" in lines[9]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -11,6 +11,7 @@ import torch
 from act_hf.compress import (
     PackedTensor,
     dequantize,
+    dequantize_affine,
     dequantize_items,
     pack_bits,
     quantize,
@@ -304,6 +305,38 @@ def test_dequantize_into_another_dtype(packed_dtype, dtype, channel_scale):
     else:
         expected = dequantize(PackedTensor.rebuild(p.tensors, replace(p.spec, dtype=torch.float32))).to(dtype)
     assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channel scaled", "bf16", "fp16", "fp64", "transposed"])
+def test_dequantize_affine_is_the_decode_times_mult_minus_shift(layout):
+    """``dequantize(packed, fp32) * mult - shift`` per channel of the last dimension, bit for bit, in one op where
+    the context decodes straight to fp32 row-major (a channel-scaled one's factors folded into ``mult``); an fp16
+    original (fp16 zero points) and a permuted layout decode first and map in two passes."""
+    torch.manual_seed(0)
+    x = torch.randn(96, 48) * torch.logspace(-2, 2, 48)
+    x = {"bf16": x.bfloat16(), "fp16": x.half(), "fp64": x.double(),
+         "transposed": x.t().contiguous().t()}.get(layout, x)
+    packed = quantize(x, 3, 64, seed=4, channel_scale=layout == "channel scaled")
+    mult, shift = torch.rand(48) + 0.5, torch.randn(48)
+    ops = dispatched(lambda: dequantize_affine(packed, mult, shift))
+    got = dequantize_affine(packed, mult, shift)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(got, dequantize(packed, torch.float32).mul_(mult).sub_(shift))
+    one_op = layout not in ("fp16", "transposed")
+    assert [str(f) for f, _ in ops if "act_hf" in str(f)] == (["act_hf.unpack_dequantize_affine.default"] if one_op
+                                                              else ["act_hf.unpack_dequantize.default"])
+    if layout in ("contiguous", "bf16", "fp64"):  # no channel factors: the reference op alone, in 64-element chunks
+        assert torch.equal(R.unpack_dequantize_affine(packed.payload, packed.lo, packed.scale, 3, 64, x.numel(),
+                                                      mult, shift, chunk=64), got.reshape(-1))
+
+
+def test_dequantize_affine_names_its_arguments():
+    packed = quantize(torch.randn(8, 16), 3)
+    with pytest.raises(ValueError, match=r"mult must be a float32 tensor of shape \(16,\), one value per channel "
+                                         r"of the packed tensor's last dimension, got torch.float32 of shape \(8,\)"):
+        dequantize_affine(packed, torch.ones(8), torch.zeros(16))
+    with pytest.raises(ValueError, match=r"shift must be a float32 tensor .* got torch.float64 of shape \(16,\)"):
+        dequantize_affine(packed, torch.ones(16), torch.zeros(16, dtype=torch.float64))
 
 
 def test_dequantize_refuses_a_non_floating_dtype():
