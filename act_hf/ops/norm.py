@@ -54,8 +54,14 @@ from torch import Tensor
 
 from .._chunks import in_place, row_spans
 from .._constants import reused
-from ..compress import (PackedTensor, dequantize, dequantize_affine, dequantize_items, dequantize_with_factors,
-                        unpack_mask)
+from ..compress import (
+    PackedTensor,
+    dequantize,
+    dequantize_affine,
+    dequantize_items,
+    dequantize_with_factors,
+    unpack_mask,
+)
 from ..context import store
 from ..derived import items_decodable, note_pending
 from ..errors import ActHFValueError
