@@ -40,6 +40,7 @@ at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds
 at::Tensor fewbit_grad_cuda(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values,
                             int64_t bits);
 at::Tensor zero_unmasked_cuda(const at::Tensor& values, const at::Tensor& mask, bool in_place);
+at::Tensor masked_scale_cuda(const at::Tensor& grad, const at::Tensor& mask, double scale);
 }  // namespace act_hf
 
 namespace {
@@ -232,6 +233,18 @@ at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool 
   return act_hf::zero_unmasked_cuda(values, mask, in_place);
 }
 
+at::Tensor masked_scale(const at::Tensor& grad, const at::Tensor& mask, double scale) {
+  CHECK_CUDA(grad);
+  CHECK_CONTIGUOUS(grad);
+  CHECK_CONTIGUOUS(mask);
+  check_same_device(grad, mask, "mask");
+  check_flat_float(grad, "grad");
+  CHECK_DTYPE(mask, at::kByte);
+  check_holds(mask, ceil_div(grad.numel(), 8), "mask", "ceil(grad.numel() / 8)");
+  py::gil_scoped_release no_gil;
+  return act_hf::masked_scale_cuda(grad, mask, scale);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -260,6 +273,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("zero_unmasked", &zero_unmasked,
         "torch.where(mask, values, 0) for a flat tensor and its 1-bit mask, packed; in place or a new tensor",
         py::arg("values"), py::arg("mask"), py::arg("in_place"));
+  m.def("masked_scale", &masked_scale,
+        "native_dropout_backward(grad, mask, scale) of a flat tensor and its 1-bit keep-mask, packed",
+        py::arg("grad"), py::arg("mask"), py::arg("scale"));
   m.def("unpack_bits", &unpack_bits, "Unpack a dense bit stream into uint8 codes", py::arg("payload"), py::arg("bits"),
         py::arg("numel"));
 }

@@ -4,7 +4,8 @@
 //   - grad: grad * values[code], unpacked and looked up in registers, computed as torch.mul computes it (in fp32 for
 //     fp32, fp16 and bf16, in fp64 for fp64) and rounded once to grad's dtype;
 // and a 1-bit mask applied straight from its packed bits (zero_unmasked: torch.where(mask, values, 0), in place or
-// into a new tensor): a ReLU's input gradient, a rectified input rebuilt for a conv's weight gradient.
+// into a new tensor): a ReLU's input gradient, a rectified input rebuilt for a conv's weight gradient; and
+// dropout's input gradient from its packed keep-mask (masked_scale: aten's native_dropout_backward).
 // Comparisons are exact: x and the bounds share a dtype and are widened without rounding. 64-bit element indexing,
 // current stream, no host synchronisation; one thread per octet of eight elements (four for the encode from 4 bits).
 #include <ATen/ATen.h>
@@ -92,6 +93,16 @@ __global__ void __launch_bounds__(kThreads) zero_unmasked_kernel(const T* src, c
   zero_unmasked_octet(src + i, mask[o], static_cast<int>(n - i < 8 ? n - i : 8), vec, dst + i);
 }
 
+template <typename T>
+__global__ void __launch_bounds__(kThreads) masked_scale_kernel(const T* __restrict__ grad,
+                                                                  const uint8_t* __restrict__ mask, int64_t n,
+                                                                  acc_t<T> scale, bool vec, T* __restrict__ out) {
+  const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t i = o * 8;
+  if (i >= n) return;
+  masked_scale_octet(grad + i, mask[o], static_cast<int>(n - i < 8 ? n - i : 8), vec, scale, out + i);
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
@@ -146,6 +157,23 @@ at::Tensor zero_unmasked_cuda(const at::Tensor& values, const at::Tensor& mask, 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "act_hf_zero_unmasked", [&] {
     zero_unmasked_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
         values.data_ptr<scalar_t>(), mask.data_ptr<uint8_t>(), n, vec, out.data_ptr<scalar_t>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor masked_scale_cuda(const at::Tensor& grad, const at::Tensor& mask, double scale) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const int64_t n = grad.numel();
+  auto out = at::empty({n}, grad.options());
+  if (n == 0) return out;
+  const int64_t blocks = ceil_div(ceil_div(n, 8), kThreads);
+  const bool vec = aligned16(grad.data_ptr()) && aligned16(out.data_ptr());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "act_hf_masked_scale", [&] {
+    masked_scale_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+        grad.data_ptr<scalar_t>(), mask.data_ptr<uint8_t>(), n, static_cast<acc_t<scalar_t>>(scale), vec,
+        out.data_ptr<scalar_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

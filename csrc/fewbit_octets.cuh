@@ -98,4 +98,20 @@ ACT_HD void zero_unmasked_octet(const T* src, unsigned bits, int cnt, bool vec, 
   store_octet_values(dst, vals, cnt, vec);
 }
 
+// dst[j] = (bit j of `bits`) * grad[j] * scale for j < cnt, in acc_t<T> and rounded once to T: aten's
+// native_dropout_backward of a mask read packed, bit for bit (its masked_scale_kernel computes
+// (float)mask * grad * scale, left to right), so a dropped element is 0 * grad: -0 for a negative grad, NaN for a
+// non-finite one. `dst` may be `grad`.
+template <typename T>
+ACT_HD void masked_scale_octet(const T* grad, unsigned bits, int cnt, bool vec, acc_t<T> scale, T* dst) {
+  alignas(16) T vals[8];
+  load_octet_values(grad, cnt, vec, vals);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const acc_t<T> kept = static_cast<acc_t<T>>((bits >> j) & 1u);
+    vals[j] = static_cast<T>(kept * static_cast<acc_t<T>>(vals[j]) * scale);
+  }
+  store_octet_values(dst, vals, cnt, vec);
+}
+
 }  // namespace act_hf

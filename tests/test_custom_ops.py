@@ -71,6 +71,11 @@ def test_opcheck_zero_unmasked():
                           test_utils=OPCHECK_TESTS)
 
 
+def test_opcheck_masked_scale():
+    grad, mask = torch.randn(77), torch.randint(0, 256, (10,), dtype=torch.uint8)
+    torch.library.opcheck(torch.ops.act_hf.masked_scale.default, (grad, mask, 1.25), test_utils=OPCHECK_TESTS)
+
+
 def test_compile_fullgraph_sees_the_ops():
     from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -1,6 +1,6 @@
 """Tensor -> packed context -> tensor: per-group stochastic quantization and bit packing."""
 
-from .bits import pack_bits, unpack_bits, unpack_mask, zero_unmasked
+from .bits import masked_scale, pack_bits, unpack_bits, unpack_mask, zero_unmasked
 from .packed import PackedSpec, PackedTensor
 from .quantizer import (
     CHANNEL_SCALE_MIN_ROWS,
@@ -30,6 +30,7 @@ __all__ = [
     "dequantize_items",
     "dequantize_with_factors",
     "manual_seed",
+    "masked_scale",
     "pack_bits",
     "quantize",
     "quantize_by_rows",

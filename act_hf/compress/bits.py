@@ -10,7 +10,7 @@ from ..errors import ActHFValueError
 from ..ops import _library
 from .quantizer import check_bits
 
-__all__ = ["pack_bits", "unpack_bits", "unpack_mask", "zero_unmasked"]
+__all__ = ["masked_scale", "pack_bits", "unpack_bits", "unpack_mask", "zero_unmasked"]
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -56,3 +56,14 @@ def zero_unmasked(values: torch.Tensor, mask: torch.Tensor, *, in_place: bool = 
         _library.run(_library.zero_unmasked_inplace, values.view(-1), mask)
         return values
     return _library.run(_library.zero_unmasked, values.view(-1), mask).view(values.shape)
+
+
+def masked_scale(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``aten.native_dropout_backward(grad, unpack_mask(mask, grad.shape), scale)``, bit for bit: dropout's input
+    gradient from its keep-mask packed at 1 bit in ``grad``'s logical order. For a contiguous ``grad`` one
+    ``act_hf::masked_scale``: on the GPU the mask is read packed, never unpacked into memory."""
+    if mask.dtype != torch.uint8:
+        raise ActHFValueError(f"mask must be a uint8 tensor, got dtype {mask.dtype}")
+    if not grad.is_contiguous():
+        return torch.ops.aten.native_dropout_backward(grad, unpack_mask(mask, grad.shape), scale)
+    return _library.run(_library.masked_scale, grad.view(-1), mask, scale).view(grad.shape)

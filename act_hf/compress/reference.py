@@ -52,6 +52,7 @@ __all__ = [
     "fewbit_grad",
     "fewbit_grad_chunked",
     "lo_dtype_for",
+    "masked_scale",
     "metadata_to_float",
     "pack_bits",
     "pack_bits_chunked",
@@ -448,6 +449,13 @@ def zero_unmasked(values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | 
     keep = unpack_bits(mask, 1, values.numel()).view(torch.bool)
     zero = values.new_zeros(())
     return torch.where(keep, values, zero) if out is None else torch.where(keep, values, zero, out=out)
+
+
+def masked_scale(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``aten.native_dropout_backward(grad, keep, scale)`` for a flat ``grad`` and its 1-bit ``keep`` packed in
+    ``mask``: dropout's input gradient, the kept elements ``grad * scale``, the dropped ``0 * grad``."""
+    keep = unpack_bits(mask, 1, grad.numel()).view(torch.bool)
+    return torch.ops.aten.native_dropout_backward(grad, keep, scale)
 
 
 def zero_unmasked_chunked(values: torch.Tensor, mask: torch.Tensor, *, in_place: bool = False,

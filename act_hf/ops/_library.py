@@ -21,9 +21,9 @@ from .. import _ext
 from ..compress import reference
 from ..errors import ActHFWarning
 
-__all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "pack_bits", "quantize_pack", "quantize_pack_scaled",
-           "run", "unpack_bits", "unpack_dequantize", "unpack_dequantize_affine", "zero_unmasked",
-           "zero_unmasked_inplace"]
+__all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "masked_scale", "pack_bits", "quantize_pack",
+           "quantize_pack_scaled", "run", "unpack_bits", "unpack_dequantize", "unpack_dequantize_affine",
+           "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -298,6 +298,26 @@ def _(values: Tensor, mask: Tensor) -> None:
     return None
 
 
+def _masked_scale(grad: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """``aten.native_dropout_backward`` of a flat ``grad`` and its packed 1-bit keep-mask (the reference's
+    ``masked_scale``)."""
+    return reference.masked_scale(grad, mask, scale)
+
+
+def _masked_scale_cuda(grad: Tensor, mask: Tensor, scale: float) -> Tensor:
+    module = _cuda_ext()
+    return (_masked_scale if module is None else module.masked_scale)(grad, mask, scale)
+
+
+masked_scale = torch.library.custom_op("act_hf::masked_scale", _masked_scale, mutates_args=())
+masked_scale.register_kernel("cuda", _masked_scale_cuda)
+
+
+@masked_scale.register_fake
+def _(grad: Tensor, mask: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(grad)
+
+
 #: each op's implementations by device type, for :func:`run`
 _IMPLEMENTATIONS = {
     quantize_pack: {"cpu": _quantize_pack, "cuda": _quantize_pack_cuda},
@@ -311,6 +331,7 @@ _IMPLEMENTATIONS = {
     fewbit_grad: {"cpu": _fewbit_grad, "cuda": _fewbit_grad_cuda},
     zero_unmasked: {"cpu": _zero_unmasked, "cuda": _zero_unmasked_cuda},
     zero_unmasked_inplace: {"cpu": _zero_unmasked_inplace, "cuda": _zero_unmasked_inplace_cuda},
+    masked_scale: {"cpu": _masked_scale, "cuda": _masked_scale_cuda},
 }
 
 

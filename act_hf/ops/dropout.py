@@ -9,7 +9,8 @@ model's training forward equals the unpatched one's for the same seed. ``at::dro
 
 * **fused** (``F.dropout`` on CUDA/XPU/lazy/privateuse1 tensors with ``0 < p < 1``, not in place):
   ``aten.native_dropout(x, p, True)`` returns ``(out, mask)``; its backward is
-  ``aten.native_dropout_backward(grad, mask, 1 / (1 - p))``. act_hf calls exactly these two ops.
+  ``aten.native_dropout_backward(grad, mask, 1 / (1 - p))``. act_hf calls exactly these two ops (the second as
+  ``act_hf::masked_scale``, which reads the mask packed, bit for bit the same).
 * **composite** (CPU, and in-place dropout everywhere): ``noise = empty_like(x).bernoulli_(1 - p)``,
   ``noise.div_(1 - p)``, ``out = x * noise`` (``x.mul_(noise)`` in place); the gradient is
   ``grad * noise``. act_hf runs the same four ops, keeps ``noise != 0`` packed, and rebuilds ``noise`` in
@@ -31,7 +32,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .._constants import zero_scalar
-from ..compress import unpack_mask
+from ..compress import masked_scale, unpack_mask
 from ..errors import ActHFValueError
 from ._saving import OpSettings
 from .activation import _inplace_would_fail, _pack_codes
@@ -84,11 +85,11 @@ class ActDropoutFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         (payload,) = ctx.saved_tensors
-        mask = unpack_mask(payload, ctx.shape)
         p = ctx.p
-        if ctx.fused:
-            grad = torch.ops.aten.native_dropout_backward(grad_out, mask, 1.0 / (1.0 - p))
+        if ctx.fused:  # native_dropout_backward with the mask read packed
+            grad = masked_scale(grad_out, payload, 1.0 / (1.0 - p))
         else:
+            mask = unpack_mask(payload, ctx.shape)
             kept = torch.ones((), dtype=grad_out.dtype, device=grad_out.device).div_(1 - p)
             grad = grad_out * torch.where(mask, kept, zero_scalar(kept))
         return grad, None, None, None

@@ -172,6 +172,19 @@ at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool 
   });
   return out;
 }
+
+at::Tensor masked_scale(const at::Tensor& grad, const at::Tensor& mask, double scale, bool allow_vec) {
+  const int64_t n = grad.numel();
+  auto out = at::empty({n}, grad.options());
+  const bool vec = allow_vec && aligned16(grad.data_ptr()) && aligned16(out.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "masked_scale", [&] {
+    for (int64_t i = 0; i < n; i += 8) {
+      act_hf::masked_scale_octet(grad.data_ptr<scalar_t>() + i, mask.data_ptr<uint8_t>()[i / 8], octet_count(n, i),
+                                 vec, static_cast<act_hf::acc_t<scalar_t>>(scale), out.data_ptr<scalar_t>() + i);
+    }
+  });
+  return out;
+}
 """
 
 LENGTHS = [1, 7, 8, 9, 255, 1000, 4099]
@@ -194,7 +207,8 @@ def octets():
     build = Path(os.environ.get("ACT_HF_CACHE", Path.home() / ".cache" / "act_hf")) / "octets_cpu" / name
     build.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load_inline(name=name, cpp_sources=HARNESS,
-                                     functions=["encode", "grad", "quantize", "channel_shifts", "zero_unmasked"],
+                                     functions=["encode", "grad", "quantize", "channel_shifts", "zero_unmasked",
+                                                "masked_scale"],
                                      extra_include_paths=[str(_ext.CSRC_DIR), str(Path(cuda_home) / "include")],
                                      extra_cflags=["-O1", "-ffp-contract=off"], build_directory=str(build))
 
@@ -258,6 +272,28 @@ def test_zero_unmasked_octets_give_the_reference(octets, dtype):
                 inplace = v.clone()
                 octets.zero_unmasked(inplace, mask, True, allow_vec)
                 assert torch.equal(inplace.view(torch.uint8), want), f"in place differs (n={n}, vec={allow_vec})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_scale_octets_give_aten_dropout_backward(octets, dtype):
+    """Dropout's input gradient from the packed keep-mask is ``native_dropout_backward``'s, bit for bit: the kept
+    elements times the scale rounded once, the dropped ``0 * grad`` (-0, NaN for inf and NaN), with and without
+    16-byte accesses. NaNs compare by place (their payloads are the converting code's: aten's vectorized bf16
+    rounding keeps all mantissa bits, c10's scalar one gives the quiet NaN)."""
+    gen = torch.Generator().manual_seed(8)
+    for n in LENGTHS:
+        grad = torch.randn(n + 3, generator=gen, dtype=torch.float64).to(dtype)
+        grad[:min(n, 3)] = torch.tensor([math.nan, math.inf, -1.0], dtype=dtype)[:min(n, 3)]
+        keep = torch.rand(n + 3, generator=gen) < 0.5
+        for start, g in _views(grad, n):
+            mask = R.pack_bits(keep[start:start + n].to(torch.uint8), 1)
+            for p in (0.1, 0.3):
+                want = torch.ops.aten.native_dropout_backward(g, keep[start:start + n], 1 / (1 - p))
+                found = [R.masked_scale(g, mask, 1 / (1 - p))]
+                found += [octets.masked_scale(g, mask, 1 / (1 - p), allow_vec) for allow_vec in (True, False)]
+                for got in found:
+                    assert torch.equal(got.isnan(), want.isnan()), f"n={n}"
+                    assert torch.equal(got.nan_to_num().view(torch.uint8), want.nan_to_num().view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -108,6 +108,23 @@ def test_unpack_dequantize_affine_matches_reference(ext, bits, group_size, chann
         assert out.dtype == torch.float32 and torch.equal(out, ref), f"rows={rows}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_masked_scale_matches_native_dropout_backward(ext, dtype):
+    """Dropout's input gradient from the packed keep-mask: ``native_dropout_backward``'s bits on the GPU (the
+    dropped elements ``0 * grad``: -0, NaN for inf and NaN), aligned or not."""
+    for n in SHAPES:
+        grad = (torch.randn(n + 1, device="cuda") * 3).to(dtype)
+        grad[:2] = torch.tensor([math.nan, math.inf], dtype=dtype)
+        keep = torch.rand(n + 1, device="cuda") < 0.7
+        for start in (0, 1):
+            g, k = grad[start:start + n], keep[start:start + n]
+            mask = R.pack_bits(k.to(torch.uint8), 1)
+            out = ext.masked_scale(g, mask, 1 / 0.7)
+            want = torch.ops.aten.native_dropout_backward(g, k, 1 / 0.7)
+            assert torch.equal(out.isnan(), want.isnan()), f"n={n}"
+            assert torch.equal(out.nan_to_num().view(torch.uint8), want.nan_to_num().view(torch.uint8)), f"n={n}"
+
+
 def test_unaligned_input_view(ext):
     base = torch.randn(10_000, device="cuda", dtype=torch.bfloat16)
     x = base[3:]  # storage offset breaks 16-byte alignment
@@ -246,7 +263,8 @@ def test_kernel_errors_name_arguments(ext):
                  (ext.fewbit_grad, (x, payload[:2], torch.zeros(4, device="cuda"), 2)),
                  (ext.zero_unmasked, (x, payload[:1], False)),
                  (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds, bounds[:2])),
-                 (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds, bounds))]
+                 (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds, bounds)),
+                 (ext.masked_scale, (x, payload[:1], 1.25))]
         for fn, args in calls:
             try:
                 fn(*args)
@@ -270,6 +288,7 @@ def test_kernel_errors_name_arguments(ext):
     assert "mask holds 1 bytes, fewer than ceil(values.numel() / 8) = 2" in lines[7]
     assert "mult and shift must be flat, one value a channel (at least one), got shapes (3) and (2)" in lines[8]
     assert "numel must be a whole number of rows of 3 channels, got 10" in lines[9]
+    assert "mask holds 1 bytes, fewer than ceil(grad.numel() / 8) = 2" in lines[10]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

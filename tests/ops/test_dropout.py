@@ -175,7 +175,7 @@ def test_bad_p(p):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_matches_native_dropout(dtype):
     x = torch.randn(33, 1025, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
