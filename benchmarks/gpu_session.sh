@@ -6,8 +6,8 @@
 #                                               # ACT_HF_GPU_BUDGET_S): what the eighth run left open
 #                                               # (gpu_one_call.sh): the kernel tests, kernel throughput, the
 #                                               # quantize kernel under Nsight Compute where `ncu` is there,
-#                                               # bert-large at equal batch 256 and under the profiler, gpt2 and
-#                                               # convnext-tiny at batch 32
+#                                               # bert-large at equal batch 256 and under the profiler, swin-tiny
+#                                               # and resnet50 at equal batch 256
 #   bash benchmarks/gpu_session.sh build-test   # compile the extension, the cuda-marked tests, kernel throughput
 #   bash benchmarks/gpu_session.sh memory       # saved-memory table on the GPU (all models, adaptive 2.5 included)
 #   bash benchmarks/gpu_session.sh targets      # bert-large, swin-tiny, resnet50: speed, peak, largest batch < 16 GiB
