@@ -3,11 +3,10 @@
 # Run from the repository root on the GPU machine (no pip there: the tree runs from PYTHONPATH=.):
 #
 #   bash benchmarks/gpu_session.sh all          # one call of at most ~9.5 minutes for a short lease (budget
-#                                               # ACT_HF_GPU_BUDGET_S): what the eighth run left open
-#                                               # (gpu_one_call.sh): the kernel tests, kernel throughput, the
-#                                               # quantize kernel under Nsight Compute where `ncu` is there,
-#                                               # bert-large at equal batch 256 and under the profiler, swin-tiny
-#                                               # and resnet50 at equal batch 256
+#                                               # ACT_HF_GPU_BUDGET_S): what the ninth run left open
+#                                               # (gpu_one_call.sh): the kernel tests, the host probe, swin-tiny
+#                                               # at batch 256 and its largest batches under 16 GiB with larger
+#                                               # attention chunks, bert-large at 256, gpt2 and convnext-tiny at 32
 #   bash benchmarks/gpu_session.sh build-test   # compile the extension, the cuda-marked tests, kernel throughput
 #   bash benchmarks/gpu_session.sh memory       # saved-memory table on the GPU (all models, adaptive 2.5 included)
 #   bash benchmarks/gpu_session.sh targets      # bert-large, swin-tiny, resnet50: speed, peak, largest batch < 16 GiB
