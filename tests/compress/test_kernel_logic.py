@@ -255,23 +255,29 @@ def test_encode_octets_with_fewer_bounds_than_codes(octets, bits):
         assert torch.equal(octets.encode(x, bounds, bits, allow_vec), R.fewbit_encode_pack(x, bounds, bits))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_zero_unmasked_octets_give_the_reference(octets, dtype):
-    """``where(mask, values, 0)`` from the packed mask, bit for bit (dropped NaN and inf become +0), into a new
-    tensor and in place, with and without 16-byte accesses."""
-    gen = torch.Generator().manual_seed(7)
+def _masked_cases(dtype: torch.dtype, seed: int):
+    """``(n, values, keep, mask)`` for each of ``LENGTHS``, aligned and not (:func:`_views`): values with NaN, inf
+    and -1 first, a random keep-mask and it packed at 1 bit."""
+    gen = torch.Generator().manual_seed(seed)
     for n in LENGTHS:
         values = torch.randn(n + 3, generator=gen, dtype=torch.float64).to(dtype)
         values[:min(n, 3)] = torch.tensor([math.nan, math.inf, -1.0], dtype=dtype)[:min(n, 3)]
         keep = torch.rand(n + 3, generator=gen) < 0.5
         for start, v in _views(values, n):
-            mask = R.pack_bits(keep[start:start + n].to(torch.uint8), 1)
-            want = R.zero_unmasked(v, mask).view(torch.uint8)
-            for allow_vec in (True, False):
-                assert torch.equal(octets.zero_unmasked(v, mask, False, allow_vec).view(torch.uint8), want)
-                inplace = v.clone()
-                octets.zero_unmasked(inplace, mask, True, allow_vec)
-                assert torch.equal(inplace.view(torch.uint8), want), f"in place differs (n={n}, vec={allow_vec})"
+            yield n, v, keep[start:start + n], R.pack_bits(keep[start:start + n].to(torch.uint8), 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_unmasked_octets_give_the_reference(octets, dtype):
+    """``where(mask, values, 0)`` from the packed mask, bit for bit (dropped NaN and inf become +0), into a new
+    tensor and in place, with and without 16-byte accesses."""
+    for n, v, _, mask in _masked_cases(dtype, 7):
+        want = R.zero_unmasked(v, mask).view(torch.uint8)
+        for allow_vec in (True, False):
+            assert torch.equal(octets.zero_unmasked(v, mask, False, allow_vec).view(torch.uint8), want)
+            inplace = v.clone()
+            octets.zero_unmasked(inplace, mask, True, allow_vec)
+            assert torch.equal(inplace.view(torch.uint8), want), f"in place differs (n={n}, vec={allow_vec})"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -280,20 +286,14 @@ def test_masked_scale_octets_give_aten_dropout_backward(octets, dtype):
     elements times the scale rounded once, the dropped ``0 * grad`` (-0, NaN for inf and NaN), with and without
     16-byte accesses. NaNs compare by place (their payloads are the converting code's: aten's vectorized bf16
     rounding keeps all mantissa bits, c10's scalar one gives the quiet NaN)."""
-    gen = torch.Generator().manual_seed(8)
-    for n in LENGTHS:
-        grad = torch.randn(n + 3, generator=gen, dtype=torch.float64).to(dtype)
-        grad[:min(n, 3)] = torch.tensor([math.nan, math.inf, -1.0], dtype=dtype)[:min(n, 3)]
-        keep = torch.rand(n + 3, generator=gen) < 0.5
-        for start, g in _views(grad, n):
-            mask = R.pack_bits(keep[start:start + n].to(torch.uint8), 1)
-            for p in (0.1, 0.3):
-                want = torch.ops.aten.native_dropout_backward(g, keep[start:start + n], 1 / (1 - p))
-                found = [R.masked_scale(g, mask, 1 / (1 - p))]
-                found += [octets.masked_scale(g, mask, 1 / (1 - p), allow_vec) for allow_vec in (True, False)]
-                for got in found:
-                    assert torch.equal(got.isnan(), want.isnan()), f"n={n}"
-                    assert torch.equal(got.nan_to_num().view(torch.uint8), want.nan_to_num().view(torch.uint8))
+    for n, g, keep, mask in _masked_cases(dtype, 8):
+        for p in (0.1, 0.3):
+            want = torch.ops.aten.native_dropout_backward(g, keep, 1 / (1 - p))
+            found = [R.masked_scale(g, mask, 1 / (1 - p))]
+            found += [octets.masked_scale(g, mask, 1 / (1 - p), allow_vec) for allow_vec in (True, False)]
+            for got in found:
+                assert torch.equal(got.isnan(), want.isnan()), f"n={n}"
+                assert torch.equal(got.nan_to_num().view(torch.uint8), want.nan_to_num().view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
