@@ -2,7 +2,10 @@
 
 For bf16 tensors of 64 MiB to 1 GiB at 1, 2, 3, 4 and 8 bits, measures each direction's effective bandwidth
 (bytes read + bytes written per second) and compares it with ``copy_`` of the same tensor, measured in the
-same run; up to 4 bits also Few-Bit Backward's encode (an activation's input read, its codes written).
+same run; up to 4 bits also Few-Bit Backward's encode (an activation's input read, its codes written); the decode
+into fp32 with LayerNorm's per-channel map (``unpack_dequantize_affine``, rows of 1024 channels); and, in the
+1-bit rows, dropout's gradient from its packed keep-mask (``masked_scale``: the gradient and the mask read, the
+input gradient written).
 Target: each direction >= 70% of copy bandwidth. Writes JSON and a markdown table under ``benchmarks/results/``.
 
     python benchmarks/benchmark_quantize.py [--sizes-mib 64 256 1024] [--bits 1 2 3 4 8] [--out DIR]
@@ -73,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
             q_ms = _time_ms(lambda: ext.quantize_pack(x, bits, args.group_size, 1), args.repeat)
             d_ms = _time_ms(lambda: ext.unpack_dequantize(*packed, bits, args.group_size, n, x.dtype), args.repeat)
             moved = x.nbytes + packed_bytes  # bytes read + written, both directions
-            timed = [("quantize_pack", q_ms, moved), ("unpack_dequantize", d_ms, moved)]
+            mult, shift = torch.rand(1024, device="cuda") + 0.5, torch.randn(1024, device="cuda")
+            a_ms = _time_ms(lambda p=packed, k=bits, count=n, m=mult, s=shift: ext.unpack_dequantize_affine(
+                *p, k, args.group_size, count, m, s), args.repeat)
+            timed = [("quantize_pack", q_ms, moved), ("unpack_dequantize", d_ms, moved),
+                     ("unpack_dequantize_affine", a_ms, packed_bytes + 4 * n)]
+            if bits == 1:  # dropout's gradient: x stands for the gradient, the codes for its keep-mask
+                m_ms = _time_ms(lambda g=x, mask=packed[0]: ext.masked_scale(g, mask, 1.25), args.repeat)
+                timed.append(("masked_scale", m_ms, 2 * x.nbytes + packed[0].nbytes))
             if bits <= 4:  # Few-Bit Backward's codes: x read, its codes at `bits` written
                 bounds = torch.linspace(-2, 2, (1 << bits) - 1, device="cuda", dtype=x.dtype)
                 e_ms = _time_ms(lambda x=x, b=bounds, k=bits: ext.fewbit_encode_pack(x, b, k), args.repeat)
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 gbs = nbytes / (times[len(times) // 2] * 1e-3) / 1e9
                 rows.append({"op": direction, "size_mib": mib, "bits": bits, "ms": _quantiles(times),
                              "gb_per_s": gbs, "copy_gb_per_s": copy_gbs, "fraction_of_copy": gbs / copy_gbs})
-                print(f"{direction:18s} {mib:5d} MiB {bits} bit: {gbs:7.1f} GB/s = {gbs / copy_gbs:.2f} x copy")
+                print(f"{direction:24s} {mib:5d} MiB {bits} bit: {gbs:7.1f} GB/s = {gbs / copy_gbs:.2f} x copy")
         del x, dst
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +115,8 @@ def plot(rows: list[dict], path: Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    styles = (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^"))
+    styles = (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^"),
+              ("unpack_dequantize_affine", "-.d"), ("masked_scale", "x"))
     for op, style in styles:
         for mib in sorted({r["size_mib"] for r in rows}):
             points = sorted((r["bits"], r["fraction_of_copy"]) for r in rows if r["op"] == op and r["size_mib"] == mib)

@@ -4,7 +4,8 @@
 # little. Called by `gpu_session.sh all`; results under $1 (the files a device call returns are few: the tables and
 # logs are bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
-# Order, after the ninth run (H200, 847dd5a; README "Ninth GPU run"): the build and the kernel tests; the host
+# Order, after the ninth run (H200, 847dd5a; README "Ninth GPU run"): the build and the kernel tests; the kernels'
+# throughput, the one-pass LayerNorm decode and dropout's masked gradient among them (only ad hoc so far); the host
 # probe (tiny BERT, `--device cuda`), which says how fast this lease's host is (the ninth's was slower than the
 # seventh's); swin-tiny at equal batch 256 with the attention recomputed in chunks of 2^24 elements (0.352x with 2^22,
 # host-bound); swin-tiny's largest batch under 16 GiB at 2 and 3 bits with those larger chunks (7.00x and 5.85x
@@ -32,6 +33,12 @@ part "the kernel tests"
 timeout "$(cap 60)" "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py -p no:cacheprovider -rfEs \
   >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
+
+part "kernel throughput against a copy (quantize, decodes, few-bit encode, dropout's masked gradient)"
+mkdir -p "$W/quant"
+timeout "$(cap 40)" "$PY" benchmarks/benchmark_quantize.py --sizes-mib 256 --bits 1 2 3 4 --out "$W/quant" \
+  >"$W/quant.log" 2>&1
+echo "quantize exit $?"; cat "$W/quant/quantize_throughput.md" 2>/dev/null; bundle
 
 part "the host probe: tiny BERT's step on this lease's host"
 mkdir -p "$W/host"
@@ -64,5 +71,6 @@ echo "models exit $?"; cat "$W/models/gpu_training.md" 2>/dev/null; bundle
 
 for name in swin256 swincap large256 models; do cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null; done
 cp "$W/host/host_overhead.md" "$OUT/host.md" 2>/dev/null
+cp "$W/quant/quantize_throughput.md" "$OUT/quant.md" 2>/dev/null
 cp "$W/tests.log" "$OUT/" 2>/dev/null
 part done
