@@ -221,26 +221,26 @@ at::Tensor fewbit_grad(const at::Tensor& grad, const at::Tensor& payload, const 
   return act_hf::fewbit_grad_cuda(grad, payload, values, bits);
 }
 
-at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool in_place) {
-  CHECK_CUDA(values);
-  CHECK_CONTIGUOUS(values);
+// A contiguous flat float CUDA tensor `t` (named `name`) and `mask`, its 1-bit mask packed (uint8, one bit an
+// element of `t`; `formula` names that count of bytes), on the same device.
+void check_masked(const at::Tensor& t, const at::Tensor& mask, const char* name, const char* formula) {
+  TORCH_CHECK(t.is_cuda(), std::string(name) + " must be a CUDA tensor, got one on " + t.device().str());
+  TORCH_CHECK(t.is_contiguous(), std::string(name) + " must be contiguous");
   CHECK_CONTIGUOUS(mask);
-  check_same_device(values, mask, "mask");
-  check_flat_float(values, "values");
+  check_same_device(t, mask, "mask");
+  check_flat_float(t, name);
   CHECK_DTYPE(mask, at::kByte);
-  check_holds(mask, ceil_div(values.numel(), 8), "mask", "ceil(values.numel() / 8)");
+  check_holds(mask, ceil_div(t.numel(), 8), "mask", formula);
+}
+
+at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool in_place) {
+  check_masked(values, mask, "values", "ceil(values.numel() / 8)");
   py::gil_scoped_release no_gil;
   return act_hf::zero_unmasked_cuda(values, mask, in_place);
 }
 
 at::Tensor masked_scale(const at::Tensor& grad, const at::Tensor& mask, double scale) {
-  CHECK_CUDA(grad);
-  CHECK_CONTIGUOUS(grad);
-  CHECK_CONTIGUOUS(mask);
-  check_same_device(grad, mask, "mask");
-  check_flat_float(grad, "grad");
-  CHECK_DTYPE(mask, at::kByte);
-  check_holds(mask, ceil_div(grad.numel(), 8), "mask", "ceil(grad.numel() / 8)");
+  check_masked(grad, mask, "grad", "ceil(grad.numel() / 8)");
   py::gil_scoped_release no_gil;
   return act_hf::masked_scale_cuda(grad, mask, scale);
 }
