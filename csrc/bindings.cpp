@@ -34,6 +34,10 @@ at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& l
 at::Tensor unpack_dequantize_affine_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                          int64_t bits, int64_t group_size, int64_t numel, const at::Tensor& mult,
                                          const at::Tensor& shift);
+void unpack_dequantize_into_cuda(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo,
+                                 const at::Tensor& scale, int64_t bits, int64_t group_size, int64_t start,
+                                 const at::Tensor& weight, const at::Tensor& bias, int64_t inner,
+                                 const c10::optional<at::Tensor>& mask, bool accumulate);
 at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits);
 at::Tensor unpack_bits_cuda(const at::Tensor& payload, int64_t bits, int64_t numel);
 at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits);
@@ -147,23 +151,61 @@ at::Tensor unpack_dequantize(const at::Tensor& payload, const at::Tensor& lo, co
   return act_hf::unpack_dequantize_cuda(payload, lo, scale, bits, group_size, numel, dtype);
 }
 
+// A decode's per-channel factors `a` and `b` (named so in the messages): flat, contiguous fp32 tensors of one value a
+// channel, beside the payload.
+void check_channel_factors(const at::Tensor& payload, const at::Tensor& a, const at::Tensor& b, const char* a_name,
+                           const char* b_name) {
+  const at::Tensor* tensors[] = {&a, &b};
+  const char* names[] = {a_name, b_name};
+  for (int i = 0; i < 2; ++i) {
+    TORCH_CHECK(tensors[i]->scalar_type() == at::kFloat, std::string(names[i]) + " must have dtype Float, got " +
+                                                             c10::toString(tensors[i]->scalar_type()));
+    check_same_device(payload, *tensors[i], names[i]);
+    TORCH_CHECK(tensors[i]->is_contiguous(), std::string(names[i]) + " must be contiguous");
+  }
+  TORCH_CHECK(a.dim() == 1 && a.numel() > 0 && a.sizes() == b.sizes(),
+              std::string(a_name) + " and " + b_name + " must be flat, one value a channel (at least one), got shapes " +
+                  act_hf::shape_str(a.sizes()) + " and " + act_hf::shape_str(b.sizes()));
+}
+
 at::Tensor unpack_dequantize_affine(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                     int64_t bits, int64_t group_size, int64_t numel, const at::Tensor& mult,
                                     const at::Tensor& shift) {
   check_packed(payload, lo, scale, bits, group_size, numel);
-  CHECK_DTYPE(mult, at::kFloat);
-  CHECK_DTYPE(shift, at::kFloat);
-  check_same_device(payload, mult, "mult");
-  check_same_device(payload, shift, "shift");
-  TORCH_CHECK(mult.dim() == 1 && mult.numel() > 0 && mult.sizes() == shift.sizes(),
-              "mult and shift must be flat, one value a channel (at least one), got shapes " +
-                  act_hf::shape_str(mult.sizes()) + " and " + act_hf::shape_str(shift.sizes()));
-  CHECK_CONTIGUOUS(mult);
-  CHECK_CONTIGUOUS(shift);
+  check_channel_factors(payload, mult, shift, "mult", "shift");
   TORCH_CHECK(numel % mult.numel() == 0, "numel must be a whole number of rows of " + std::to_string(mult.numel()) +
                                              " channels, got " + std::to_string(numel));
   py::gil_scoped_release no_gil;
   return act_hf::unpack_dequantize_affine_cuda(payload, lo, scale, bits, group_size, numel, mult, shift);
+}
+
+void unpack_dequantize_into(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo,
+                            const at::Tensor& scale, int64_t bits, int64_t group_size, int64_t numel, int64_t start,
+                            const at::Tensor& weight, const at::Tensor& bias, int64_t inner,
+                            const c10::optional<at::Tensor>& mask, bool accumulate) {
+  check_packed(payload, lo, scale, bits, group_size, numel);
+  check_channel_factors(payload, weight, bias, "weight", "bias");
+  CHECK_CUDA(out);
+  CHECK_CONTIGUOUS(out);
+  check_same_device(payload, out, "out");
+  TORCH_CHECK(is_float_type(out.scalar_type()),
+              std::string("out must be float32, float16, bfloat16 or float64, got ") + c10::toString(out.scalar_type()));
+  TORCH_CHECK(inner > 0, "inner must be positive, got " + std::to_string(inner));
+  TORCH_CHECK(start >= 0 && start % 8 == 0 && start + out.numel() <= numel,
+              "start must be a multiple of 8 from 0 with start + out.numel() <= numel (" + std::to_string(numel) +
+                  "), got start " + std::to_string(start) + " and " + std::to_string(out.numel()) + " elements");
+  TORCH_CHECK(out.numel() % (inner * weight.numel()) == 0,
+              "out must hold whole rows of inner * len(weight) = " + std::to_string(inner * weight.numel()) +
+                  " elements, got " + std::to_string(out.numel()));
+  if (mask.has_value()) {
+    CHECK_CONTIGUOUS(*mask);
+    check_same_device(out, *mask, "mask");
+    CHECK_DTYPE(*mask, at::kByte);
+    check_holds(*mask, ceil_div(out.numel(), 8), "mask", "ceil(out.numel() / 8)");
+  }
+  py::gil_scoped_release no_gil;
+  act_hf::unpack_dequantize_into_cuda(out, payload, lo, scale, bits, group_size, start, weight, bias, inner, mask,
+                                      accumulate);
 }
 
 at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
@@ -264,6 +306,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "unpack_dequantize to float32 of a row-major tensor of len(mult) channels, each value v then v * mult[c] - "
         "shift[c] for its channel c", py::arg("payload"), py::arg("lo"), py::arg("scale"), py::arg("bits"),
         py::arg("group_size"), py::arg("numel"), py::arg("mult"), py::arg("shift"));
+  m.def("unpack_dequantize_into", &unpack_dequantize_into,
+        "Elements start.. of a packed tensor decoded into out, each v of channel c = (k / inner) % len(weight) "
+        "mapped to v * weight[c] + bias[c], added to out's values with accumulate, zeroed where mask's bit is 0",
+        py::arg("out"), py::arg("payload"), py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"),
+        py::arg("numel"), py::arg("start"), py::arg("weight"), py::arg("bias"), py::arg("inner"), py::arg("mask"),
+        py::arg("accumulate"));
   m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"));
   m.def("fewbit_encode_pack", &fewbit_encode_pack,
         "Few-bit codes #{k : bounds[k] <= x} (NaN: all of them) of a flat tensor, packed at bits each",

@@ -247,6 +247,62 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   store_octet_values(out + i, vals, cnt, true);  // `out` is a new tensor: aligned
 }
 
+// The per-channel map of unpack_dequantize_into: element k of the output belongs to channel (k / inner) % channels
+// (dim 1 of a row-major (batch, channels, inner...) tensor) and becomes v * weight[c] + bias[c].
+struct ChannelMap {
+  const float* weight;
+  const float* bias;
+  int64_t channels;
+  int64_t inner;
+};
+
+// One thread per octet of `out`: elements start + k of the packed tensor (start a multiple of 8, so an octet of out
+// is an octet of the payload, inside one group) decoded, mapped by their channel, with Accumulate added to what out
+// holds, with Masked zeroed where their bit of `mask` (bit k for out's element k) is 0, and rounded once into T.
+template <typename T, int B, bool Accumulate, bool Masked>
+__global__ void __launch_bounds__(kThreads) unpack_dequantize_into_kernel(
+    const uint8_t* __restrict__ payload, const uint16_t* __restrict__ lo_in, const uint16_t* __restrict__ scale_in,
+    int64_t n, int64_t start, int64_t group_size, int group_shift, ChannelMap map, const uint8_t* __restrict__ mask,
+    bool vec, T* __restrict__ out) {
+  constexpr uint64_t kMask = (1u << B) - 1;
+  const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t k = o * 8;
+  if (k >= n) return;
+  const int cnt = static_cast<int>(n - k < 8 ? n - k : 8);
+  const int64_t e = start + k;
+  const uint64_t word = load_octet<B>(payload + (e / 8) * B, (cnt * B + 7) / 8);
+  const int64_t g = group_shift >= 0 ? e >> group_shift : e / group_size;  // a 64-bit division is a long routine
+  const float lo = ZeroPoint<T>::decode(lo_in[g]);
+  const float scale = bf16_bits_to_float(scale_in[g]);
+  int64_t row, r;  // k / inner and k % inner, in 32 bits where they fit
+  if (k <= UINT32_MAX && map.inner <= UINT32_MAX) {
+    row = static_cast<uint32_t>(k) / static_cast<uint32_t>(map.inner);
+    r = static_cast<uint32_t>(k) - static_cast<uint32_t>(row) * static_cast<uint32_t>(map.inner);
+  } else {
+    row = k / map.inner;
+    r = k - row * map.inner;
+  }
+  int64_t c = row <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) % static_cast<uint32_t>(map.channels))
+                                : row % map.channels;
+  alignas(16) T old[8];
+  if constexpr (Accumulate) load_octet_values(out + k, cnt, vec, old);
+  const unsigned keep = Masked ? mask[k / 8] : 0xFFu;
+  alignas(16) T vals[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {  // past cnt too: c stays a channel, and those values are not stored
+    const float code = static_cast<float>((word >> (j * B)) & kMask);
+    float v = __fadd_rn(__fmul_rn(__fadd_rn(lo, __fmul_rn(code, scale)), map.weight[c]), map.bias[c]);
+    if constexpr (Accumulate) v = __fadd_rn(to_float(old[j]), v);
+    if constexpr (Masked) v = (keep >> j) & 1u ? v : 0.f;
+    vals[j] = from_float<T>(v);
+    if (++r == map.inner) {
+      r = 0;
+      if (++c == map.channels) c = 0;
+    }
+  }
+  store_octet_values(out + k, vals, cnt, vec);
+}
+
 template <int B>
 __global__ void __launch_bounds__(kThreads) pack_bits_kernel(const uint8_t* __restrict__ codes, int64_t n,
                                                                uint8_t* __restrict__ payload) {
@@ -383,6 +439,40 @@ at::Tensor unpack_dequantize_affine_cuda(const at::Tensor& payload, const at::Te
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+void unpack_dequantize_into_cuda(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo,
+                                 const at::Tensor& scale, int64_t bits, int64_t group_size, int64_t start,
+                                 const at::Tensor& weight, const at::Tensor& bias, int64_t inner,
+                                 const c10::optional<at::Tensor>& mask, bool accumulate) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const int64_t blocks = ceil_div(ceil_div(n, 8), kThreads);
+  const int group_shift = log2_or_minus_one(group_size);
+  const ChannelMap map{weight.data_ptr<float>(), bias.data_ptr<float>(), weight.numel(), inner};
+  const uint8_t* mask_ptr = mask.has_value() ? mask->data_ptr<uint8_t>() : nullptr;
+  const bool vec = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "act_hf_unpack_dequantize_into", [&] {
+    ACT_BITS_SWITCH(bits, B, [&] {
+      const auto launch = [&](auto kernel) {
+        kernel<<<blocks, kThreads, 0, stream>>>(payload.data_ptr<uint8_t>(),
+                                                reinterpret_cast<const uint16_t*>(lo.data_ptr<int16_t>()),
+                                                reinterpret_cast<const uint16_t*>(scale.data_ptr<int16_t>()), n, start,
+                                                group_size, group_shift, map, mask_ptr, vec,
+                                                out.data_ptr<scalar_t>());
+      };
+      if (accumulate) {
+        mask_ptr ? launch(unpack_dequantize_into_kernel<scalar_t, B, true, true>)
+                 : launch(unpack_dequantize_into_kernel<scalar_t, B, true, false>);
+      } else {
+        mask_ptr ? launch(unpack_dequantize_into_kernel<scalar_t, B, false, true>)
+                 : launch(unpack_dequantize_into_kernel<scalar_t, B, false, false>);
+      }
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits) {

@@ -13,12 +13,12 @@ from .._constants import reused
 from ..errors import ActHFTypeError, ActHFValueError
 from ..ops import _library
 from .packed import PackedSpec, PackedTensor
-from .reference import channel_shifts, empty_packed, lo_dtype_for, place_packed
+from .reference import channel_shifts, empty_packed, lo_dtype_for, place_packed, zero_unmasked
 from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
-           "dequantize", "dequantize_affine", "dequantize_items", "dequantize_with_factors", "quantize",
-           "quantize_by_rows"]
+           "dequantize", "dequantize_affine", "dequantize_items", "dequantize_mapped", "dequantize_with_factors",
+           "quantize", "quantize_by_rows"]
 
 DEFAULT_GROUP_SIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -263,6 +263,66 @@ def dequantize_affine(packed: PackedTensor, mult: torch.Tensor, shift: torch.Ten
     flat = _library.run(_library.unpack_dequantize_affine, packed.payload, packed.lo, packed.scale, spec.bits,
                         spec.group_size, spec.numel, mult.contiguous(), shift.contiguous())
     return spec.laid_out(flat)
+
+
+def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Tensor, *,
+                      out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                      items: tuple[int, int] | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequantize(packed)``'s batch ``items`` (default: all), each value ``v`` of channel ``c`` (dim 1) mapped to
+    ``v * weight[c] + bias[c]``, added to ``out`` when given (in place; it is returned), else into a new contiguous
+    tensor of ``dtype`` (default: the original's), the elements whose bit of ``mask`` (1-bit, packed, in the
+    result's row-major order) is 0 set to ``+0``. The decode, the map and the sum are fp32, each operation rounded
+    (no fused multiply-add), and the result is rounded once. A BatchNorm output read from its packed normalized
+    input, ``gamma * x_hat + beta``, and the sums and ReLUs of residual blocks built from such outputs
+    (:mod:`act_hf.derived`): in one pass over the result for a row-major context without channel scaling whose
+    zero points are those of the result's dtype (every original but fp16 into fp32 or bf16); otherwise a decode in
+    fp32 and the same operations after it.
+
+    Args:
+        weight, bias: fp32, one value per channel of dim 1.
+        out: a contiguous tensor of the items' shape (a floating dtype), or ``None``.
+        items: ``(start, stop)`` along dim 0, decoding only the groups that hold them.
+        mask: ``uint8``, bit ``k`` of byte ``k // 8`` (lowest first) for element ``k`` of the result, or ``None``.
+    """
+    if not isinstance(packed, PackedTensor):
+        raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
+    spec = packed.spec
+    if len(spec.shape) < 2:
+        raise ActHFValueError(f"packed: needs a tensor of at least 2 dims (batch, channels, ...), got {spec.shape}")
+    channels = spec.shape[1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (channels,):
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ActHFValueError(f"{name} must be a float32 tensor of shape ({channels},), one value per channel "
+                                  f"of the packed tensor's dim 1, got {got}")
+    start, stop = (0, spec.shape[0]) if items is None else items
+    if not 0 <= start <= stop <= spec.shape[0]:
+        raise ActHFValueError(f"items: need 0 <= start <= stop <= {spec.shape[0]} (the first dim), got {items}")
+    shape = (stop - start, *spec.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=_reader_dtype(spec, dtype), device=packed.payload.device)
+        accumulate = False
+    elif tuple(out.shape) != shape or not out.is_contiguous() or out.dtype not in SUPPORTED_DTYPES:
+        raise ActHFValueError(f"out must be a contiguous float32, float16, bfloat16 or float64 tensor of shape "
+                              f"{shape}, got {out.dtype} of shape {tuple(out.shape)}")
+    else:
+        accumulate = True
+    per_item = math.prod(spec.shape[1:])
+    if (spec.memory_order is None and not spec.channel_scaled and out.numel() and start * per_item % 8 == 0
+            and out.dtype != torch.float64 and lo_dtype_for(out.dtype) == lo_dtype_for(spec.dtype)):
+        _library.run(_library.unpack_dequantize_into, out, packed.payload, packed.lo, packed.scale, spec.bits,
+                     spec.group_size, spec.numel, start * per_item, weight.contiguous(), bias.contiguous(),
+                     per_item // max(channels, 1), mask, accumulate)
+        return out
+    decoded = dequantize(packed, torch.float32) if items is None else dequantize_items(packed, start, stop,
+                                                                                       torch.float32)
+    view = (1, -1) + (1,) * (len(shape) - 2)
+    values = (decoded * weight.view(view) + bias.view(view)).contiguous()
+    if accumulate:
+        values = out.float() + values
+    if mask is not None:
+        values = zero_unmasked(values.view(-1), mask).view(shape)
+    return out.copy_(values)
 
 
 def _reader_dtype(spec: PackedSpec, dtype: torch.dtype | None) -> torch.dtype:

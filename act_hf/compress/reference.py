@@ -65,6 +65,7 @@ __all__ = [
     "unpack_dequantize",
     "unpack_dequantize_affine",
     "unpack_dequantize_chunked",
+    "unpack_dequantize_into",
     "zero_unmasked",
     "zero_unmasked_chunked",
 ]
@@ -278,6 +279,45 @@ def unpack_dequantize_affine(payload: torch.Tensor, lo: torch.Tensor, scale: tor
     out = unpack_dequantize_chunked(payload, lo, scale, bits, group_size, numel, torch.float32, chunk)
     rows = out.view(-1, mult.numel())
     return rows.mul_(mult).sub_(shift).view(-1)
+
+
+def unpack_dequantize_into(out: torch.Tensor, payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,
+                           bits: int, group_size: int, numel: int, start: int, weight: torch.Tensor,
+                           bias: torch.Tensor, inner: int, mask: torch.Tensor | None, accumulate: bool,
+                           chunk: int = 1 << 18) -> None:
+    """Decode elements ``start .. start + out.numel()`` of a packed tensor of ``numel`` elements into the flat,
+    contiguous ``out`` (fp32, fp16 or bf16, whose zero points the original's are), each value ``v`` mapped by its
+    channel to ``v * weight[c] + bias[c]``, ``c = (k // inner) % len(weight)`` for element ``k`` of ``out``; with
+    ``accumulate`` that added to what ``out`` holds; with ``mask`` (1-bit, packed, bit ``k`` for element ``k`` of
+    ``out``) the elements whose bit is 0 set to ``+0``. Every operation is fp32 and rounded (no fused multiply-add),
+    the result rounded once into ``out``'s dtype. ``start`` and ``out.numel()`` are whole rows of ``inner *
+    len(weight)`` elements (a batch's items), ``start`` a multiple of 8. Decoded a run of rows at a time (about
+    ``chunk`` elements, at least one row): fp32 temporaries bounded by the run."""
+    channels = weight.numel()
+    row = inner * channels
+    step = max(1, chunk // row) * row
+    flat = out.view(-1)
+    lo_dtype = lo_dtype_for(out.dtype)
+    for a in range(0, flat.numel(), step):
+        b = min(flat.numel(), a + step)
+        first, last = (start + a) // group_size, -(-(start + b) // group_size)  # the groups holding the run
+        seg_end = min(last * group_size, numel)
+        codes = unpack_bits(payload[first * group_size * bits // 8:-(-seg_end * bits // 8)], bits,
+                            seg_end - first * group_size).to(torch.float32)
+        pad = (last - first) * group_size - codes.numel()
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad)])
+        steps = codes.view(last - first, group_size) * metadata_to_float(scale[first:last], torch.bfloat16)[:, None]
+        values = metadata_to_float(lo[first:last], lo_dtype)[:, None] + steps
+        offset = start + a - first * group_size
+        values = values.view(-1)[offset:offset + b - a].view(-1, channels, inner)
+        values = (values * weight.view(1, -1, 1) + bias.view(1, -1, 1)).view(-1)
+        if accumulate:
+            values = flat[a:b].float() + values
+        if mask is not None:
+            keep = unpack_bits(mask[a // 8:-(-b // 8)], 1, -(-b // 8) * 8 - a // 8 * 8)[a % 8:a % 8 + b - a]
+            values = torch.where(keep.view(torch.bool), values, values.new_zeros(()))
+        flat[a:b].copy_(values)
 
 
 def _chunk_elements(group_size: int, chunk: int) -> int:

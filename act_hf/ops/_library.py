@@ -23,7 +23,7 @@ from ..errors import ActHFWarning
 
 __all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "masked_scale", "pack_bits", "quantize_pack",
            "quantize_pack_scaled", "run", "unpack_bits", "unpack_dequantize", "unpack_dequantize_affine",
-           "zero_unmasked", "zero_unmasked_inplace"]
+           "unpack_dequantize_into", "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -177,6 +177,33 @@ def _(payload, lo, scale, bits, group_size, numel, mult, shift):
     return payload.new_empty(numel, dtype=torch.float32)
 
 
+def _unpack_dequantize_into(out: Tensor, payload: Tensor, lo: Tensor, scale: Tensor, bits: int, group_size: int,
+                            numel: int, start: int, weight: Tensor, bias: Tensor, inner: int, mask: Tensor | None,
+                            accumulate: bool) -> None:
+    """Elements ``start ..`` of a packed tensor decoded into ``out``, mapped by their channel's ``weight`` and
+    ``bias``, added to ``out`` (``accumulate``) and masked (``act_hf.compress.reference.unpack_dequantize_into``)."""
+    reference.unpack_dequantize_into(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask,
+                                     accumulate)
+
+
+def _unpack_dequantize_into_cuda(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask,
+                                 accumulate):
+    module = _cuda_ext()
+    kernel = _unpack_dequantize_into if module is None else module.unpack_dequantize_into
+    kernel(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask, accumulate)
+
+
+unpack_dequantize_into = torch.library.custom_op("act_hf::unpack_dequantize_into", _unpack_dequantize_into,
+                                                 mutates_args=("out",))
+unpack_dequantize_into.register_kernel("cuda", _unpack_dequantize_into_cuda)
+
+
+@unpack_dequantize_into.register_fake
+def _(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask, accumulate):
+    torch._check(lo.numel() == _ceil_div(numel, group_size), lambda: "lo has the wrong number of groups")
+    torch._check(start + out.numel() <= numel, lambda: "out runs past the packed tensor")
+
+
 def _pack_bits(codes: Tensor, bits: int) -> Tensor:
     """``uint8`` codes (< 2**bits) -> dense bit stream of ``ceil(n*bits/8)`` bytes (chunked without the
     extension)."""
@@ -325,6 +352,7 @@ _IMPLEMENTATIONS = {
     channel_shifts: {"cpu": _channel_shifts, "cuda": _channel_shifts_cuda},
     unpack_dequantize: {"cpu": _unpack_dequantize, "cuda": _unpack_dequantize_cuda},
     unpack_dequantize_affine: {"cpu": _unpack_dequantize_affine, "cuda": _unpack_dequantize_affine_cuda},
+    unpack_dequantize_into: {"cpu": _unpack_dequantize_into, "cuda": _unpack_dequantize_into_cuda},
     pack_bits: {"cpu": _pack_bits, "cuda": _pack_bits_cuda},
     unpack_bits: {"cpu": _unpack_bits, "cuda": _unpack_bits_cuda},
     fewbit_encode_pack: {"cpu": _fewbit_encode_pack, "cuda": _fewbit_encode_pack_cuda},

@@ -108,6 +108,37 @@ def test_unpack_dequantize_affine_matches_reference(ext, bits, group_size, chann
         assert out.dtype == torch.float32 and torch.equal(out, ref), f"rows={rows}"
 
 
+@pytest.mark.parametrize("bits", [1, 3, 8])
+@pytest.mark.parametrize("group_size", [24, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("form", ["new masked", "accumulate", "accumulate masked"])
+def test_unpack_dequantize_into_matches_reference(ext, bits, group_size, dtype, form):
+    """A decode mapped by channel (dim 1 of (items, channels, inner)), added to what ``out`` holds and masked, from
+    the first item and from one that starts inside a group, into an aligned ``out`` and one that is not (a view one
+    element in), channels and planes fewer than and more than an octet."""
+    accumulate, masked = "accumulate" in form, "masked" in form
+    for items, channels, inner in [(5, 3, 7), (3, 16, 49), (2, 1, 1000), (70, 9, 1)]:
+        n = items * channels * inner
+        x = (torch.randn(n, device="cuda") * 3).to(dtype)
+        packed = ext.quantize_pack(x, bits, group_size, 5)
+        weight = torch.rand(channels, device="cuda") + 0.3
+        bias = torch.randn(channels, device="cuda")
+        for first in (0, 1):
+            start = first * channels * inner
+            if start % 8:
+                continue
+            count = n - start
+            mask = torch.randint(0, 256, (math.ceil(count / 8),), dtype=torch.uint8, device="cuda") if masked else None
+            for offset in (0, 1):
+                base = torch.randn(count + offset, device="cuda").to(dtype)
+                out, ref = base.clone()[offset:], base.clone()[offset:]
+                ext.unpack_dequantize_into(out, *packed, bits, group_size, n, start, weight, bias, inner, mask,
+                                           accumulate)
+                R.unpack_dequantize_into(ref, *packed, bits, group_size, n, start, weight, bias, inner, mask,
+                                         accumulate)
+                assert torch.equal(out, ref), f"items={items} channels={channels} start={start} offset={offset}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_masked_scale_matches_native_dropout_backward(ext, dtype):
     """Dropout's input gradient from the packed keep-mask: ``native_dropout_backward``'s bits on the GPU (the
@@ -264,7 +295,11 @@ def test_kernel_errors_name_arguments(ext):
                  (ext.zero_unmasked, (x, payload[:1], False)),
                  (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds, bounds[:2])),
                  (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds, bounds)),
-                 (ext.masked_scale, (x, payload[:1], 1.25))]
+                 (ext.masked_scale, (x, payload[:1], 1.25)),
+                 (ext.unpack_dequantize_into, (x[:8], *ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, 4, bounds, bounds, 1,
+                                               None, False)),
+                 (ext.unpack_dequantize_into, (x[:6], *ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, 0, bounds, bounds, 1,
+                                               payload[:0], True))]
         for fn, args in calls:
             try:
                 fn(*args)
@@ -289,6 +324,8 @@ def test_kernel_errors_name_arguments(ext):
     assert "mult and shift must be flat, one value a channel (at least one), got shapes (3) and (2)" in lines[8]
     assert "numel must be a whole number of rows of 3 channels, got 10" in lines[9]
     assert "mask holds 1 bytes, fewer than ceil(grad.numel() / 8) = 2" in lines[10]
+    assert "start must be a multiple of 8 from 0 with start + out.numel() <= numel (10), got start 4" in lines[11]
+    assert "mask holds 0 bytes, fewer than ceil(out.numel() / 8) = 1" in lines[12]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

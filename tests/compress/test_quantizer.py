@@ -13,6 +13,7 @@ from act_hf.compress import (
     dequantize,
     dequantize_affine,
     dequantize_items,
+    dequantize_mapped,
     pack_bits,
     quantize,
     quantize_by_rows,
@@ -337,6 +338,102 @@ def test_dequantize_affine_names_its_arguments():
         dequantize_affine(packed, torch.ones(8), torch.zeros(16))
     with pytest.raises(ValueError, match=r"shift must be a float32 tensor .* got torch.float64 of shape \(16,\)"):
         dequantize_affine(packed, torch.ones(16), torch.zeros(16, dtype=torch.float64))
+
+
+def _fp32_decode(packed, result_dtype):
+    """The decode in fp32, never rounded to the original's dtype, with the zero points of ``result_dtype``'s kind
+    (the one-pass decode's), for a row-major context without channel scaling; otherwise
+    ``dequantize(packed, torch.float32)`` (what a decode first gives)."""
+    spec = packed.spec
+    if spec.memory_order is not None or spec.channel_scaled:
+        return dequantize(packed, torch.float32)
+    codes = unpack_bits(packed.payload, spec.bits, spec.numel).float()
+    codes = torch.cat([codes, codes.new_zeros(packed.lo.numel() * spec.group_size - spec.numel)])
+    lo = R.metadata_to_float(packed.lo, R.lo_dtype_for(result_dtype))[:, None]
+    scale = R.metadata_to_float(packed.scale, torch.bfloat16)[:, None]
+    return (lo + codes.view(-1, spec.group_size) * scale).view(-1)[:spec.numel].view(spec.shape)
+
+
+def _mapped_by_hand(packed, weight, bias, out, items, keep, result_dtype):
+    """What ``dequantize_mapped`` computes, an operation at a time in fp32 (torch's fp32 ops round each)."""
+    start, stop = items
+    x = _fp32_decode(packed, result_dtype)[start:stop]
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    values = x * weight.view(view) + bias.view(view)
+    if out is not None:
+        values = out.float() + values
+    return values if keep is None else torch.where(keep, values, torch.zeros(()))
+
+
+@pytest.mark.parametrize("layout", ["fp32", "bf16", "fp16", "bf16 into fp32", "channel scaled", "channels last"])
+@pytest.mark.parametrize("form", ["new", "accumulate", "masked", "items, accumulate, masked"])
+def test_dequantize_mapped_is_the_decode_mapped_by_channel(layout, form):
+    """``where(keep, out + (decode[items] * weight + bias), 0)`` per channel of dim 1, rounded once into the result's
+    dtype: in one ``act_hf::unpack_dequantize_into`` where the context is row-major, not channel scaled and has the
+    result's kind of zero points (bf16 into fp32 too), the decode fp32 (an fp16 original's never rounded to fp16);
+    otherwise ``dequantize(packed, torch.float32)`` first."""
+    torch.manual_seed(0)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16 into fp32": torch.bfloat16}.get(layout,
+                                                                                               torch.float32)
+    x = (torch.randn(6, 12, 5, 7) * torch.logspace(-1, 1, 12).view(1, -1, 1, 1)).to(dtype)
+    if layout == "channels last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    packed = quantize(x, 3, 64, seed=4, channel_scale=layout == "channel scaled")
+    result_dtype = torch.float32 if layout == "bf16 into fp32" else dtype
+    weight, bias = torch.rand(12) + 0.5, torch.randn(12)
+    items = (2, 5) if form.startswith("items") else (0, 6)
+    shape = (items[1] - items[0], 12, 5, 7)
+    out = torch.randn(shape).to(result_dtype) if "accumulate" in form else None
+    keep = torch.rand(shape) > 0.4 if "masked" in form else None
+    mask = None if keep is None else pack_bits(keep.reshape(-1).to(torch.uint8), 1)
+    expected = _mapped_by_hand(packed, weight, bias, out, items, keep, result_dtype).to(result_dtype)
+    call = lambda: dequantize_mapped(packed, weight, bias, out=None if out is None else out.clone(),
+                                     dtype=result_dtype, items=None if items == (0, 6) else items, mask=mask)
+    ops = [str(f) for f, _ in dispatched(call) if "act_hf" in str(f)]
+    got = call()
+    assert got.dtype == result_dtype and got.shape == shape and got.is_contiguous()
+    assert torch.equal(got, expected)
+    one_op = layout not in ("channel scaled", "channels last")
+    assert (ops == ["act_hf.unpack_dequantize_into.default"]) == one_op, ops
+
+
+def test_dequantize_mapped_adds_into_out_in_place():
+    packed = quantize(torch.randn(4, 8, 3), 4)
+    out = torch.randn(4, 8, 3)
+    before = out.clone()
+    got = dequantize_mapped(packed, torch.ones(8), torch.zeros(8), out=out)
+    assert got is out
+    assert torch.equal(out, before + dequantize(packed))
+
+
+def test_dequantize_mapped_reference_runs_give_the_same_bits():
+    """The CPU kernel's runs of rows (here one item of 3 x 7 elements, a partial octet at each run's end) give
+    the whole tensor's bits, the mask read from the middle of its bytes."""
+    torch.manual_seed(1)
+    packed = quantize(torch.randn(8, 3, 7), 2, 24)
+    weight, bias = torch.rand(3) + 0.5, torch.randn(3)
+    keep = torch.rand(6 * 21) > 0.5
+    mask = pack_bits(keep.to(torch.uint8), 1)
+    args = (packed.payload, packed.lo, packed.scale, 2, 24, packed.spec.numel, 2 * 21, weight, bias, 7, mask, True)
+    whole, runs = torch.randn(6 * 21), None
+    runs = whole.clone()
+    R.unpack_dequantize_into(whole, *args)
+    R.unpack_dequantize_into(runs, *args, chunk=1)
+    assert torch.equal(whole, runs)
+
+
+def test_dequantize_mapped_names_its_arguments():
+    packed = quantize(torch.randn(4, 16, 3), 3)
+    with pytest.raises(ValueError, match=r"weight must be a float32 tensor of shape \(16,\), one value per channel "
+                                         r"of the packed tensor's dim 1, got torch.float32 of shape \(3,\)"):
+        dequantize_mapped(packed, torch.ones(3), torch.zeros(16))
+    with pytest.raises(ValueError, match=r"out must be a contiguous .* tensor of shape \(4, 16, 3\), got "
+                                         r"torch.float32 of shape \(4, 16, 2\)"):
+        dequantize_mapped(packed, torch.ones(16), torch.zeros(16), out=torch.zeros(4, 16, 2))
+    with pytest.raises(ValueError, match=r"items: need 0 <= start <= stop <= 4"):
+        dequantize_mapped(packed, torch.ones(16), torch.zeros(16), items=(3, 5))
+    with pytest.raises(ValueError, match=r"packed: needs a tensor of at least 2 dims"):
+        dequantize_mapped(quantize(torch.randn(64), 3), torch.ones(1), torch.zeros(1))
 
 
 def test_dequantize_refuses_a_non_floating_dtype():
