@@ -97,6 +97,7 @@ bits the consumer's slot joins BatchNorm's slot group in a sensitivity probe, so
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -108,7 +109,16 @@ import torch
 from torch import Tensor
 
 from ._chunks import in_place
-from .compress import PackedTensor, dequantize, dequantize_items, pack_bits, unpack_mask, zero_unmasked
+from ._constants import reused
+from .compress import (
+    PackedTensor,
+    dequantize,
+    dequantize_items,
+    dequantize_mapped,
+    pack_bits,
+    unpack_mask,
+    zero_unmasked,
+)
 from .context import store
 from .regions import current_region, region_is_open
 
@@ -143,10 +153,25 @@ class AffineTerm:
     def leaves(self) -> list[PackedTensor]:
         return [self.packed]
 
-    def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None) -> Tensor:
+    def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None,
+               mask: Tensor | None = None) -> Tensor:
         """``values + term``, in place in ``values``; the term as a new tensor of ``dtype`` when ``values`` is
         ``None``. With ``items``, ``(start, stop)``, only the term's batch items ``start:stop`` (bit for bit those
-        of the whole, decoding only them: :func:`~act_hf.compress.dequantize_items`)."""
+        of the whole, decoding only them: :func:`~act_hf.compress.dequantize_items`). With ``mask`` (a ReLU's
+        packed 1-bit code, of the result's elements) the result is ``+0`` where its bit is 0. A row-major context
+        without a sample scale is added in one pass over the result (:func:`~act_hf.compress.dequantize_mapped`), its
+        values kept in fp32 from the decode to the one rounding at the end."""
+        if (self.sample_scale is None and self.packed.spec.memory_order is None
+                and (values is None or values.is_contiguous())):
+            payload = self.packed.payload
+            units = reused(_unit_channels, payload, self.packed.shape[1], payload.device)
+            weight = units[1] if self.weight is None else self.weight.float()
+            bias = units[0] if self.bias is None else self.bias.float()
+            return dequantize_mapped(self.packed, weight, bias, out=values, dtype=dtype, items=items, mask=mask)
+        return _masked(self._add_to(values, dtype, items), mask)
+
+    def _add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items) -> Tensor:
+        """:meth:`add_to` without a mask, a pass for each operation."""
         # a new tensor of dtype, updated in place from here on, when there are no values yet
         reader = dtype if values is None else None
         decoded = dequantize(self.packed, reader) if items is None else dequantize_items(self.packed, *items, reader)
@@ -172,6 +197,12 @@ class AffineTerm:
         return values
 
 
+@functools.lru_cache(maxsize=64)
+def _unit_channels(channels: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """fp32 zeros and ones, one a channel: the bias and weight of a term that has none (read-only)."""
+    return torch.zeros(channels, device=device), torch.ones(channels, device=device)
+
+
 def _scale_shift_(values: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """``values = weight * values + bias`` in place (``torch.addcmul`` into ``values``)."""
     return torch.addcmul(bias, values, weight, out=values)
@@ -186,12 +217,11 @@ def _of_items(t: Tensor | None, items: Items) -> Tensor | None:
     return t if t is None or items is None else t[items[0]:items[1]]
 
 
-def _mask_of_items(mask: Tensor | None, values: Tensor, items: Items) -> Tensor | None:
+def _mask_of_items(mask: Tensor | None, per_item: int, items: Items) -> Tensor | None:
     """The bytes of a 1-bit ``mask`` packed in the whole tensor's logical order that hold batch items
-    ``start:stop``, ``values`` being those items (their first bit starts a byte: see :func:`items_decodable`)."""
+    ``start:stop``, of ``per_item`` elements each (their first bit starts a byte: see :func:`items_decodable`)."""
     if mask is None or items is None:
         return mask
-    per_item = values[0].numel() if values.shape[0] else 0
     start = items[0] * per_item
     if start % 8:
         raise ValueError(f"items: batch item {items[0]} does not start a byte of the packed mask "
@@ -199,13 +229,20 @@ def _mask_of_items(mask: Tensor | None, values: Tensor, items: Items) -> Tensor 
     return mask[start // 8:-(-(items[1] * per_item) // 8)]
 
 
-def _sum_of(terms, dtype: torch.dtype, items: Items = None) -> Tensor:
+def _sum_of(terms, dtype: torch.dtype, items: Items = None, mask: Tensor | None = None) -> Tensor:
     """The sum of derived ``terms`` (their batch ``items``) as a new tensor of ``dtype``, nested contexts first
-    (their new tensor is the sum's: one decoded term more alive at a time, however long a chain of shortcuts)."""
+    (their new tensor is the sum's: one decoded term more alive at a time, however long a chain of shortcuts),
+    ``+0`` where the bit of ``mask`` is 0 (applied with the last term: see :meth:`AffineTerm.add_to`)."""
     values = None
-    for term in sorted(terms, key=lambda t: not isinstance(t, (RectifiedAffine, AffineSum))):
-        values = term.add_to(values, dtype, items)
+    ordered = sorted(terms, key=lambda t: not isinstance(t, (RectifiedAffine, AffineSum)))
+    for i, term in enumerate(ordered):
+        values = term.add_to(values, dtype, items, mask if i == len(ordered) - 1 else None)
     return values
+
+
+def _masked(values: Tensor, mask: Tensor | None) -> Tensor:
+    """``values`` (contiguous), ``+0`` in place where the bit of ``mask`` is 0 (``None``: as they are)."""
+    return values if mask is None else zero_unmasked(values, mask, in_place=True)
 
 
 def _sample_view(scale: Tensor, ndim: int) -> Tensor:
@@ -261,22 +298,24 @@ class RectifiedAffine:
         """Every packed tensor it reads."""
         return [leaf for term in self.terms for leaf in term.leaves()]
 
-    def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None) -> Tensor:
+    def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None,
+               mask: Tensor | None = None) -> Tensor:
         """Like :meth:`AffineTerm.add_to` (its own :attr:`dtype` is the one it was made with)."""
-        return self.dequantize(items) if values is None else values.add_(self.dequantize(items))
+        return _masked(self.dequantize(items) if values is None else values.add_(self.dequantize(items)), mask)
 
     def dequantize(self, items: Items = None) -> Tensor:
         """The estimate ``h_hat`` (a new contiguous tensor of the original shape, in ``dtype``), or of its batch
         ``items`` only. A chain of shortcuts is summed into the innermost one's tensor, so besides it only one
         decoded term is alive at a time, however long the chain; a plain or clipping ReLU's mask zeroes what it
-        drops straight from its packed bits (:func:`~act_hf.compress.zero_unmasked`, in place), a leaky one's is
+        drops straight from its packed bits as the last term is added (:meth:`AffineTerm.add_to`), a leaky one's is
         unpacked whole."""
-        values = _sum_of(self.terms, self.dtype, items)
-        mask, upper = _mask_of_items(self.mask, values, items), _mask_of_items(self.upper, values, items)
+        per_item = math.prod(self.leaves()[0].shape[1:])
+        mask, upper = _mask_of_items(self.mask, per_item, items), _mask_of_items(self.upper, per_item, items)
         if self.negative_slope:
+            values = _sum_of(self.terms, self.dtype, items)
             values = torch.where(unpack_mask(mask, values.shape), values, values * self.negative_slope)
         else:
-            zero_unmasked(values, mask, in_place=True)
+            values = _sum_of(self.terms, self.dtype, items, mask)
         if self.clamp is not None:  # the clipped elements: hi where u, else lo (0 already where lo is 0)
             lo, hi = self.clamp
             upper = unpack_mask(upper, values.shape)
@@ -313,9 +352,12 @@ class AffineSum:
     def leaves(self) -> list[PackedTensor]:
         return [leaf for term in self.terms for leaf in term.leaves()]
 
-    def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None) -> Tensor:
+    def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None,
+               mask: Tensor | None = None) -> Tensor:
         """Like :meth:`AffineTerm.add_to` (its own :attr:`dtype` is the one it was made with)."""
-        return self.dequantize(items) if values is None else values.add_(self.dequantize(items))
+        if values is None:
+            return _sum_of(self.terms, self.dtype, items, mask)
+        return _masked(values.add_(self.dequantize(items)), mask)
 
     def dequantize(self, items: Items = None) -> Tensor:
         """The estimate (a new contiguous tensor of the original shape, in ``dtype``), or of its batch ``items``."""

@@ -374,18 +374,18 @@ def test_residual_forward_is_unchanged_and_gradients_match_at_8_bits(add):
 
 
 def test_a_residual_relu_mask_is_applied_from_its_packed_bits(monkeypatch):
-    """A conv reading ``relu(bn(.) + shortcut)`` zeroes what the ReLU dropped straight from its packed mask (one
-    ``act_hf::zero_unmasked_inplace``, whose CPU kernel unpacks a slice at a time, here 16 elements): no 1-byte mask
-    of the whole tensor is made, and the gradients are those of the whole mask, bit for bit."""
+    """A conv reading ``relu(bn(.) + shortcut)`` zeroes what the ReLU dropped straight from its packed mask, as the
+    last term of the sum is decoded into it (``act_hf::unpack_dequantize_into``, whose CPU kernel unpacks the mask a
+    run of rows at a time, here one item): no 1-byte mask of the whole tensor is made, no pass of its own zeroes
+    the dropped elements, and the gradients are those of a run over the whole tensor, bit for bit."""
     from act_hf.compress import reference
     from tests.utils import dispatched
 
-    chunked = reference.zero_unmasked_chunked
+    into = reference.unpack_dequantize_into
 
-    def step(slice_elements):
-        monkeypatch.setattr(reference, "zero_unmasked_chunked",
-                            lambda values, mask, in_place=False: chunked(values, mask, in_place=in_place,
-                                                                         chunk=slice_elements))
+    def step(run_elements):
+        monkeypatch.setattr(reference, "unpack_dequantize_into",
+                            lambda *args: into(*args, chunk=run_elements))
         _, model = _stage(bits=3)
         act_hf.manual_seed(0)
         out = model(_input().requires_grad_())
@@ -395,7 +395,9 @@ def test_a_residual_relu_mask_is_applied_from_its_packed_bits(monkeypatch):
     whole, _ = step(1 << 20)
     sliced, ops = step(16)
     numel = _input().numel()
-    assert any("act_hf.zero_unmasked_inplace" in str(func) for func, _ in ops)
+    names = [str(func) for func, _ in ops]
+    assert any("act_hf.unpack_dequantize_into" in name for name in names)
+    assert not any("zero_unmasked_inplace" in name for name in names)
     assert not [t for func, outs in ops if "unpack_bits" in str(func) for t in outs if t.numel() >= numel]
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
 
