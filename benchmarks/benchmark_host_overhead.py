@@ -3,7 +3,8 @@
 On the H200 a patched bert-large step at batch 32 was bound by host work, not by the GPU (README, "First GPU run").
 This benchmark isolates that work on any machine: a tiny BERT (hidden 32, batch 8 x seq 16, one thread), so that
 the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec`` the codec's
-CPU implementations (quantize+pack, unpack+dequantize and its affine form, the bit packers of masks, few-bit codes'
+CPU implementations (quantize+pack, unpack+dequantize, its affine form and its per-channel form into a tensor, the bit
+packers of masks, few-bit codes'
 encode+pack and their decode times the gradient, channel scaling's shifts) are replaced by stand-ins that return
 tensors of the right shapes and dtypes without computing anything, as a GPU kernel launch would cost next to
 nothing on the host; what remains is act_hf's own work per op. The stand-ins make the gradients meaningless: this
@@ -62,6 +63,11 @@ def _stub_unpack_dequantize_affine(payload, lo, scale, bits, group_size, numel, 
     return torch.zeros(numel, dtype=torch.float32)
 
 
+def _stub_unpack_dequantize_into(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask,
+                                 accumulate, chunk=None):
+    return None
+
+
 def _stub_pack_bits(codes, bits, chunk=None):
     return torch.zeros(-(-codes.numel() * bits // 8), dtype=torch.uint8)
 
@@ -85,6 +91,7 @@ def _stub_channel_shifts(x, max_shift):
 #: the CPU kernels ``--stub-codec`` replaces (``act_hf.compress.reference`` attributes) and their stand-ins
 STUBS = {"quantize_pack_chunked": _stub_quantize_pack, "unpack_dequantize_chunked": _stub_unpack_dequantize,
          "unpack_dequantize_affine": _stub_unpack_dequantize_affine,
+         "unpack_dequantize_into": _stub_unpack_dequantize_into,
          "pack_bits_chunked": _stub_pack_bits, "unpack_bits_chunked": _stub_unpack_bits,
          "fewbit_encode_pack_chunked": _stub_fewbit_encode_pack, "fewbit_grad_chunked": _stub_fewbit_grad,
          "channel_shifts": _stub_channel_shifts}

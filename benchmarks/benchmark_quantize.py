@@ -3,7 +3,9 @@
 For bf16 tensors of 64 MiB to 1 GiB at 1, 2, 3, 4 and 8 bits, measures each direction's effective bandwidth
 (bytes read + bytes written per second) and compares it with ``copy_`` of the same tensor, measured in the
 same run; up to 4 bits also Few-Bit Backward's encode (an activation's input read, its codes written); the decode
-into fp32 with LayerNorm's per-channel map (``unpack_dequantize_affine``, rows of 1024 channels); and, in the
+into fp32 with LayerNorm's per-channel map (``unpack_dequantize_affine``, rows of 1024 channels); a residual block's
+term decoded by channel into a bf16 sum and masked (``unpack_dequantize_into``, items of 256 x 56 x 56: the sum read
+and written, the codes standing for the mask); and, in the
 1-bit rows, dropout's gradient from its packed keep-mask (``masked_scale``: the gradient and the mask read, the
 input gradient written).
 Target: each direction >= 70% of copy bandwidth. Writes JSON and a markdown table under ``benchmarks/results/``.
@@ -79,8 +81,15 @@ def main(argv: list[str] | None = None) -> int:
             mult, shift = torch.rand(1024, device="cuda") + 0.5, torch.randn(1024, device="cuda")
             a_ms = _time_ms(lambda p=packed, k=bits, count=n, m=mult, s=shift: ext.unpack_dequantize_affine(
                 *p, k, args.group_size, count, m, s), args.repeat)
+            # a residual block's term: decoded by channel of resnet50's stage 1 (256 x 56 x 56 an item), added to a
+            # bf16 tensor (read and written) and masked by a ReLU's 1-bit code (the codes stand for the mask)
+            weight, bias, sums = mult[:256], shift[:256], torch.randn(n // 802816 * 802816, device="cuda",
+                                                                       dtype=torch.bfloat16)
+            i_ms = _time_ms(lambda p=packed, k=bits, s=sums, w=weight, b=bias, m=packed[0]: ext.unpack_dequantize_into(
+                s, *p, k, args.group_size, n, 0, w, b, 3136, m[:-(-s.numel() // 8)], True), args.repeat)
             timed = [("quantize_pack", q_ms, moved), ("unpack_dequantize", d_ms, moved),
-                     ("unpack_dequantize_affine", a_ms, packed_bytes + 4 * n)]
+                     ("unpack_dequantize_affine", a_ms, packed_bytes + 4 * n),
+                     ("unpack_dequantize_into", i_ms, packed_bytes + 4 * sums.numel() + -(-sums.numel() // 8))]
             if bits == 1:  # dropout's gradient: x stands for the gradient, the codes for its keep-mask
                 m_ms = _time_ms(lambda g=x, mask=packed[0]: ext.masked_scale(g, mask, 1.25), args.repeat)
                 timed.append(("masked_scale", m_ms, 2 * x.nbytes + packed[0].nbytes))
@@ -116,7 +125,7 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     styles = (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^"),
-              ("unpack_dequantize_affine", "-.d"), ("masked_scale", "x"))
+              ("unpack_dequantize_affine", "-.d"), ("unpack_dequantize_into", "-.v"), ("masked_scale", "x"))
     for op, style in styles:
         for mib in sorted({r["size_mib"] for r in rows}):
             points = sorted((r["bits"], r["fraction_of_copy"]) for r in rows if r["op"] == op and r["size_mib"] == mib)

@@ -4,13 +4,15 @@
 # little. Called by `gpu_session.sh all`; results under $1 (the files a device call returns are few: the tables and
 # logs are bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
-# Order, after the ninth run (H200, 847dd5a; README "Ninth GPU run"): the build and the kernel tests; the kernels'
-# throughput, the one-pass LayerNorm decode and dropout's masked gradient among them (only ad hoc so far); the host
+# Order, after the ninth run (H200, 847dd5a; README "Ninth GPU run"): the build and the kernel tests (the decode of
+# a residual block's terms into one tensor, unpack_dequantize_into, never run on a GPU yet); the kernels' throughput,
+# the one-pass LayerNorm decode, dropout's masked gradient and that decode among them (only ad hoc so far); the host
 # probe (tiny BERT, `--device cuda`), which says how fast this lease's host is (the ninth's was slower than the
 # seventh's); swin-tiny at equal batch 256 with the attention recomputed in chunks of 2^24 elements (0.352x with 2^22,
 # host-bound); swin-tiny's largest batch under 16 GiB at 2 and 3 bits with those larger chunks (7.00x and 5.85x
-# in the fifth run, the 2-bit target 6.5x); bert-large at equal batch 256; gpt2 and convnext-tiny at batch 32,
-# which no run has measured since the sixth.
+# in the fifth run, the 2-bit target 6.5x); resnet50 at equal batch 256, whose conv inputs now decode in one pass
+# per residual term (0.433x in the ninth run); bert-large at equal batch 256 (unchanged since the ninth: last);
+# gpt2 and convnext-tiny at batch 32, which no run has measured since the sixth, with what is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -57,6 +59,12 @@ timeout "$(cap 200)" "$PY" $GT --models swin-tiny --settings bits2 bits3 --cap 1
   --out "$W/swincap" >"$W/swincap.log" 2>&1
 echo "swincap exit $?"; cat "$W/swincap/gpu_training.md" 2>/dev/null; bundle
 
+part "resnet50 at equal batch 256, no cap, alone on the GPU"
+mkdir -p "$W/resnet256"
+timeout "$(cap 80)" "$PY" $GT --models resnet50 --settings unpatched bits3 --no-search --no-curve --batch 256 \
+  --steps 5 --warmup 2 --out "$W/resnet256" >"$W/resnet256.log" 2>&1
+echo "resnet256 exit $?"; cat "$W/resnet256/gpu_training.md" 2>/dev/null; bundle
+
 part "bert-large at equal batch 256, no cap, alone on the GPU"
 mkdir -p "$W/large256"
 timeout "$(cap 80)" "$PY" $GT --models bert-large --settings unpatched bits3 --no-search --no-curve --batch 256 \
@@ -69,7 +77,7 @@ timeout "$(cap $(( $(left) - 5 )))" "$PY" $GT --models gpt2 convnext-tiny --sett
   --no-search --no-curve --steps 5 --warmup 2 --out "$W/models" >"$W/models.log" 2>&1
 echo "models exit $?"; cat "$W/models/gpu_training.md" 2>/dev/null; bundle
 
-for name in swin256 swincap large256 models; do cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null; done
+for name in swin256 swincap resnet256 large256 models; do cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null; done
 cp "$W/host/host_overhead.md" "$OUT/host.md" 2>/dev/null
 cp "$W/quant/quantize_throughput.md" "$OUT/quant.md" 2>/dev/null
 cp "$W/tests.log" "$OUT/" 2>/dev/null
