@@ -65,7 +65,9 @@ BatchNorm gamma ~ U(0.2, 1), beta ~ N(0, 0.2); SQNR in dB against fp64 autograd,
 
 The block convs lose 2.5 dB, the same for every block of a stage (no build-up with depth), and the whole
 gradient 0.1-0.2 dB. Backward rebuilds each block input from the whole chain (a stage of ``n`` blocks
-dequantizes ``n (n + 1) / 2`` tensors instead of ``n``). ``ActConfig(share_residual=False)`` turns it off. With
+dequantizes ``n (n + 1) / 2`` tensors instead of ``n``), each BatchNorm term decoded straight into the sum with its
+``gamma`` and ``beta``, and the ReLU's mask applied with the last term: one pass a term
+(:func:`~act_hf.compress.dequantize_mapped`). ``ActConfig(share_residual=False)`` turns it off. With
 adaptive bits a stage's chain (its BatchNorm inputs the shortcuts read, and the convs that read them) is one slot
 group, given one width.
 
