@@ -11,7 +11,8 @@
 # seventh's); swin-tiny at equal batch 256 with the attention recomputed in chunks of 2^24 elements (0.352x with 2^22,
 # host-bound); swin-tiny's largest batch under 16 GiB at 2 and 3 bits with those larger chunks (7.00x and 5.85x
 # in the fifth run, the 2-bit target 6.5x); resnet50 at equal batch 256, whose conv inputs now decode in one pass
-# per residual term (0.433x in the ninth run); bert-large at equal batch 256 (unchanged since the ninth: last);
+# per residual term (0.433x in the ninth run), and its step under the profiler at batch 128 (no run has profiled
+# resnet50: where its extra device time goes); bert-large at equal batch 256 (unchanged since the ninth);
 # gpt2 and convnext-tiny at batch 32, which no run has measured since the sixth, with what is left.
 set -uo pipefail
 OUT="$1"
@@ -65,6 +66,12 @@ timeout "$(cap 80)" "$PY" $GT --models resnet50 --settings unpatched bits3 --no-
   --steps 5 --warmup 2 --out "$W/resnet256" >"$W/resnet256.log" 2>&1
 echo "resnet256 exit $?"; cat "$W/resnet256/gpu_training.md" 2>/dev/null; bundle
 
+part "resnet50 at batch 128 under the profiler, unpatched and 3 bits, alone on the GPU"
+mkdir -p "$W/profile_resnet"
+timeout "$(cap 50)" "$PY" benchmarks/profile_step.py --model resnet50 --settings unpatched bits3 --batch 128 \
+  --steps 2 --warmup 2 --out "$W/profile_resnet" >"$W/profile_resnet.log" 2>&1
+echo "profile exit $?"; head -n 40 "$W/profile_resnet/profile_resnet50.md" 2>/dev/null; bundle
+
 part "bert-large at equal batch 256, no cap, alone on the GPU"
 mkdir -p "$W/large256"
 timeout "$(cap 80)" "$PY" $GT --models bert-large --settings unpatched bits3 --no-search --no-curve --batch 256 \
@@ -79,6 +86,7 @@ echo "models exit $?"; cat "$W/models/gpu_training.md" 2>/dev/null; bundle
 
 for name in swin256 swincap resnet256 large256 models; do cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null; done
 cp "$W/host/host_overhead.md" "$OUT/host.md" 2>/dev/null
+cp "$W/profile_resnet/profile_resnet50.md" "$OUT/profile_resnet.md" 2>/dev/null
 cp "$W/quant/quantize_throughput.md" "$OUT/quant.md" 2>/dev/null
 cp "$W/tests.log" "$OUT/" 2>/dev/null
 part done
