@@ -271,12 +271,12 @@ def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Te
     """``dequantize(packed)``'s batch ``items`` (default: all), each value ``v`` of channel ``c`` (dim 1) mapped to
     ``v * weight[c] + bias[c]``, added to ``out`` when given (in place; it is returned), else into a new contiguous
     tensor of ``dtype`` (default: the original's), the elements whose bit of ``mask`` (1-bit, packed, in the
-    result's row-major order) is 0 set to ``+0``. The decode, the map and the sum are fp32, each operation rounded
-    (no fused multiply-add), and the result is rounded once. A BatchNorm output read from its packed normalized
+    result's row-major order) is 0 set to ``+0``. The decode, the map and the sum are fp32 (fp64 into an fp64
+    result), each operation rounded (no fused multiply-add), and the result is rounded once. A BatchNorm output read from its packed normalized
     input, ``gamma * x_hat + beta``, and the sums and ReLUs of residual blocks built from such outputs
     (:mod:`act_hf.derived`): in one pass over the result for a row-major context without channel scaling whose
-    zero points are those of the result's dtype (every original but fp16 into fp32 or bf16); otherwise a decode in
-    fp32 and the same operations after it.
+    zero points are those of the result's dtype (every original but fp16 into fp32 or bf16); otherwise a decode
+    (:func:`dequantize`) and the same operations after it.
 
     Args:
         weight, bias: fp32, one value per channel of dim 1.
@@ -314,12 +314,12 @@ def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Te
                      spec.group_size, spec.numel, start * per_item, weight.contiguous(), bias.contiguous(),
                      per_item // max(channels, 1), mask, accumulate)
         return out
-    decoded = dequantize(packed, torch.float32) if items is None else dequantize_items(packed, start, stop,
-                                                                                       torch.float32)
+    wide = torch.promote_types(out.dtype, torch.float32)
+    decoded = dequantize(packed, wide) if items is None else dequantize_items(packed, start, stop, wide)
     view = (1, -1) + (1,) * (len(shape) - 2)
-    values = (decoded * weight.view(view) + bias.view(view)).contiguous()
+    values = (decoded * weight.to(wide).view(view) + bias.to(wide).view(view)).contiguous()
     if accumulate:
-        values = out.float() + values
+        values = out.to(wide) + values
     if mask is not None:
         values = zero_unmasked(values.view(-1), mask).view(shape)
     return out.copy_(values)

@@ -345,8 +345,8 @@ def _fp32_decode(packed, result_dtype):
     (the one-pass decode's), for a row-major context without channel scaling; otherwise
     ``dequantize(packed, torch.float32)`` (what a decode first gives)."""
     spec = packed.spec
-    if spec.memory_order is not None or spec.channel_scaled:
-        return dequantize(packed, torch.float32)
+    if spec.memory_order is not None or spec.channel_scaled or result_dtype == torch.float64:
+        return dequantize(packed, torch.promote_types(result_dtype, torch.float32))
     codes = unpack_bits(packed.payload, spec.bits, spec.numel).float()
     codes = torch.cat([codes, codes.new_zeros(packed.lo.numel() * spec.group_size - spec.numel)])
     lo = R.metadata_to_float(packed.lo, R.lo_dtype_for(result_dtype))[:, None]
@@ -359,22 +359,23 @@ def _mapped_by_hand(packed, weight, bias, out, items, keep, result_dtype):
     start, stop = items
     x = _fp32_decode(packed, result_dtype)[start:stop]
     view = (1, -1) + (1,) * (x.dim() - 2)
-    values = x * weight.view(view) + bias.view(view)
+    values = x * weight.to(x.dtype).view(view) + bias.to(x.dtype).view(view)
     if out is not None:
-        values = out.float() + values
-    return values if keep is None else torch.where(keep, values, torch.zeros(()))
+        values = out.to(x.dtype) + values
+    return values if keep is None else torch.where(keep, values, torch.zeros((), dtype=x.dtype))
 
 
-@pytest.mark.parametrize("layout", ["fp32", "bf16", "fp16", "bf16 into fp32", "channel scaled", "channels last"])
+@pytest.mark.parametrize("layout", ["fp32", "bf16", "fp16", "bf16 into fp32", "fp64", "channel scaled",
+                                    "channels last"])
 @pytest.mark.parametrize("form", ["new", "accumulate", "masked", "items, accumulate, masked"])
 def test_dequantize_mapped_is_the_decode_mapped_by_channel(layout, form):
     """``where(keep, out + (decode[items] * weight + bias), 0)`` per channel of dim 1, rounded once into the result's
     dtype: in one ``act_hf::unpack_dequantize_into`` where the context is row-major, not channel scaled and has the
     result's kind of zero points (bf16 into fp32 too), the decode fp32 (an fp16 original's never rounded to fp16);
-    otherwise ``dequantize(packed, torch.float32)`` first."""
+    otherwise ``dequantize`` first, to fp32 (fp64 for an fp64 result)."""
     torch.manual_seed(0)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16 into fp32": torch.bfloat16}.get(layout,
-                                                                                               torch.float32)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16 into fp32": torch.bfloat16,
+             "fp64": torch.float64}.get(layout, torch.float32)
     x = (torch.randn(6, 12, 5, 7) * torch.logspace(-1, 1, 12).view(1, -1, 1, 1)).to(dtype)
     if layout == "channels last":
         x = x.contiguous(memory_format=torch.channels_last)
@@ -393,7 +394,7 @@ def test_dequantize_mapped_is_the_decode_mapped_by_channel(layout, form):
     got = call()
     assert got.dtype == result_dtype and got.shape == shape and got.is_contiguous()
     assert torch.equal(got, expected)
-    one_op = layout not in ("channel scaled", "channels last")
+    one_op = layout not in ("channel scaled", "channels last", "fp64")
     assert (ops == ["act_hf.unpack_dequantize_into.default"]) == one_op, ops
 
 
