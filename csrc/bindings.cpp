@@ -28,6 +28,9 @@ namespace act_hf {
 std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed);
 std::vector<at::Tensor> quantize_pack_scaled_cuda(const at::Tensor& x, const at::Tensor& shifts, int64_t bits,
                                                   int64_t group_size, int64_t seed);
+std::vector<at::Tensor> quantize_pack_normalized_cuda(const at::Tensor& x, const at::Tensor& mean,
+                                                      const at::Tensor& invstd, int64_t inner, int64_t bits,
+                                                      int64_t group_size, int64_t seed);
 at::Tensor channel_shifts_cuda(const at::Tensor& x, int64_t channels, int64_t max_shift);
 at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                   int64_t bits, int64_t group_size, int64_t numel, at::ScalarType dtype);
@@ -179,6 +182,23 @@ at::Tensor unpack_dequantize_affine(const at::Tensor& payload, const at::Tensor&
   return act_hf::unpack_dequantize_affine_cuda(payload, lo, scale, bits, group_size, numel, mult, shift);
 }
 
+// x's values normalized by their channel of dim 1 before grouping: (x - mean[c]) * invstd[c] for an element k of
+// channel c = (k / inner) % len(mean) (BatchNorm's normalized input, packed as its input is read).
+std::vector<at::Tensor> quantize_pack_normalized(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+                                                 int64_t inner, int64_t bits, int64_t group_size, int64_t seed) {
+  check_quantize_args(x, bits, group_size);
+  TORCH_CHECK(x.scalar_type() != at::kHalf,
+              "x must be float32, bfloat16 or float64 for a normalized quantize (fp16 zero points round to nearest, "
+              "not below the group's normalized minimum), got Half");
+  check_channel_factors(x, mean, invstd, "mean", "invstd");
+  TORCH_CHECK(inner > 0, "inner must be positive, got " + std::to_string(inner));
+  TORCH_CHECK(x.numel() % (inner * mean.numel()) == 0,
+              "x must hold whole rows of inner * len(mean) = " + std::to_string(inner * mean.numel()) +
+                  " elements, got " + std::to_string(x.numel()));
+  py::gil_scoped_release no_gil;
+  return act_hf::quantize_pack_normalized_cuda(x, mean, invstd, inner, bits, group_size, seed);
+}
+
 void unpack_dequantize_into(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo,
                             const at::Tensor& scale, int64_t bits, int64_t group_size, int64_t numel, int64_t start,
                             const at::Tensor& weight, const at::Tensor& bias, int64_t inner,
@@ -296,6 +316,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_pack_scaled", &quantize_pack_scaled,
         "quantize_pack of a flat row-major tensor whose element i is first multiplied by 2^shifts[i % len(shifts)]",
         py::arg("x"), py::arg("shifts"), py::arg("bits"), py::arg("group_size"), py::arg("seed"));
+  m.def("quantize_pack_normalized", &quantize_pack_normalized,
+        "quantize_pack of a flat row-major tensor whose element k of channel c = (k / inner) % len(mean) is first "
+        "normalized to (x - mean[c]) * invstd[c]", py::arg("x"), py::arg("mean"), py::arg("invstd"), py::arg("inner"),
+        py::arg("bits"), py::arg("group_size"), py::arg("seed"));
   m.def("channel_shifts", &channel_shifts,
         "Channel-scaling shifts (int32, one per channel) of a flat row-major tensor with `channels` channels",
         py::arg("x"), py::arg("channels"), py::arg("max_shift"));

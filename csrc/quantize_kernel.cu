@@ -61,11 +61,12 @@ struct ChannelScaling {
 // One warp per group, for the group sizes other than 32, 64, ..., 1024 (those: quantize_pack_lanes_kernel).
 // Pass 1: min, max and a non-finite flag over the group's octets; pass 2 (re-reading the group from L1/L2): codes,
 // packed one octet (8 elements = B bytes, byte aligned since G % 8 == 0) per lane.
-// Scaled: each value is first multiplied by its channel's power of two (quantize_octets.cuh: scale_octet).
-template <typename T, int B, bool Scaled>
+// Scaled: each value is first multiplied by its channel's power of two (quantize_octets.cuh: scale_octet);
+// Normalized: each value is first normalized by its channel of dim 1 (normalize_octet).
+template <typename T, int B, bool Scaled, bool Normalized>
 __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
     const T* __restrict__ x, int64_t n, int64_t group_size, int64_t n_groups, uint64_t seed, bool vec,
-    ChannelScaling scaling, uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out,
+    ChannelScaling scaling, ChannelNorm norm, uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out,
     uint16_t* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp;
@@ -91,6 +92,7 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
       scale_octet(v, cnt, scaling.shifts, scaling.channels, c);
       c = advance_channel(c, scaling.lane_step, scaling.channels);
     }
+    if constexpr (Normalized) normalize_octet(v, norm, i);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (j < cnt) {
@@ -124,6 +126,7 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
       scale_octet(v, cnt, scaling.shifts, scaling.channels, c);
       c = advance_channel(c, scaling.lane_step, scaling.channels);
     }
+    if constexpr (Normalized) normalize_octet(v, norm, i);
     const uint64_t word = quantize_octet<B>(v, cnt, factors, seed, i);
     store_octet<B>(payload + (i / 8) * B, word, (cnt * B + 7) / 8);
   }
@@ -137,10 +140,11 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
 // faster: neither was what bounds it). The arithmetic is quantize_pack_kernel's, octet for octet.
 constexpr int kOctets = 4;
 
-template <typename T, int B, bool Scaled>
+template <typename T, int B, bool Scaled, bool Normalized>
 __global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(  // 3 blocks an SM: at most 80 registers
     const T* __restrict__ x, int64_t n, int lanes, int group_shift, uint64_t seed, bool vec, ChannelScaling scaling,
-    uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out, uint16_t* __restrict__ scale_out) {
+    ChannelNorm norm, uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out,
+    uint16_t* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
   const int sub = lane & (lanes - 1);  // the lane within its group's sub-warp
   const int64_t base = (static_cast<int64_t>(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp) *
@@ -171,6 +175,10 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(  // 3
       scale_octet(v[k], cnt[k], scaling.shifts, scaling.channels, c);
       c = advance_channel(c, scaling.lane_step, scaling.channels);
     }
+  }
+  if constexpr (Normalized) {
+#pragma unroll
+    for (int k = 0; k < kOctets; ++k) normalize_octet(v[k], norm, first + 8 * lanes * k);
   }
   float mn = INFINITY, mx = -INFINITY;
   int nonfinite = 0;
@@ -328,9 +336,10 @@ __global__ void __launch_bounds__(kThreads) unpack_bits_kernel(const uint8_t* __
   for (int j = 0; j < cnt; ++j) codes[i + j] = static_cast<uint8_t>((word >> (j * B)) & kMask);
 }
 
-// quantize_pack_cuda, scaled by channel when `shifts` is given (int32, one per channel of the last dimension).
-std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tensor* shifts, int64_t bits,
-                                             int64_t group_size, int64_t seed) {
+// quantize_pack_cuda, scaled by channel when `shifts` is given (int32, one per channel of the last dimension), or
+// normalized by channel of dim 1 when `norm` is (BatchNorm's input; not fp16, whose zero points round to nearest).
+std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tensor* shifts, const ChannelNorm* norm,
+                                             int64_t bits, int64_t group_size, int64_t seed) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
   const int64_t n_groups = ceil_div(n, group_size);
@@ -351,27 +360,35 @@ std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tens
     scaling.lane_step = (8 * (by_lanes ? lanes : kWarp)) % scaling.channels;  // from a lane's octet to its next
     scaling.small_index = n + kOctets * 8 * kWarp <= (int64_t{1} << 32);  // every lane's first element too
   }
+  const ChannelNorm normalizer = norm != nullptr ? *norm : ChannelNorm{nullptr, nullptr, 1, 1};
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_hf_quantize_pack", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {
-      auto launch = [&](auto scaled) {  // std::true_type or std::false_type
+      auto launch = [&](auto scaled, auto normalized) {  // std::true_type or std::false_type each
         constexpr bool kScaled = decltype(scaled)::value;
+        constexpr bool kNormalized = decltype(normalized)::value;
         auto* lo_out = reinterpret_cast<uint16_t*>(lo.data_ptr<int16_t>());
         auto* scale_out = reinterpret_cast<uint16_t*>(scale.data_ptr<int16_t>());
         if (by_lanes) {
-          quantize_pack_lanes_kernel<scalar_t, B, kScaled><<<blocks, kThreads, 0, stream>>>(
+          quantize_pack_lanes_kernel<scalar_t, B, kScaled, kNormalized><<<blocks, kThreads, 0, stream>>>(
               x.data_ptr<scalar_t>(), n, static_cast<int>(lanes), group_shift, static_cast<uint64_t>(seed),
-              vec, scaling, payload.data_ptr<uint8_t>(), lo_out, scale_out);
+              vec, scaling, normalizer, payload.data_ptr<uint8_t>(), lo_out, scale_out);
         } else {
-          quantize_pack_kernel<scalar_t, B, kScaled><<<blocks, kThreads, 0, stream>>>(
+          quantize_pack_kernel<scalar_t, B, kScaled, kNormalized><<<blocks, kThreads, 0, stream>>>(
               x.data_ptr<scalar_t>(), n, group_size, n_groups, static_cast<uint64_t>(seed), vec, scaling,
-              payload.data_ptr<uint8_t>(), lo_out, scale_out);
+              normalizer, payload.data_ptr<uint8_t>(), lo_out, scale_out);
         }
       };
       if (shifts != nullptr) {
-        launch(std::true_type{});
+        launch(std::true_type{}, std::false_type{});
+      } else if (norm != nullptr) {
+        if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+          TORCH_CHECK(false, "a normalized quantize takes float32, bfloat16 or float64, not float16");
+        } else {
+          launch(std::false_type{}, std::true_type{});
+        }
       } else {
-        launch(std::false_type{});
+        launch(std::false_type{}, std::false_type{});
       }
     });
   });
@@ -382,12 +399,19 @@ std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tens
 }  // namespace
 
 std::vector<at::Tensor> quantize_pack_cuda(const at::Tensor& x, int64_t bits, int64_t group_size, int64_t seed) {
-  return launch_quantize_pack(x, nullptr, bits, group_size, seed);
+  return launch_quantize_pack(x, nullptr, nullptr, bits, group_size, seed);
 }
 
 std::vector<at::Tensor> quantize_pack_scaled_cuda(const at::Tensor& x, const at::Tensor& shifts, int64_t bits,
                                                   int64_t group_size, int64_t seed) {
-  return launch_quantize_pack(x, &shifts, bits, group_size, seed);
+  return launch_quantize_pack(x, &shifts, nullptr, bits, group_size, seed);
+}
+
+std::vector<at::Tensor> quantize_pack_normalized_cuda(const at::Tensor& x, const at::Tensor& mean,
+                                                      const at::Tensor& invstd, int64_t inner, int64_t bits,
+                                                      int64_t group_size, int64_t seed) {
+  const ChannelNorm norm{mean.data_ptr<float>(), invstd.data_ptr<float>(), mean.numel(), inner};
+  return launch_quantize_pack(x, nullptr, &norm, bits, group_size, seed);
 }
 
 namespace {

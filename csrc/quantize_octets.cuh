@@ -162,6 +162,41 @@ ACT_HD void scale_octet(float (&v)[8], int cnt, const int32_t* __restrict__ shif
   }
 }
 
+// BatchNorm's normalized input, packed as it is read (reference.py: quantize_pack_normalized): element i of a
+// row-major (batch, channels, inner) tensor becomes (v - mean[c]) * invstd[c] for its channel c = (i / inner) %
+// channels, the difference and the product each rounded (no fused multiply-add).
+struct ChannelNorm {
+  const float* mean;
+  const float* invstd;
+  int64_t channels;
+  int64_t inner;
+};
+
+// normalize v[j], the value of element i + j, for j in 0..7 (past a partial octet's count too: their channels wrap,
+// and their values are masked off after).
+ACT_HD void normalize_octet(float (&v)[8], const ChannelNorm& norm, int64_t i) {
+  int64_t row, r;  // i / inner and i % inner: a 64-bit division is a long routine, 32 bits where they fit
+  if (i <= UINT32_MAX && norm.inner <= UINT32_MAX) {
+    const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(norm.inner);
+    row = q;
+    r = static_cast<uint32_t>(i) - q * static_cast<uint32_t>(norm.inner);
+  } else {
+    row = i / norm.inner;
+    r = i - row * norm.inner;
+  }
+  int64_t c = row <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) %
+                                                       static_cast<uint32_t>(norm.channels))
+                                : row % norm.channels;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    v[j] = mul_rn(sub_rn(v[j], norm.mean[c]), norm.invstd[c]);
+    if (++r == norm.inner) {
+      r = 0;
+      if (++c == norm.channels) c = 0;
+    }
+  }
+}
+
 // Channel shifts (act_hf/compress/reference.py: channel_shifts): a value's magnitude as the bits of a
 // non-negative float, which order like the numbers (a NaN lies above +inf, 0x7F800000)...
 ACT_HD uint32_t magnitude_bits(float v) { return float_bits(v) & 0x7FFFFFFFu; }

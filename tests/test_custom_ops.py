@@ -35,6 +35,13 @@ def test_opcheck_quantize_and_dequantize(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_quantize_normalized(dtype):
+    x = torch.randn(1000).to(dtype)  # (10, 4, 25)
+    torch.library.opcheck(torch.ops.act_hf.quantize_pack_normalized.default,
+                          (x, torch.randn(4), torch.rand(4) + 0.5, 25, 3, 64, 7), test_utils=OPCHECK_TESTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck_quantize_scaled(dtype):
     x = torch.randn(1000).to(dtype)
     shifts = torch.tensor([0, 3, 24, 1, 0, 7, 2], dtype=torch.int32)  # 7 channels: rows straddle the groups

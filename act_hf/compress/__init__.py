@@ -15,6 +15,7 @@ from .quantizer import (
     dequantize_with_factors,
     quantize,
     quantize_by_rows,
+    quantize_normalized,
 )
 from .rng import manual_seed
 
@@ -36,6 +37,7 @@ __all__ = [
     "pack_bits",
     "quantize",
     "quantize_by_rows",
+    "quantize_normalized",
     "unpack_bits",
     "unpack_mask",
     "zero_unmasked",

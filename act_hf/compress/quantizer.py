@@ -18,7 +18,7 @@ from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
            "dequantize", "dequantize_affine", "dequantize_items", "dequantize_mapped", "dequantize_with_factors",
-           "quantize", "quantize_by_rows"]
+           "quantize", "quantize_by_rows", "quantize_normalized"]
 
 DEFAULT_GROUP_SIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -164,6 +164,42 @@ def quantize_by_rows(make: Callable[[int, int], torch.Tensor], shape: tuple[int,
         place_packed(out, begin, bits, group_size, (part.payload, part.lo, part.scale))
         begin += part.spec.numel
     return PackedTensor(*out, spec, None)
+
+
+def quantize_normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, bits: int = 3,
+                        group_size: int = DEFAULT_GROUP_SIZE, *, seed: int | torch.Generator | None = None
+                        ) -> PackedTensor:
+    """``quantize`` of ``x`` normalized per channel of dim 1, ``(x - mean[c]) * invstd[c]``, in fp32 (the
+    difference and the product each rounded; never rounded to ``x``'s dtype), without the normalized tensor: the
+    kernel normalizes as it reads ``x``. BatchNorm's normalized input. The result decodes like a quantized tensor of
+    ``x``'s shape and dtype.
+
+    Args:
+        x: a contiguous float32 or bfloat16 tensor of at least 2 dims (batch, channels, ...). fp16 is refused: its
+            zero points round to nearest, and a normalized minimum is not an fp16 number.
+        mean, invstd: float32, one value per channel of dim 1.
+        bits, group_size, seed: as :func:`quantize`.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ActHFTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() < 2 or not x.is_contiguous():
+        raise ActHFValueError(f"x must be a contiguous float32 or bfloat16 tensor of at least 2 dims, got a "
+                              f"{'' if x.is_contiguous() else 'non-contiguous '}{x.dtype} tensor of shape "
+                              f"{tuple(x.shape)}")
+    channels = x.shape[1]
+    for name, t in (("mean", mean), ("invstd", invstd)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (channels,):
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ActHFValueError(f"{name} must be a float32 tensor of shape ({channels},), one value per channel "
+                                  f"of x's dim 1, got {got}")
+    check_bits(bits)
+    check_group_size(group_size)
+    x = x.detach()
+    spec = PackedSpec(shape=x.shape, dtype=x.dtype, bits=bits, group_size=group_size)
+    inner = math.prod(x.shape[2:])
+    payload, lo, scale = _library.run(_library.quantize_pack_normalized, x.view(-1), mean.contiguous(),
+                                      invstd.contiguous(), max(inner, 1), bits, group_size, resolve_seed(seed))
+    return PackedTensor(payload, lo, scale, spec, None)
 
 
 def _memory_order(x: torch.Tensor) -> tuple[int, ...] | None:

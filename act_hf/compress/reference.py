@@ -59,6 +59,7 @@ __all__ = [
     "place_packed",
     "quantize_pack",
     "quantize_pack_chunked",
+    "quantize_pack_normalized",
     "uniform_from_hash",
     "unpack_bits",
     "unpack_bits_chunked",
@@ -353,6 +354,24 @@ def place_packed(out: tuple[torch.Tensor, ...], start: int, bits: int, group_siz
     first_byte, first_group = start * bits // 8, start // group_size
     for whole, piece, at in zip(out, part, (first_byte, first_group, first_group)):
         whole[at : at + piece.numel()] = piece
+
+
+def quantize_pack_normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, inner: int, bits: int,
+                             group_size: int, seed: int, chunk: int = 1 << 18) -> tuple[torch.Tensor, ...]:
+    """:func:`quantize_pack` of a flat row-major ``x`` (fp32, bf16 or fp64) whose element ``k`` of channel ``c = (k //
+    inner) % len(mean)`` is first normalized to ``(x - mean[c]) * invstd[c]`` in fp32, the difference and the product
+    each rounded: BatchNorm's normalized input, packed as its input is read (bf16 zero points, which round down, for
+    every such ``x``). Run over runs of about ``chunk`` elements (whole groups), like :func:`quantize_pack_chunked`:
+    the normalized values exist a run at a time. The CPU kernel."""
+    n = x.numel()
+    step = _chunk_elements(group_size, chunk)
+    out = empty_packed(n, bits, group_size, x.device)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        channel = torch.arange(start, stop, device=x.device).div_(inner, rounding_mode="floor").remainder_(mean.numel())
+        values = (x[start:stop].float() - mean[channel]) * invstd[channel]
+        place_packed(out, start, bits, group_size, quantize_pack(values, bits, group_size, seed, start=start))
+    return out
 
 
 def unpack_dequantize_chunked(payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,

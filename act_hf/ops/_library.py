@@ -22,7 +22,7 @@ from ..compress import reference
 from ..errors import ActHFWarning
 
 __all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "masked_scale", "pack_bits", "quantize_pack",
-           "quantize_pack_scaled", "run", "unpack_bits", "unpack_dequantize", "unpack_dequantize_affine",
+           "quantize_pack_normalized", "quantize_pack_scaled", "run", "unpack_bits", "unpack_dequantize", "unpack_dequantize_affine",
            "unpack_dequantize_into", "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,35 @@ def _quantize_pack_fake(x: Tensor, bits: int, group_size: int, seed: int) -> tup
         x.new_empty(n_groups, dtype=torch.int16),
         x.new_empty(n_groups, dtype=torch.int16),
     )
+
+
+def _quantize_pack_normalized(x: Tensor, mean: Tensor, invstd: Tensor, inner: int, bits: int, group_size: int,
+                              seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_quantize_pack` of a flat row-major ``x`` whose element ``k`` is first normalized by its channel of dim 1,
+    ``(x - mean[c]) * invstd[c]``, ``c = (k // inner) % len(mean)`` (BatchNorm's normalized input, never made)."""
+    payload, lo, scale = reference.quantize_pack_normalized(x, mean, invstd, inner, bits, group_size, seed)
+    return payload, lo, scale
+
+
+def _quantize_pack_normalized_cuda(x: Tensor, mean: Tensor, invstd: Tensor, inner: int, bits: int, group_size: int,
+                                   seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    module = _cuda_ext()
+    kernel = _quantize_pack_normalized if module is None else module.quantize_pack_normalized
+    payload, lo, scale = kernel(x, mean, invstd, inner, bits, group_size, seed)
+    return payload, lo, scale
+
+
+quantize_pack_normalized = torch.library.custom_op("act_hf::quantize_pack_normalized", _quantize_pack_normalized,
+                                                   mutates_args=())
+quantize_pack_normalized.register_kernel("cuda", _quantize_pack_normalized_cuda)
+
+
+@quantize_pack_normalized.register_fake
+def _(x: Tensor, mean: Tensor, invstd: Tensor, inner: int, bits: int, group_size: int,
+      seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    torch._check(mean.shape == invstd.shape and x.numel() % (inner * mean.numel()) == 0,
+                 lambda: "mean and invstd need one value a channel of whole rows")
+    return _quantize_pack_fake(x, bits, group_size, seed)
 
 
 def _quantize_pack_scaled(x: Tensor, shifts: Tensor, bits: int, group_size: int,
@@ -349,6 +378,7 @@ def _(grad: Tensor, mask: Tensor, scale: float) -> Tensor:
 _IMPLEMENTATIONS = {
     quantize_pack: {"cpu": _quantize_pack, "cuda": _quantize_pack_cuda},
     quantize_pack_scaled: {"cpu": _quantize_pack_scaled, "cuda": _quantize_pack_scaled_cuda},
+    quantize_pack_normalized: {"cpu": _quantize_pack_normalized, "cuda": _quantize_pack_normalized_cuda},
     channel_shifts: {"cpu": _channel_shifts, "cuda": _channel_shifts_cuda},
     unpack_dequantize: {"cpu": _unpack_dequantize, "cuda": _unpack_dequantize_cuda},
     unpack_dequantize_affine: {"cpu": _unpack_dequantize_affine, "cuda": _unpack_dequantize_affine_cuda},

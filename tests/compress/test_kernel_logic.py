@@ -78,17 +78,22 @@ at::Tensor grad(const at::Tensor& g, const at::Tensor& payload, const at::Tensor
 }
 
 // The quantize kernels' two passes over each group, its lanes in turn (the min/max reduction across lanes is a
-// loop here), channel scaled by `shifts` when it is not empty, each lane tracking its channel as the kernels do:
+// loop here), channel scaled by `shifts` when it is not empty, each lane tracking its channel as the kernels do,
+// or normalized by channel of dim 1 (`mean`, `invstd`, `inner`) when `mean` is not empty:
 // group sizes 32 * 2^k up to 1024 in G / 32 lanes, lane l taking the octets at start + 8 * l + G / 4 * t for
 // t < 4 (quantize_pack_lanes_kernel), others in a warp's 32 lanes, lane l taking those at start + 8 * l + 256 * t
 // (quantize_pack_kernel).
 std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, int64_t bits, int64_t group_size,
-                                 int64_t seed) {
+                                 int64_t seed, const at::Tensor& mean, const at::Tensor& invstd, int64_t inner) {
   constexpr int kLanes = 32;
   const int64_t n = x.numel();
   const int64_t n_groups = act_hf::ceil_div(n, group_size);
   const bool scaled = shifts.numel() > 0;
   const int64_t channels = scaled ? shifts.numel() : 1;
+  const bool normalized = mean.numel() > 0;
+  const act_hf::ChannelNorm norm{normalized ? mean.data_ptr<float>() : nullptr,
+                                 normalized ? invstd.data_ptr<float>() : nullptr, std::max<int64_t>(mean.numel(), 1),
+                                 inner};
   const int64_t lanes = group_size / 32;
   const bool by_lanes = group_size % 32 == 0 && lanes <= kLanes && (lanes & (lanes - 1)) == 0;
   const int64_t n_lanes = by_lanes ? lanes : kLanes, lane_step = (8 * n_lanes) % channels;
@@ -110,6 +115,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, 
               act_hf::scale_octet(v, cnt, shifts.data_ptr<int32_t>(), channels, c);
               c = act_hf::advance_channel(c, lane_step, channels);
             }
+            if (normalized) act_hf::normalize_octet(v, norm, i);
             f(i, cnt, v);
           }
         }
@@ -316,13 +322,14 @@ def test_quantize_octets_give_the_reference(octets, dtype, bits, group_size):
             x[n // 2] = math.nan
             x[-1] = math.inf
         for seed in (0, 1234 + n, (1 << 63) - 1):
-            got = octets.quantize(x, NO_SHIFTS, bits, group_size, seed)
+            got = octets.quantize(x, NO_SHIFTS, bits, group_size, seed, NO_STATS, NO_STATS, 1)
             want = R.quantize_pack(x, bits, group_size, seed)
             for g, w, name in zip(got, want, ("payload", "lo", "scale")):
                 assert torch.equal(g, w), f"{name} differs (n={n}, seed={seed})"
 
 
 NO_SHIFTS = torch.empty(0, dtype=torch.int32)
+NO_STATS = torch.empty(0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -338,12 +345,33 @@ def test_channel_scaled_quantize_octets_give_the_reference(octets, dtype, channe
         scaled = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype)
         x = (scaled.float() / R.channel_powers(shifts, 0, n)).to(dtype)  # exact: powers of two
         for bits, group_size in ((1, 8), (3, 64), (8, 256), (3, 1024), (2, 96)):  # 96: one warp a group
-            got = octets.quantize(x, shifts, bits, group_size, 5)
+            got = octets.quantize(x, shifts, bits, group_size, 5, NO_STATS, NO_STATS, 1)
             want = R.quantize_pack(x, bits, group_size, 5, shifts=shifts)
             for g, w, name in zip(got, want, ("payload", "lo", "scale")):
                 assert torch.equal(g, w), f"{name} differs (n={n}, {bits} bits, group size {group_size})"
             plain = R.quantize_pack((x.float() * R.channel_powers(shifts, 0, n)).to(dtype), bits, group_size, 5)
             assert all(torch.equal(a, b) for a, b in zip(want, plain))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(3, 5, 7), (70, 9), (2, 300, 1), (4, 16, 49)])
+def test_normalized_quantize_octets_give_the_reference(octets, dtype, shape):
+    """BatchNorm's normalized input packed as it is read (``normalize_octet``): each element's channel of dim 1
+    from its index, planes and channel counts that do not divide an octet or a warp's 256 elements, a non-finite
+    value: the reference's bits, which are those of the plain quantizer on the fp32 normalized tensor."""
+    gen = torch.Generator().manual_seed(math.prod(shape))
+    channels, inner = shape[1], math.prod(shape[2:])
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 1).to(dtype).reshape(-1)
+    x[len(x) // 3] = math.inf
+    mean, invstd = torch.randn(channels, generator=gen), torch.rand(channels, generator=gen) + 0.2
+    for bits, group_size in ((1, 8), (3, 64), (8, 256), (3, 1024), (2, 96)):
+        got = octets.quantize(x, NO_SHIFTS, bits, group_size, 5, mean, invstd, inner)
+        want = R.quantize_pack_normalized(x, mean, invstd, inner, bits, group_size, 5)
+        for g, w, name in zip(got, want, ("payload", "lo", "scale")):
+            assert torch.equal(g, w), f"{name} differs ({bits} bits, group size {group_size})"
+        normalized = (x.float().view(-1, channels, inner) - mean.view(1, -1, 1)) * invstd.view(1, -1, 1)
+        plain = R.quantize_pack(normalized.reshape(-1), bits, group_size, 5)
+        assert all(torch.equal(a, b) for a, b in zip(want, plain))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -139,6 +139,23 @@ def test_unpack_dequantize_into_matches_reference(ext, bits, group_size, dtype, 
                 assert torch.equal(out, ref), f"items={items} channels={channels} start={start} offset={offset}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bits, group_size", [(1, 8), (2, 256), (3, 24), (3, 1024), (8, 256)])
+def test_quantize_pack_normalized_matches_reference(ext, dtype, bits, group_size):
+    """BatchNorm's normalized input packed as the kernel reads the input (both quantize kernels: groups of 32 * 2^k
+    and others), channels of dim 1 from each element's index: the reference's bits, an unaligned input too."""
+    for shape in [(3, 5, 7), (70, 9), (4, 16, 49), (2, 3, 1000)]:
+        channels, inner = shape[1], math.prod(shape[2:])
+        base = (torch.randn(math.prod(shape) + 1, device="cuda") * 3 + 1).to(dtype)
+        mean = torch.randn(channels, device="cuda")
+        invstd = torch.rand(channels, device="cuda") + 0.2
+        for x in (base[:-1], base[1:]):
+            got = ext.quantize_pack_normalized(x, mean, invstd, inner, bits, group_size, 11)
+            want = R.quantize_pack_normalized(x, mean, invstd, inner, bits, group_size, 11)
+            for g, w, name in zip(got, want, ("payload", "lo", "scale")):
+                assert torch.equal(g, w), f"{name} differs (shape {shape})"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_masked_scale_matches_native_dropout_backward(ext, dtype):
     """Dropout's input gradient from the packed keep-mask: ``native_dropout_backward``'s bits on the GPU (the
@@ -299,7 +316,9 @@ def test_kernel_errors_name_arguments(ext):
                  (ext.unpack_dequantize_into, (x[:8], *ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, 4, bounds, bounds, 1,
                                                None, False)),
                  (ext.unpack_dequantize_into, (x[:6], *ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, 0, bounds, bounds, 1,
-                                               payload[:0], True))]
+                                               payload[:0], True)),
+                 (ext.quantize_pack_normalized, (x.half(), bounds[:2], bounds[:2], 5, 3, 8, 0)),
+                 (ext.quantize_pack_normalized, (x, bounds, bounds, 2, 3, 8, 0))]
         for fn, args in calls:
             try:
                 fn(*args)
@@ -326,6 +345,8 @@ def test_kernel_errors_name_arguments(ext):
     assert "mask holds 1 bytes, fewer than ceil(grad.numel() / 8) = 2" in lines[10]
     assert "start must be a multiple of 8 from 0 with start + out.numel() <= numel (10), got start 4" in lines[11]
     assert "mask holds 0 bytes, fewer than ceil(out.numel() / 8) = 1" in lines[12]
+    assert "x must be float32, bfloat16 or float64 for a normalized quantize" in lines[13]
+    assert "x must hold whole rows of inner * len(mean) = 6 elements, got 10" in lines[14]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -17,6 +17,7 @@ from act_hf.compress import (
     pack_bits,
     quantize,
     quantize_by_rows,
+    quantize_normalized,
     unpack_bits,
 )
 from act_hf.compress import reference as R
@@ -435,6 +436,39 @@ def test_dequantize_mapped_names_its_arguments():
         dequantize_mapped(packed, torch.ones(16), torch.zeros(16), items=(3, 5))
     with pytest.raises(ValueError, match=r"packed: needs a tensor of at least 2 dims"):
         dequantize_mapped(quantize(torch.randn(64), 3), torch.ones(1), torch.zeros(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 5, 7, 3), (40, 12), (2, 3, 100)])
+def test_quantize_normalized_packs_the_fp32_normalized_tensor(dtype, shape):
+    """``quantize_normalized(x, mean, invstd)`` is ``quantize`` of ``(x - mean) * invstd`` per channel of dim 1 in
+    fp32, bit for bit (one ``act_hf::quantize_pack_normalized``; the CPU kernel in runs of 64 elements too), and
+    decodes as a tensor of ``x``'s shape and dtype."""
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 2 + 1).to(dtype)
+    mean, invstd = torch.randn(shape[1]), torch.rand(shape[1]) + 0.5
+    view = (1, -1) + (1,) * (len(shape) - 2)
+    ops = [str(f) for f, _ in dispatched(lambda: quantize_normalized(x, mean, invstd, 3, 64, seed=9))
+           if "act_hf" in str(f)]
+    got = quantize_normalized(x, mean, invstd, 3, 64, seed=9)
+    want = quantize((x.float() - mean.view(view)) * invstd.view(view), 3, 64, seed=9)
+    assert ops == ["act_hf.quantize_pack_normalized.default"]
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors, want.tensors))
+    runs = R.quantize_pack_normalized(x.reshape(-1), mean, invstd, math.prod(shape[2:]), 3, 64, 9, chunk=64)
+    assert all(torch.equal(a, b) for a, b in zip(runs, got.tensors))
+    assert got.spec.dtype == dtype and got.spec.shape == x.shape and dequantize(got).dtype == dtype
+
+
+def test_quantize_normalized_names_its_arguments():
+    x = torch.randn(4, 6, 5)
+    with pytest.raises(ValueError, match=r"x must be a contiguous float32 or bfloat16 tensor of at least 2 dims, "
+                                         r"got a torch.float16 tensor of shape \(4, 6, 5\)"):
+        quantize_normalized(x.half(), torch.zeros(6), torch.ones(6))
+    with pytest.raises(ValueError, match=r"got a non-contiguous torch.float32 tensor"):
+        quantize_normalized(x.transpose(1, 2), torch.zeros(5), torch.ones(5))
+    with pytest.raises(ValueError, match=r"invstd must be a float32 tensor of shape \(6,\), one value per channel "
+                                         r"of x's dim 1, got torch.float64 of shape \(6,\)"):
+        quantize_normalized(x, torch.zeros(6), torch.ones(6, dtype=torch.float64))
 
 
 def test_dequantize_refuses_a_non_floating_dtype():
