@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ._chunks import chunk_elements
-from .compress import PackedSpec, PackedTensor, quantize, quantize_by_rows
+from .compress import PackedSpec, PackedTensor, quantize, quantize_by_rows, quantize_normalized
 from .regions import enter_own_hooks, leave_own_hooks
 from .swap import HostSwap
 
@@ -231,7 +231,25 @@ class ContextStore:
         for channel scaling (over the whole tensor)."""
         if self._probe is not None or settings.channel_scale:
             return self.compress_as(make(0, shape[0]), settings)
-        packed = quantize_by_rows(make, shape, settings.bits, settings.group_size, chunk=4 * chunk_elements(device))
+        return self._kept(quantize_by_rows(make, shape, settings.bits, settings.group_size,
+                                           chunk=4 * chunk_elements(device)), settings)
+
+    def compress_normalized(self, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, settings: Any,
+                            make: Callable[[int, int], torch.Tensor]) -> PackedTensor:
+        """BatchNorm's normalized input, ``(x - mean) * invstd`` per channel of dim 1, whose rows ``start:stop`` are
+        ``make(start, stop)``: packed straight from ``x`` (:func:`act_hf.compress.quantize_normalized`, which never
+        makes it, not even a slice) for a contiguous fp32 or bf16 ``x`` (the statistics widened to fp32: a bf16
+        model's are bf16 on the CPU); otherwise, and while a probe runs or ``settings`` ask for channel scaling,
+        :meth:`compress_by_rows` of ``make``."""
+        if (self._probe is not None or settings.channel_scale or not x.is_contiguous() or x.dim() < 2
+                or x.dtype not in (torch.float32, torch.bfloat16)):
+            return self.compress_by_rows(make, x.shape, settings, device=x.device)
+        return self._kept(quantize_normalized(x, mean.float(), invstd.float(), settings.bits, settings.group_size),
+                          settings)
+
+    def _kept(self, packed: PackedTensor, settings: Any) -> PackedTensor:
+        """``packed``, an op's own intermediate, swapped to host memory if ``settings`` ask, and labelled with its
+        slot for the trackers."""
         if settings.swap and packed.payload.is_cuda:
             packed = self._offload(packed)
         spec = packed.spec

@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             # bf16 tensor (read and written) and masked by a ReLU's 1-bit code (the codes stand for the mask)
             weight, bias, sums = mult[:256], shift[:256], torch.randn(n // 802816 * 802816, device="cuda",
                                                                        dtype=torch.bfloat16)
-            i_ms = _time_ms(lambda p=packed, k=bits, s=sums, w=weight, b=bias, m=packed[0]: ext.unpack_dequantize_into(
-                s, *p, k, args.group_size, n, 0, w, b, 3136, m[:-(-s.numel() // 8)], True), args.repeat)
+            i_ms = _time_ms(lambda p=packed, k=bits, s=sums, w=weight, b=bias, m=packed[0], count=n:
+                            ext.unpack_dequantize_into(s, *p, k, args.group_size, count, 0, w, b, 3136,
+                                                       m[:-(-s.numel() // 8)], True), args.repeat)
             timed = [("quantize_pack", q_ms, moved), ("unpack_dequantize", d_ms, moved),
                      ("unpack_dequantize_affine", a_ms, packed_bytes + 4 * n),
                      ("unpack_dequantize_into", i_ms, packed_bytes + 4 * sums.numel() + -(-sums.numel() // 8))]

@@ -18,7 +18,7 @@ from tests.patches.models import bert, timm_model
 def _spy(monkeypatch) -> collections.Counter:
     """Count every packed copy the store makes, by (role of its slot, whether it is channel scaled)."""
     made: collections.Counter = collections.Counter()
-    compress, compress_by_rows = store.compress, store.compress_by_rows
+    compress, compress_by_rows, compress_normalized = store.compress, store.compress_by_rows, store.compress_normalized
 
     def note(slot, packed):
         shape = packed.spec.shape
@@ -34,8 +34,15 @@ def _spy(monkeypatch) -> collections.Counter:
             inner.setattr(store, "compress", compress)  # when it packs whole, count it once
             return note(settings.slot, compress_by_rows(make, shape, settings, **kwargs))
 
+    def spy_normalized(x, mean, invstd, settings, make):  # a BatchNorm's normalized input, packed as x is read
+        with monkeypatch.context() as inner:
+            inner.setattr(store, "compress", compress)  # when it packs by slices or whole, count it once
+            inner.setattr(store, "compress_by_rows", compress_by_rows)
+            return note(settings.slot, compress_normalized(x, mean, invstd, settings, make))
+
     monkeypatch.setattr(store, "compress", spy)
     monkeypatch.setattr(store, "compress_by_rows", spy_by_rows)
+    monkeypatch.setattr(store, "compress_normalized", spy_normalized)
     return made
 
 

@@ -615,8 +615,9 @@ class ActBatchNormFunction(torch.autograd.Function):
     """Training-mode BatchNorm (any ``(N, C, *)``; running stats updated exactly as ``F.batch_norm``).
 
     Saves, when the input or the weight needs a gradient: ``quantize((x - mean) * invstd)``, the input
-    normalized per channel (made and packed a slice of the batch at a time, never whole:
-    :meth:`~act_hf.context.ContextStore.compress_by_rows`), with ``save_invstd`` (fp32, one per channel) and
+    normalized per channel (by the quantize kernel as it reads ``x``, in fp32, for a contiguous fp32 or bf16 input;
+    otherwise made and packed a slice of the batch at a time, never whole:
+    :meth:`~act_hf.context.ContextStore.compress_normalized`), with ``save_invstd`` (fp32, one per channel) and
     ``weight``. Backward decodes ``x_norm`` in the gradient's dtype and runs ``aten.native_batch_norm_backward`` on
     it as an input of mean 0 and invstd 1, then scales the input gradient by ``invstd``
     (:func:`_bn_backward_from_x_hat`). Quantizing the normalized input keeps the error relative to each channel's
@@ -641,9 +642,9 @@ class ActBatchNormFunction(torch.autograd.Function):
             if x.numel() < MIN_VALUES_PER_CHANNEL * x.shape[1]:
                 # statistics over a handful of values amplify any error: keep this small tensor exact
                 packed = normalized(x)
-            else:  # never made whole: a full-size temporary at the widest layers
-                packed = store.compress_by_rows(lambda start, stop: normalized(x[start:stop]), x.shape, settings,
-                                                device=x.device)
+            else:  # never made whole: a full-size temporary at the widest layers (on the GPU not at all)
+                packed = store.compress_normalized(x, mean, invstd, settings,
+                                                   lambda start, stop: normalized(x[start:stop]))
                 if note_output:  # noted by act_batch_norm once y has its autograd node (note_pending)
                     ctx.act_affine = (packed, weight, bias, settings.slot)
             save_context(ctx, packed, invstd, weight)

@@ -624,17 +624,56 @@ def test_batch_norm_forward_of_a_bf16_input_makes_no_full_size_fp32_tensor(autoc
         assert torch.equal(y, bn(x))  # the module's own output
 
 
-def test_batch_norm_packs_its_normalized_input_slice_by_slice(monkeypatch):
-    """The normalized input that BatchNorm packs is made a slice of the batch at a time (here 4 slices of 4 rows:
-    the chunk is cut to 1024 elements), never whole: the forward's one full-size tensor is its output, and the
-    context is as large and as close as one packed at once (8 bits: gradients at 30+ dB from float64's)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_norm_packs_its_normalized_input_as_it_reads_it(monkeypatch, dtype):
+    """A contiguous fp32 or bf16 input's normalized form is never made: one ``act_hf::quantize_pack_normalized``
+    reads the input and the per-channel statistics and packs ``(x - mean) * invstd`` (fp32), bit for bit the
+    packing of that tensor, made by hand; the forward's one full-size tensor is its output, and the gradients are
+    at 30+ dB from float64's (8 bits)."""
+    import act_hf.context
+    from act_hf.compress import quantize
+    from act_hf.ops import norm as norm_ops
+
+    made = []
+    packer = act_hf.context.quantize_normalized
+    monkeypatch.setattr(act_hf.context, "quantize_normalized", lambda *args: made.append(packer(*args)) or made[-1])
+    torch.manual_seed(19)
+    bn = _randomize(nn.BatchNorm2d(4)).to(dtype)
+    act = _act(bn, ActBatchNormMixin, bits=8)
+    x = (torch.randn(16, 4, 8, 8) * 2 + 0.3).to(dtype).requires_grad_()
+    ops = dispatched(lambda: act(x))
+    full = {t.untyped_storage().data_ptr() for _, outputs in ops for t in outputs
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == x.numel()}
+    names = [str(func) for func, _ in ops]
+    assert len(full - {x.untyped_storage().data_ptr()}) == 1 and names.count("aten.native_batch_norm.default") == 1
+    assert names.count("act_hf.quantize_pack_normalized.default") == 1
+    with track_saved(act) as saved:
+        act_hf.manual_seed(3)
+        y = act(x)
+    assert saved.bytes == packed_bytes(x.numel(), 8) + 4 * x.element_size()  # and invstd (a bf16 model's is bf16)
+    _, mean, invstd = norm_ops._bn_forward(x.detach(), None, None, None, None, 0.1, bn.eps)
+    act_hf.manual_seed(3)
+    expected = quantize((x.detach().float() - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1), 8)
+    got = made[-1]
+    assert got.spec.dtype == dtype and got.spec.shape == x.shape and all(torch.equal(a, b) for a, b in zip((got.payload, got.lo, got.scale),
+                                                 (expected.payload, expected.lo, expected.scale)))
+    g = torch.randn_like(y)
+    y.backward(g)
+    _check_grads("BN normalized as read", x.grad.float(), {n: p.grad.float() for n, p in act.named_parameters()},
+                 *_grads_f64(bn, x.detach().float().requires_grad_(), g.float()), 30 if dtype == torch.float32 else 20)
+
+
+def test_batch_norm_packs_a_channels_last_normalized_input_slice_by_slice(monkeypatch):
+    """A channels-last input's normalized form is made a slice of the batch at a time (here 4 slices of 4 rows: the
+    chunk is cut to 1024 elements), never whole: the forward's one full-size tensor is its output, and the context
+    is as large and as close as one packed at once (8 bits: gradients at 30+ dB from float64's)."""
     import act_hf.context
 
     monkeypatch.setattr(act_hf.context, "chunk_elements", lambda device: 256)
     torch.manual_seed(19)
     bn = _randomize(nn.BatchNorm2d(4))
     act = _act(bn, ActBatchNormMixin, bits=8)
-    x = torch.randn(16, 4, 8, 8, requires_grad=True)
+    x = torch.randn(16, 4, 8, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
     ops = dispatched(lambda: act(x))
     full = {t.untyped_storage().data_ptr() for _, outputs in ops for t in outputs
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == x.numel()}
