@@ -3,8 +3,8 @@
 On the H200 a patched bert-large step at batch 32 was bound by host work, not by the GPU (README, "First GPU run").
 This benchmark isolates that work on any machine: a tiny BERT (hidden 32, batch 8 x seq 16, one thread), so that
 the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec`` the codec's
-CPU implementations (quantize+pack, unpack+dequantize, its affine form and its per-channel form into a tensor, the bit
-packers of masks, few-bit codes'
+CPU implementations (quantize+pack, also of a BatchNorm's normalized input, unpack+dequantize, its affine form and its
+per-channel form into a tensor, the bit packers of masks, few-bit codes'
 encode+pack and their decode times the gradient, channel scaling's shifts) are replaced by stand-ins that return
 tensors of the right shapes and dtypes without computing anything, as a GPU kernel launch would cost next to
 nothing on the host; what remains is act_hf's own work per op. The stand-ins make the gradients meaningless: this
@@ -55,6 +55,10 @@ def _stub_quantize_pack(x, bits, group_size, seed, chunk=None, shifts=None):
             torch.zeros(groups, dtype=torch.int16))
 
 
+def _stub_quantize_pack_normalized(x, mean, invstd, inner, bits, group_size, seed, chunk=None):
+    return _stub_quantize_pack(x, bits, group_size, seed)
+
+
 def _stub_unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype, chunk=None):
     return torch.zeros(numel, dtype=dtype)
 
@@ -89,7 +93,8 @@ def _stub_channel_shifts(x, max_shift):
 
 
 #: the CPU kernels ``--stub-codec`` replaces (``act_hf.compress.reference`` attributes) and their stand-ins
-STUBS = {"quantize_pack_chunked": _stub_quantize_pack, "unpack_dequantize_chunked": _stub_unpack_dequantize,
+STUBS = {"quantize_pack_chunked": _stub_quantize_pack, "quantize_pack_normalized": _stub_quantize_pack_normalized,
+         "unpack_dequantize_chunked": _stub_unpack_dequantize,
          "unpack_dequantize_affine": _stub_unpack_dequantize_affine,
          "unpack_dequantize_into": _stub_unpack_dequantize_into,
          "pack_bits_chunked": _stub_pack_bits, "unpack_bits_chunked": _stub_unpack_bits,
