@@ -187,6 +187,12 @@ ACT_HD void normalize_octet(float (&v)[8], const ChannelNorm& norm, int64_t i) {
   int64_t c = row <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) %
                                                        static_cast<uint32_t>(norm.channels))
                                 : row % norm.channels;
+  if (r + 8 <= norm.inner) {  // the octet inside one channel's plane (most of them, past 8 elements a plane)
+    const float m = norm.mean[c], s = norm.invstd[c];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = mul_rn(sub_rn(v[j], m), s);
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     v[j] = mul_rn(sub_rn(v[j], norm.mean[c]), norm.invstd[c]);
