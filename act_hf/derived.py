@@ -163,7 +163,7 @@ class AffineTerm:
         packed 1-bit code, of the result's elements) the result is ``+0`` where its bit is 0. A row-major context
         without a sample scale is added in one pass over the result (:func:`~act_hf.compress.dequantize_mapped`), its
         values kept in fp32 from the decode to the one rounding at the end."""
-        if (self.sample_scale is None and self.packed.spec.memory_order is None
+        if (self.sample_scale is None and self.packed.spec.memory_order is None and len(self.packed.shape) >= 2
                 and (values is None or values.is_contiguous())):
             payload = self.packed.payload
             units = reused(_unit_channels, payload, self.packed.shape[1], payload.device)
