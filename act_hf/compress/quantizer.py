@@ -186,12 +186,7 @@ def quantize_normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tenso
         raise ActHFValueError(f"x must be a contiguous float32 or bfloat16 tensor of at least 2 dims, got a "
                               f"{'' if x.is_contiguous() else 'non-contiguous '}{x.dtype} tensor of shape "
                               f"{tuple(x.shape)}")
-    channels = x.shape[1]
-    for name, t in (("mean", mean), ("invstd", invstd)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (channels,):
-            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ActHFValueError(f"{name} must be a float32 tensor of shape ({channels},), one value per channel "
-                                  f"of x's dim 1, got {got}")
+    _check_per_channel(x.shape[1], "x's dim 1", mean=mean, invstd=invstd)
     check_bits(bits)
     check_group_size(group_size)
     x = x.detach()
@@ -287,11 +282,7 @@ def dequantize_affine(packed: PackedTensor, mult: torch.Tensor, shift: torch.Ten
         raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     spec = packed.spec
     channels = spec.shape[-1] if spec.shape else 1
-    for name, t in (("mult", mult), ("shift", shift)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (channels,):
-            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ActHFValueError(f"{name} must be a float32 tensor of shape ({channels},), one value per channel "
-                                  f"of the packed tensor's last dimension, got {got}")
+    _check_per_channel(channels, "the packed tensor's last dimension", mult=mult, shift=shift)
     if spec.memory_order is not None or spec.numel == 0 or lo_dtype_for(spec.dtype) != lo_dtype_for(torch.float32):
         return dequantize(packed, torch.float32).mul_(mult).sub_(shift)
     if spec.channel_scaled:
@@ -326,11 +317,7 @@ def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Te
     if len(spec.shape) < 2:
         raise ActHFValueError(f"packed: needs a tensor of at least 2 dims (batch, channels, ...), got {spec.shape}")
     channels = spec.shape[1]
-    for name, t in (("weight", weight), ("bias", bias)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (channels,):
-            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ActHFValueError(f"{name} must be a float32 tensor of shape ({channels},), one value per channel "
-                                  f"of the packed tensor's dim 1, got {got}")
+    _check_per_channel(channels, "the packed tensor's dim 1", weight=weight, bias=bias)
     start, stop = (0, spec.shape[0]) if items is None else items
     if not 0 <= start <= stop <= spec.shape[0]:
         raise ActHFValueError(f"items: need 0 <= start <= stop <= {spec.shape[0]} (the first dim), got {items}")
@@ -359,6 +346,16 @@ def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Te
     if mask is not None:
         values = zero_unmasked(values.view(-1), mask).view(shape)
     return out.copy_(values)
+
+
+def _check_per_channel(channels: int, where: str, **factors: torch.Tensor) -> None:
+    """Each of ``factors`` is a float32 tensor of shape ``(channels,)``, one value per channel of ``where``; the
+    error names the first that is not."""
+    for name, t in factors.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (channels,):
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ActHFValueError(f"{name} must be a float32 tensor of shape ({channels},), one value per channel "
+                                  f"of {where}, got {got}")
 
 
 def _reader_dtype(spec: PackedSpec, dtype: torch.dtype | None) -> torch.dtype:
