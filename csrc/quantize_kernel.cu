@@ -292,21 +292,33 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_into_kernel(
   }
   int64_t c = row <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) % static_cast<uint32_t>(map.channels))
                                 : row % map.channels;
+  float w[8], b[8];  // each element's channel factors
+  if (r + 8 <= map.inner) {  // the octet inside one channel's plane (most of them, past 8 elements a plane)
+    const float cw = map.weight[c], cb = map.bias[c];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = cw, b[j] = cb;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // past cnt too: c stays a channel, and those values are not stored
+      w[j] = map.weight[c];
+      b[j] = map.bias[c];
+      if (++r == map.inner) {
+        r = 0;
+        if (++c == map.channels) c = 0;
+      }
+    }
+  }
   alignas(16) T old[8];
   if constexpr (Accumulate) load_octet_values(out + k, cnt, vec, old);
   const unsigned keep = Masked ? mask[k / 8] : 0xFFu;
   alignas(16) T vals[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {  // past cnt too: c stays a channel, and those values are not stored
+  for (int j = 0; j < 8; ++j) {
     const float code = static_cast<float>((word >> (j * B)) & kMask);
-    float v = __fadd_rn(__fmul_rn(__fadd_rn(lo, __fmul_rn(code, scale)), map.weight[c]), map.bias[c]);
+    float v = __fadd_rn(__fmul_rn(__fadd_rn(lo, __fmul_rn(code, scale)), w[j]), b[j]);
     if constexpr (Accumulate) v = __fadd_rn(to_float(old[j]), v);
     if constexpr (Masked) v = (keep >> j) & 1u ? v : 0.f;
     vals[j] = from_float<T>(v);
-    if (++r == map.inner) {
-      r = 0;
-      if (++c == map.channels) c = 0;
-    }
   }
   store_octet_values(out + k, vals, cnt, vec);
 }
