@@ -642,7 +642,7 @@ class ActBatchNormFunction(torch.autograd.Function):
             if x.numel() < MIN_VALUES_PER_CHANNEL * x.shape[1]:
                 # statistics over a handful of values amplify any error: keep this small tensor exact
                 packed = normalized(x)
-            else:  # never made whole: a full-size temporary at the widest layers (on the GPU not at all)
+            else:  # never made whole, a full-size temporary at the widest layers (contiguous fp32, bf16: not a slice)
                 packed = store.compress_normalized(x, mean, invstd, settings,
                                                    lambda start, stop: normalized(x[start:stop]))
                 if note_output:  # noted by act_batch_norm once y has its autograd node (note_pending)
