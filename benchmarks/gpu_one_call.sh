@@ -86,7 +86,9 @@ timeout "$(cap $(( $(left) - 5 )))" "$PY" $GT --models gpt2 convnext-tiny --sett
   --no-search --no-curve --steps 5 --warmup 2 --out "$W/models" >"$W/models.log" 2>&1
 echo "models exit $?"; cat "$W/models/gpu_training.md" 2>/dev/null; bundle
 
-for name in swin256 swincap resnet256 large256 models; do cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null; done
+for name in swin256 swincap resnet256 large256 models; do
+  cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null
+done
 cp "$W/host/host_overhead.md" "$OUT/host.md" 2>/dev/null
 cp "$W/profile_resnet/profile_resnet50.md" "$OUT/profile_resnet.md" 2>/dev/null
 cp "$W/quant/quantize_throughput.md" "$OUT/quant.md" 2>/dev/null

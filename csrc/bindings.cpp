@@ -167,8 +167,9 @@ void check_channel_factors(const at::Tensor& payload, const at::Tensor& a, const
     TORCH_CHECK(tensors[i]->is_contiguous(), std::string(names[i]) + " must be contiguous");
   }
   TORCH_CHECK(a.dim() == 1 && a.numel() > 0 && a.sizes() == b.sizes(),
-              std::string(a_name) + " and " + b_name + " must be flat, one value a channel (at least one), got shapes " +
-                  act_hf::shape_str(a.sizes()) + " and " + act_hf::shape_str(b.sizes()));
+              std::string(a_name) + " and " + b_name +
+                  " must be flat, one value a channel (at least one), got shapes " + act_hf::shape_str(a.sizes()) +
+                  " and " + act_hf::shape_str(b.sizes()));
 }
 
 at::Tensor unpack_dequantize_affine(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
@@ -209,7 +210,8 @@ void unpack_dequantize_into(const at::Tensor& out, const at::Tensor& payload, co
   CHECK_CONTIGUOUS(out);
   check_same_device(payload, out, "out");
   TORCH_CHECK(is_float_type(out.scalar_type()),
-              std::string("out must be float32, float16, bfloat16 or float64, got ") + c10::toString(out.scalar_type()));
+              std::string("out must be float32, float16, bfloat16 or float64, got ") +
+                  c10::toString(out.scalar_type()));
   TORCH_CHECK(inner > 0, "inner must be positive, got " + std::to_string(inner));
   TORCH_CHECK(start >= 0 && start % 8 == 0 && start + out.numel() <= numel,
               "start must be a multiple of 8 from 0 with start + out.numel() <= numel (" + std::to_string(numel) +

@@ -290,8 +290,9 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_into_kernel(
     row = k / map.inner;
     r = k - row * map.inner;
   }
-  int64_t c = row <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) % static_cast<uint32_t>(map.channels))
-                                : row % map.channels;
+  int64_t c = row <= UINT32_MAX
+                  ? static_cast<int64_t>(static_cast<uint32_t>(row) % static_cast<uint32_t>(map.channels))
+                  : row % map.channels;
   float w[8], b[8];  // each element's channel factors
   if (r + 8 <= map.inner) {  // the octet inside one channel's plane (most of them, past 8 elements a plane)
     const float cw = map.weight[c], cb = map.bias[c];

@@ -30,8 +30,8 @@ def test_opcheck_quantize_and_dequantize(dtype):
     for start, out, accumulate, m in [(0, torch.empty(1000, dtype=dtype), False, None),
                                       (200, torch.randn(500).to(dtype), True, mask)]:  # 5 items of 4 x 25 from 200
         torch.library.opcheck(torch.ops.act_hf.unpack_dequantize_into.default,
-                              (out, payload, lo, scale, 3, 256, 1000, start, torch.rand(4) + 0.5, torch.randn(4), 25, m,
-                               accumulate), test_utils=OPCHECK_TESTS)
+                              (out, payload, lo, scale, 3, 256, 1000, start, torch.rand(4) + 0.5, torch.randn(4), 25,
+                               m, accumulate), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -299,10 +299,10 @@ def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Te
     ``v * weight[c] + bias[c]``, added to ``out`` when given (in place; it is returned), else into a new contiguous
     tensor of ``dtype`` (default: the original's), the elements whose bit of ``mask`` (1-bit, packed, in the
     result's row-major order) is 0 set to ``+0``. The decode, the map and the sum are fp32 (fp64 into an fp64
-    result), each operation rounded (no fused multiply-add), and the result is rounded once. A BatchNorm output read from its packed normalized
-    input, ``gamma * x_hat + beta``, and the sums and ReLUs of residual blocks built from such outputs
-    (:mod:`act_hf.derived`): in one pass over the result for a row-major context without channel scaling whose
-    zero points are those of the result's dtype (every original but fp16 into fp32 or bf16); otherwise a decode
+    result), each operation rounded (no fused multiply-add), and the result is rounded once. A BatchNorm output read
+    from its packed normalized input, ``gamma * x_hat + beta``, and the sums and ReLUs of residual blocks built from
+    such outputs (:mod:`act_hf.derived`): in one pass over the result for a row-major context without channel scaling
+    whose zero points are those of the result's dtype (every original but fp16 into fp32 or bf16); otherwise a decode
     (:func:`dequantize`) and the same operations after it.
 
     Args:

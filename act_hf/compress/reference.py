@@ -368,7 +368,8 @@ def quantize_pack_normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.
     out = empty_packed(n, bits, group_size, x.device)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        channel = torch.arange(start, stop, device=x.device).div_(inner, rounding_mode="floor").remainder_(mean.numel())
+        channel = torch.arange(start, stop, device=x.device).div_(inner, rounding_mode="floor")
+        channel.remainder_(mean.numel())
         values = (x[start:stop].float() - mean[channel]) * invstd[channel]
         place_packed(out, start, bits, group_size, quantize_pack(values, bits, group_size, seed, start=start))
     return out

@@ -22,8 +22,8 @@ from ..compress import reference
 from ..errors import ActHFWarning
 
 __all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "masked_scale", "pack_bits", "quantize_pack",
-           "quantize_pack_normalized", "quantize_pack_scaled", "run", "unpack_bits", "unpack_dequantize", "unpack_dequantize_affine",
-           "unpack_dequantize_into", "zero_unmasked", "zero_unmasked_inplace"]
+           "quantize_pack_normalized", "quantize_pack_scaled", "run", "unpack_bits", "unpack_dequantize",
+           "unpack_dequantize_affine", "unpack_dequantize_into", "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -82,8 +82,9 @@ def _quantize_pack_fake(x: Tensor, bits: int, group_size: int, seed: int) -> tup
 
 def _quantize_pack_normalized(x: Tensor, mean: Tensor, invstd: Tensor, inner: int, bits: int, group_size: int,
                               seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_quantize_pack` of a flat row-major ``x`` whose element ``k`` is first normalized by its channel of dim 1,
-    ``(x - mean[c]) * invstd[c]``, ``c = (k // inner) % len(mean)`` (BatchNorm's normalized input, never made)."""
+    """:func:`_quantize_pack` of a flat row-major ``x`` whose element ``k`` is first normalized by its channel of
+    dim 1, ``(x - mean[c]) * invstd[c]``, ``c = (k // inner) % len(mean)`` (BatchNorm's normalized input, never
+    made)."""
     payload, lo, scale = reference.quantize_pack_normalized(x, mean, invstd, inner, bits, group_size, seed)
     return payload, lo, scale
 
@@ -211,8 +212,8 @@ def _unpack_dequantize_into(out: Tensor, payload: Tensor, lo: Tensor, scale: Ten
                             accumulate: bool) -> None:
     """Elements ``start ..`` of a packed tensor decoded into ``out``, mapped by their channel's ``weight`` and
     ``bias``, added to ``out`` (``accumulate``) and masked (``act_hf.compress.reference.unpack_dequantize_into``)."""
-    reference.unpack_dequantize_into(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask,
-                                     accumulate)
+    reference.unpack_dequantize_into(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner,
+                                     mask, accumulate)
 
 
 def _unpack_dequantize_into_cuda(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask,
