@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["reused", "zero_scalar"]
+__all__ = ["reused", "zero_scalar", "zeros_and_ones"]
 
 
 def reused(cached: Any, like: torch.Tensor, *args: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -28,3 +28,17 @@ def zero_scalar(like: torch.Tensor) -> torch.Tensor:
     launches a fill kernel every time): the other operand of a ``where``, or expanded as a stand-in whose values are
     never read. Read-only."""
     return reused(_make_zero_scalar, like, like.device, like.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _make_zeros_and_ones(shape: tuple[int, ...], device: torch.device,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(shape, device=device, dtype=dtype), torch.ones(shape, device=device, dtype=dtype)
+
+
+def zeros_and_ones(shape: tuple[int, ...], like: torch.Tensor,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(zeros, ones)`` of ``shape`` in ``dtype`` (default: ``like``'s) on ``like``'s device, made once per shape,
+    device and dtype for plain tensors (a fake or traced ``like`` gets new ones): the statistics of an input already
+    normalized, the factors of a term that has none. Read-only."""
+    return reused(_make_zeros_and_ones, like, tuple(shape), like.device, like.dtype if dtype is None else dtype)

@@ -99,7 +99,6 @@ bits the consumer's slot joins BatchNorm's slot group in a sensitivity probe, so
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import weakref
@@ -111,7 +110,7 @@ import torch
 from torch import Tensor
 
 from ._chunks import in_place
-from ._constants import reused
+from ._constants import zeros_and_ones
 from .compress import (
     PackedTensor,
     dequantize,
@@ -165,10 +164,9 @@ class AffineTerm:
         values kept in fp32 from the decode to the one rounding at the end."""
         if (self.sample_scale is None and self.packed.spec.memory_order is None and len(self.packed.shape) >= 2
                 and (values is None or values.is_contiguous())):
-            payload = self.packed.payload
-            units = reused(_unit_channels, payload, self.packed.shape[1], payload.device)
-            weight = units[1] if self.weight is None else self.weight.float()
-            bias = units[0] if self.bias is None else self.bias.float()
+            zeros, ones = zeros_and_ones((self.packed.shape[1],), self.packed.payload, torch.float32)
+            weight = ones if self.weight is None else self.weight.float()
+            bias = zeros if self.bias is None else self.bias.float()
             return dequantize_mapped(self.packed, weight, bias, out=values, dtype=dtype, items=items, mask=mask)
         return _masked(self._add_to(values, dtype, items), mask)
 
@@ -197,12 +195,6 @@ class AffineTerm:
         if bias is not None:
             in_place(values, Tensor.add_, bias)
         return values
-
-
-@functools.lru_cache(maxsize=64)
-def _unit_channels(channels: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """fp32 zeros and ones, one a channel: the bias and weight of a term that has none (read-only)."""
-    return torch.zeros(channels, device=device), torch.ones(channels, device=device)
 
 
 def _scale_shift_(values: Tensor, weight: Tensor, bias: Tensor) -> Tensor:

@@ -178,15 +178,14 @@ def test_constant_tables_are_cached_only_in_plain_eager_execution():
 
     from act_hf import _constants
     from act_hf.compress import quantizer
-    from act_hf.ops import norm
 
     quantizer._cached_power_table.cache_clear()
-    norm._cached_unit_statistics.cache_clear()
+    _constants._make_zeros_and_ones.cache_clear()
     _constants._make_zero_scalar.cache_clear()
     shifts = torch.tensor([0, 3, 24], dtype=torch.int8)
     with FakeTensorMode() as mode:
         fake_powers = quantizer._powers_of_two(mode.from_tensor(shifts), torch.float32, negate=True)
-        fake_zeros, _ = norm._unit_statistics((6, 1), mode.from_tensor(shifts))
+        fake_zeros, _ = _constants.zeros_and_ones((6, 1), mode.from_tensor(shifts))
         fake_zero = _constants.zero_scalar(mode.from_tensor(shifts))
     assert isinstance(fake_powers, FakeTensor) and isinstance(fake_zeros, FakeTensor)
     assert isinstance(fake_zero, FakeTensor) and _constants._make_zero_scalar.cache_info().currsize == 0
@@ -195,17 +194,17 @@ def test_constant_tables_are_cached_only_in_plain_eager_execution():
     assert zero.shape == () and zero.dtype == torch.bfloat16 and zero.item() == 0
     assert _constants.zero_scalar(grad) is zero and _constants.zero_scalar(shifts) is not zero  # per dtype
     invstd = torch.ones(4)
-    channel_zeros, channel_ones = norm._unit_statistics((4,), invstd)  # BatchNorm's, one per channel
+    channel_zeros, channel_ones = _constants.zeros_and_ones((4,), invstd)  # BatchNorm's, one per channel
     assert channel_zeros.shape == channel_ones.shape == (4,) and channel_ones.dtype == torch.float32
-    assert norm._unit_statistics((4,), invstd)[1] is channel_ones
-    assert norm._unit_statistics((4,), invstd.double())[1].dtype == torch.float64  # per dtype
+    assert _constants.zeros_and_ones((4,), invstd)[1] is channel_ones
+    assert _constants.zeros_and_ones((4,), invstd.double())[1].dtype == torch.float64  # per dtype
     powers = quantizer._powers_of_two(shifts, torch.float32, negate=True)
     assert type(powers) is torch.Tensor and powers.tolist() == [1.0, 2.0**-3, 2.0**-24]
-    zeros, ones = norm._unit_statistics((6, 1), invstd)
+    zeros, ones = _constants.zeros_and_ones((6, 1), invstd)
     assert type(zeros) is torch.Tensor and zeros.shape == (6, 1) and not zeros.any() and bool((ones == 1).all())
-    assert norm._unit_statistics((6, 1), invstd)[0] is zeros  # made once
+    assert _constants.zeros_and_ones((6, 1), invstd)[0] is zeros  # made once
     assert quantizer._cached_power_table.cache_info().currsize == 1
-    assert norm._cached_unit_statistics.cache_info().currsize == 3  # (6, 1), (4,) and (4,) in fp64
+    assert _constants._make_zeros_and_ones.cache_info().currsize == 3  # (6, 1), (4,) and (4,) in fp64
 
 
 def test_few_bit_tables_are_cached_only_for_plain_tensors():

@@ -43,7 +43,6 @@ Gradients are computed in fp32 from the reconstructed ``x_hat`` and cast to each
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -53,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._chunks import in_place, row_spans
-from .._constants import reused
+from .._constants import zeros_and_ones
 from ..compress import (
     PackedTensor,
     dequantize,
@@ -157,21 +156,6 @@ def _inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
     for i, p in enumerate(perm):
         inv[p] = i
     return tuple(inv)
-
-
-def _unit_statistics(shape: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor]:
-    """``(zeros, ones)`` of ``shape`` in ``like``'s dtype and on its device: the mean and rstd of an input already
-    normalized (a LayerNorm's ``(rows, 1)``, a BatchNorm's ``(channels,)``), made once per shape, device and dtype
-    for plain tensors (aten's backward only reads them; a fake or traced ``like`` gets new ones)."""
-    return reused(_cached_unit_statistics, like, shape, like.device, like.dtype)
-
-
-def _make_unit_statistics(shape: tuple[int, ...], device: torch.device,
-                          dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return torch.zeros(shape, device=device, dtype=dtype), torch.ones(shape, device=device, dtype=dtype)
-
-
-_cached_unit_statistics = functools.lru_cache(maxsize=64)(_make_unit_statistics)
 
 
 def _decoded_and_factors(packed: PackedTensor, fold: bool) -> tuple[Tensor, Tensor | None]:
@@ -293,7 +277,7 @@ class ActLayerNormFunction(torch.autograd.Function):
             if context == "output":  # x_hat, in place (the decoded tensor is this backward's own)
                 _undo_affine_(saved, w, None if bias is None else bias.float(), factors, (1, n))
         if context == "output":  # x_hat is fed to aten's backward as an input of mean 0 and rstd 1
-            mean, unit_rstd = _unit_statistics((rows, 1), g)
+            mean, unit_rstd = zeros_and_ones((rows, 1), g)
         else:
             unit_rstd = None
         # grad_b, sum(g), comes from the same pass as grad_w; aten reads only the dtype and device of its bias
@@ -543,7 +527,7 @@ def _normalizer(mean: Tensor, invstd: Tensor) -> Callable[[Tensor], Tensor]:
     """``x -> (x - mean) * invstd`` per channel (dim 1) in ``x``'s dtype, in one pass and no op on the statistics:
     an inference-mode batch norm with ``invstd`` as its weight, ``mean`` as its running mean and a running variance
     of 0 beside an epsilon of 1, so that the variance's own factor, ``1 / sqrt(0 + 1)``, is exactly 1."""
-    zeros = _unit_statistics(tuple(mean.shape), mean)[0]
+    zeros = zeros_and_ones(tuple(mean.shape), mean)[0]
     return lambda x: torch.batch_norm(x, invstd, None, mean, zeros, False, 0.0, 1.0, torch.backends.cudnn.enabled)
 
 
@@ -559,7 +543,7 @@ def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | No
     c = x_hat.shape[1]
     if not grad_out.is_contiguous():
         grad_out = grad_out.contiguous()
-    zeros, ones = _unit_statistics((c,), invstd)
+    zeros, ones = zeros_and_ones((c,), invstd)
     folded = weight is None or weight.dtype == invstd.dtype
     scale = invstd if weight is None else weight * invstd if folded else weight
     grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
