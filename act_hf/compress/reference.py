@@ -260,15 +260,22 @@ def unpack_dequantize(
     """Inverse of :func:`quantize_pack`: a flat tensor of ``numel`` elements in ``dtype``."""
     if numel == 0:
         return torch.empty(0, dtype=dtype, device=payload.device)
+    return _groups_fp32(payload, lo, scale, bits, group_size, numel, lo_dtype_for(dtype))[:numel].to(dtype)
+
+
+def _groups_fp32(payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int,
+                 numel: int, lo_dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 values ``lo + code * scale`` of the groups ``lo`` and ``scale`` describe, whose codes are the first
+    ``numel`` of ``payload`` (the last group's missing codes 0), zero points read as ``lo_dtype``: flat, whole
+    groups."""
     n_groups = lo.numel()
     codes = unpack_bits(payload, bits, numel).to(torch.float32)
     pad = n_groups * group_size - numel
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    lo_f = metadata_to_float(lo, lo_dtype_for(dtype))[:, None]
+    lo_f = metadata_to_float(lo, lo_dtype)[:, None]
     scale_f = metadata_to_float(scale, torch.bfloat16)[:, None]
-    out = lo_f + codes.view(n_groups, group_size) * scale_f
-    return out.view(-1)[:numel].to(dtype)
+    return (lo_f + codes.view(n_groups, group_size) * scale_f).view(-1)
 
 
 def unpack_dequantize_affine(payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
@@ -303,15 +310,10 @@ def unpack_dequantize_into(out: torch.Tensor, payload: torch.Tensor, lo: torch.T
         b = min(flat.numel(), a + step)
         first, last = (start + a) // group_size, -(-(start + b) // group_size)  # the groups holding the run
         seg_end = min(last * group_size, numel)
-        codes = unpack_bits(payload[first * group_size * bits // 8:-(-seg_end * bits // 8)], bits,
-                            seg_end - first * group_size).to(torch.float32)
-        pad = (last - first) * group_size - codes.numel()
-        if pad:
-            codes = torch.cat([codes, codes.new_zeros(pad)])
-        steps = codes.view(last - first, group_size) * metadata_to_float(scale[first:last], torch.bfloat16)[:, None]
-        values = metadata_to_float(lo[first:last], lo_dtype)[:, None] + steps
+        values = _groups_fp32(payload[first * group_size * bits // 8:-(-seg_end * bits // 8)], lo[first:last],
+                              scale[first:last], bits, group_size, seg_end - first * group_size, lo_dtype)
         offset = start + a - first * group_size
-        values = values.view(-1)[offset:offset + b - a].view(-1, channels, inner)
+        values = values[offset:offset + b - a].view(-1, channels, inner)
         values = (values * weight.view(1, -1, 1) + bias.view(1, -1, 1)).view(-1)
         if accumulate:
             values = flat[a:b].float() + values
