@@ -29,6 +29,14 @@ cap() { local l; l=$(left); (( l < $1 )) && echo $(( l > 10 ? l : 10 )) || echo 
 bundle() { tar czf "$OUT/all.tgz" -C "$W" . 2>/dev/null; }
 part() { echo "== $* ($((SECONDS - start)) s in, $(left) s left)"; }
 GT="benchmarks/benchmark_gpu_training.py"
+# speed256 NAME MODEL: MODEL unpatched and at 3 bits, equal batch 256, no cap, alone on the GPU (80 s at most)
+speed256() {
+  part "$2 at equal batch 256, no cap, alone on the GPU"
+  mkdir -p "$W/$1"
+  timeout "$(cap 80)" "$PY" $GT --models "$2" --settings unpatched bits3 --no-search --no-curve --batch 256 \
+    --steps 5 --warmup 2 --out "$W/$1" >"$W/$1.log" 2>&1
+  echo "$1 exit $?"; cat "$W/$1/gpu_training.md" 2>/dev/null; bundle
+}
 
 part build
 timeout 150 "$PY" -m act_hf.cli build-ext >"$W/build.log" 2>&1
@@ -50,11 +58,7 @@ mkdir -p "$W/host"
 timeout "$(cap 60)" "$PY" benchmarks/benchmark_host_overhead.py --device cuda --out "$W/host" >"$W/host.log" 2>&1
 echo "host exit $?"; head -n 6 "$W/host/host_overhead.md" 2>/dev/null; bundle
 
-part "swin-tiny at equal batch 256, no cap, alone on the GPU"
-mkdir -p "$W/swin256"
-timeout "$(cap 80)" "$PY" $GT --models swin-tiny --settings unpatched bits3 --no-search --no-curve --batch 256 \
-  --steps 5 --warmup 2 --out "$W/swin256" >"$W/swin256.log" 2>&1
-echo "swin256 exit $?"; cat "$W/swin256/gpu_training.md" 2>/dev/null; bundle
+speed256 swin256 swin-tiny
 
 part "swin-tiny's largest batch under 16 GiB at 2 and 3 bits"
 mkdir -p "$W/swincap"
@@ -62,11 +66,7 @@ timeout "$(cap 200)" "$PY" $GT --models swin-tiny --settings bits2 bits3 --cap 1
   --out "$W/swincap" >"$W/swincap.log" 2>&1
 echo "swincap exit $?"; cat "$W/swincap/gpu_training.md" 2>/dev/null; bundle
 
-part "resnet50 at equal batch 256, no cap, alone on the GPU"
-mkdir -p "$W/resnet256"
-timeout "$(cap 80)" "$PY" $GT --models resnet50 --settings unpatched bits3 --no-search --no-curve --batch 256 \
-  --steps 5 --warmup 2 --out "$W/resnet256" >"$W/resnet256.log" 2>&1
-echo "resnet256 exit $?"; cat "$W/resnet256/gpu_training.md" 2>/dev/null; bundle
+speed256 resnet256 resnet50
 
 part "resnet50 at batch 128 under the profiler, unpatched and 3 bits, alone on the GPU"
 mkdir -p "$W/profile_resnet"
@@ -74,11 +74,7 @@ timeout "$(cap 50)" "$PY" benchmarks/profile_step.py --model resnet50 --settings
   --steps 2 --warmup 2 --out "$W/profile_resnet" >"$W/profile_resnet.log" 2>&1
 echo "profile exit $?"; head -n 40 "$W/profile_resnet/profile_resnet50.md" 2>/dev/null; bundle
 
-part "bert-large at equal batch 256, no cap, alone on the GPU"
-mkdir -p "$W/large256"
-timeout "$(cap 80)" "$PY" $GT --models bert-large --settings unpatched bits3 --no-search --no-curve --batch 256 \
-  --steps 5 --warmup 2 --out "$W/large256" >"$W/large256.log" 2>&1
-echo "large256 exit $?"; cat "$W/large256/gpu_training.md" 2>/dev/null; bundle
+speed256 large256 bert-large
 
 part "gpt2 and convnext-tiny at equal batch 32, alone on the GPU"
 mkdir -p "$W/models"
