@@ -282,33 +282,8 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_into_kernel(
   const int64_t g = group_shift >= 0 ? e >> group_shift : e / group_size;  // a 64-bit division is a long routine
   const float lo = ZeroPoint<T>::decode(lo_in[g]);
   const float scale = bf16_bits_to_float(scale_in[g]);
-  int64_t row, r;  // k / inner and k % inner, in 32 bits where they fit
-  if (k <= UINT32_MAX && map.inner <= UINT32_MAX) {
-    row = static_cast<uint32_t>(k) / static_cast<uint32_t>(map.inner);
-    r = static_cast<uint32_t>(k) - static_cast<uint32_t>(row) * static_cast<uint32_t>(map.inner);
-  } else {
-    row = k / map.inner;
-    r = k - row * map.inner;
-  }
-  int64_t c = row <= UINT32_MAX
-                  ? static_cast<int64_t>(static_cast<uint32_t>(row) % static_cast<uint32_t>(map.channels))
-                  : row % map.channels;
   float w[8], b[8];  // each element's channel factors
-  if (r + 8 <= map.inner) {  // the octet inside one channel's plane (most of them, past 8 elements a plane)
-    const float cw = map.weight[c], cb = map.bias[c];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) w[j] = cw, b[j] = cb;
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {  // past cnt too: c stays a channel, and those values are not stored
-      w[j] = map.weight[c];
-      b[j] = map.bias[c];
-      if (++r == map.inner) {
-        r = 0;
-        if (++c == map.channels) c = 0;
-      }
-    }
-  }
+  octet_channel_factors(map.weight, map.bias, map.channels, map.inner, k, w, b);
   alignas(16) T old[8];
   if constexpr (Accumulate) load_octet_values(out + k, cnt, vec, old);
   const unsigned keep = Masked ? mask[k / 8] : 0xFFu;

@@ -172,35 +172,46 @@ struct ChannelNorm {
   int64_t inner;
 };
 
-// normalize v[j], the value of element i + j, for j in 0..7 (past a partial octet's count too: their channels wrap,
-// and their values are masked off after).
-ACT_HD void normalize_octet(float (&v)[8], const ChannelNorm& norm, int64_t i) {
-  int64_t row, r;  // i / inner and i % inner: a 64-bit division is a long routine, 32 bits where they fit
-  if (i <= UINT32_MAX && norm.inner <= UINT32_MAX) {
-    const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(norm.inner);
+// The factors a[c] and b[c] of element i + j (j in 0..7) of a row-major (batch, channels, inner) tensor, c its
+// channel (i + j) / inner % channels: 32-bit divisions where they fit, one read of each for an octet inside one
+// channel's plane (most of them, past 8 elements a plane). Past a partial octet's count too: the channels wrap.
+ACT_HD void octet_channel_factors(const float* __restrict__ a, const float* __restrict__ b, int64_t channels,
+                                  int64_t inner, int64_t i, float (&fa)[8], float (&fb)[8]) {
+  int64_t row, r;  // i / inner and i % inner: a 64-bit division is a long routine
+  if (i <= UINT32_MAX && inner <= UINT32_MAX) {
+    const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(inner);
     row = q;
-    r = static_cast<uint32_t>(i) - q * static_cast<uint32_t>(norm.inner);
+    r = static_cast<uint32_t>(i) - q * static_cast<uint32_t>(inner);
   } else {
-    row = i / norm.inner;
-    r = i - row * norm.inner;
+    row = i / inner;
+    r = i - row * inner;
   }
-  int64_t c = row <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) %
-                                                       static_cast<uint32_t>(norm.channels))
-                                : row % norm.channels;
-  if (r + 8 <= norm.inner) {  // the octet inside one channel's plane (most of them, past 8 elements a plane)
-    const float m = norm.mean[c], s = norm.invstd[c];
+  int64_t c = row <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) % static_cast<uint32_t>(channels))
+                                : row % channels;
+  if (r + 8 <= inner) {
+    const float ca = a[c], cb = b[c];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = mul_rn(sub_rn(v[j], m), s);
+    for (int j = 0; j < 8; ++j) fa[j] = ca, fb[j] = cb;
     return;
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    v[j] = mul_rn(sub_rn(v[j], norm.mean[c]), norm.invstd[c]);
-    if (++r == norm.inner) {
+    fa[j] = a[c];
+    fb[j] = b[c];
+    if (++r == inner) {
       r = 0;
-      if (++c == norm.channels) c = 0;
+      if (++c == channels) c = 0;
     }
   }
+}
+
+// normalize v[j], the value of element i + j, for j in 0..7 (past a partial octet's count too; those values are
+// masked off after).
+ACT_HD void normalize_octet(float (&v)[8], const ChannelNorm& norm, int64_t i) {
+  float mean[8], invstd[8];
+  octet_channel_factors(norm.mean, norm.invstd, norm.channels, norm.inner, i, mean, invstd);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = mul_rn(sub_rn(v[j], mean[j]), invstd[j]);
 }
 
 // Channel shifts (act_hf/compress/reference.py: channel_shifts): a value's magnitude as the bits of a
