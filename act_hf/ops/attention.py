@@ -14,9 +14,10 @@ for backward is only
   host memory) and the backend that drew it;
 
 and backward *recomputes* attention from the dequantized ``q``, ``k``, ``v`` and applies the exact
-softmax/matmul backward (through autograd on the recomputation: ``F.scaled_dot_product_attention`` itself, so
-CUDA backward uses the fused kernels; for eager attention with dropout, an explicit fp32 math path with the keep
-mask, which eager attention saves at 1 bit per attention-matrix element).
+softmax/matmul backward: for SDPA through autograd on the recomputation, ``F.scaled_dot_product_attention``
+itself, so CUDA backward uses the fused kernels; for eager attention written out in fp32
+(:func:`math_attention_grads`, the ops autograd would run on :func:`math_attention` without its graph or its
+output's product), with dropout's keep mask, which eager attention saves at 1 bit per attention-matrix element.
 
 Why recompute and not the fused SDPA backward ops
 -------------------------------------------------
@@ -99,6 +100,7 @@ __all__ = [
     "compress_role",
     "grads_of",
     "math_attention",
+    "math_attention_grads",
     "pack_keep_mask",
     "repeat_kv",
     "role_settings",
@@ -139,13 +141,18 @@ def add_window_mask(scores: Tensor, window_mask: Tensor) -> Tensor:
     return scores.view(-1, heads, L, S)
 
 
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`math_attention` computes in for inputs of ``dtype``: fp32 for half ones."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, ...], keep: Tensor | None,
                    dropout_p: float, scale: float | Tensor, window_mask: Tensor | None = None,
                    window_mask_adds: int = 1) -> Tensor:
     """Differentiable eager attention used by backward recomputations (k, v already repeated), in fp32 for half
     inputs: ``softmax(q k^T * scale + masks + window_mask (added window_mask_adds times)) * keep / (1 - p) @ v``.
     ``scale`` may be a tensor (cosine attention's learned per-head logit scale)."""
-    dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dtype = _math_dtype(q.dtype)
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
     for mask in masks:
         if mask is None:
@@ -184,11 +191,12 @@ class _SavedQKV:
     """An attention backward's q, k and v, decoded from their packed contexts in ``dtype`` a chunk of the batch at
     a time (:func:`~act_hf.compress.dequantize_items`): a backward over chunks holds one chunk's values, never the
     whole batch's. Without a packed v (only dv is wanted, which v's values do not enter) v is zeros of its
-    shape."""
+    shape. Their gradients are laid out in ``grad_dtype`` (default ``dtype``)."""
 
     def __init__(self, pq: PackedTensor, pk: PackedTensor, pv: PackedTensor | None, v_shape: torch.Size,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, grad_dtype: torch.dtype | None = None) -> None:
         self.packed, self.v_shape, self.dtype = (pq, pk, pv), v_shape, dtype
+        self.grad_dtype = dtype if grad_dtype is None else grad_dtype
         self.device = pq.device
         self.batch = pq.shape[0]
 
@@ -202,11 +210,11 @@ class _SavedQKV:
         return dequantize_items(pq, start, end, self.dtype), dequantize_items(pk, start, end, self.dtype), v
 
     def empty_like(self, i: int) -> Tensor:
-        """An uninitialised tensor laid out as q, k or v (``i``) decodes, for its gradient."""
+        """An uninitialised tensor of ``grad_dtype`` laid out as q, k or v (``i``) decodes, for its gradient."""
         packed = self.packed[i]
         if packed is None:
-            return torch.empty(self.v_shape, dtype=self.dtype, device=self.device)
-        return packed.spec.laid_out(torch.empty(packed.spec.numel, dtype=self.dtype, device=self.device))
+            return torch.empty(self.v_shape, dtype=self.grad_dtype, device=self.device)
+        return packed.spec.laid_out(torch.empty(packed.spec.numel, dtype=self.grad_dtype, device=self.device))
 
 
 def grads_of(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list[Tensor | None]:
@@ -214,6 +222,67 @@ def grads_of(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list
     wanted = [t for t in leaves if t is not None and t.requires_grad]
     got = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True)) if wanted else iter(())
     return [next(got) if t is not None and t.requires_grad else None for t in leaves]
+
+
+def _reduced_repeat(grad: Tensor, n_rep: int) -> Tensor:
+    """The gradient of :func:`repeat_kv`'s input from its output's: each group of ``n_rep`` heads summed."""
+    if n_rep == 1:
+        return grad
+    batch, heads, slen, dim = grad.shape
+    return grad.view(batch, heads // n_rep, n_rep, slen, dim).sum(2)
+
+
+def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, keep: Tensor | None,
+                         dropout_p: float, scale: float, window_mask: Tensor | None, n_rep: int, grad_out: Tensor,
+                         need: tuple[bool, ...]) -> list[Tensor | None]:
+    """The gradients of ``math_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), (mask,), keep, dropout_p,
+    scale, window_mask)`` for upstream ``grad_out``, by the ops autograd runs on it, written out: no graph is
+    built, and the output's product ``P @ v``, which no gradient reads, is not computed. ``q``, ``k`` and ``v`` are
+    in the dtype attention is computed in (fp32 for half inputs, as ``math_attention`` casts them), and so are
+    the gradients of q, k and v; a mask's and the window mask's come in their own dtypes. ``need``: whether q, k,
+    v, the mask and the window mask want a gradient (``None`` for those that do not)."""
+    dtype = q.dtype
+    k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    scores = torch.matmul(q, k_full.transpose(-2, -1)).mul_(scale)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(mask.logical_not(), float("-inf"))
+        else:
+            added = mask.to(dtype)
+            # in place unless the mask broadcasts the scores to a larger shape
+            scores = scores.add_(added) if torch.broadcast_shapes(scores.shape, added.shape) == scores.shape \
+                else scores + added
+    if window_mask is not None:
+        heads, length, slen = scores.shape[-3:]
+        scores.view(-1, window_mask.shape[0], heads, length, slen).add_(window_mask.to(dtype).unsqueeze(1))
+    probs = torch.softmax(scores, -1)
+    del scores
+    g = grad_out.to(dtype, memory_format=torch.contiguous_format)  # a transposed output's: one copy, not two
+    kept = probs if keep is None else probs * keep * (1.0 / (1.0 - dropout_p))
+    dv = _reduced_repeat(torch.matmul(kept.transpose(-2, -1), g), n_rep) if need[2] else None
+    del kept
+    grads: list[Tensor | None] = [None, None, dv, None, None]
+    if not (need[0] or need[1] or need[3] or need[4]):
+        return grads
+    d_probs = torch.matmul(g, v_full.transpose(-2, -1))
+    if keep is not None:
+        d_probs = d_probs.mul_(1.0 / (1.0 - dropout_p)).mul_(keep)
+    d_scores = torch._softmax_backward_data(d_probs, probs, -1, dtype)
+    del d_probs, probs
+    if need[3] and mask is not None:
+        grads[3] = d_scores.sum_to_size(mask.shape).to(mask.dtype)
+    if need[4] and window_mask is not None:
+        heads, length, slen = d_scores.shape[-3:]
+        windows = d_scores.view(-1, window_mask.shape[0], heads, length, slen)
+        grads[4] = windows.sum_to_size(1, window_mask.shape[0], 1, length, slen).view(window_mask.shape)
+        grads[4] = grads[4].to(window_mask.dtype)
+    if need[0] or need[1]:
+        d_scores.mul_(scale)
+        if need[0]:
+            grads[0] = torch.matmul(d_scores, k_full)
+        if need[1]:
+            grads[1] = _reduced_repeat(torch.matmul(d_scores.transpose(-2, -1), q), n_rep)
+    return grads
 
 
 def _check_dropout(dropout_p: float) -> None:
@@ -282,7 +351,8 @@ class ActSDPAFunction(torch.autograd.Function):
         chunked = replay is None and (need[3] or window_mask is not None)
         chunks = _batch_chunks(qkv.batch, pq.shape[1] * pq.shape[-2] * pk.shape[-2],
                                1 if window_mask is None else window_mask.shape[0]) if chunked else [(0, qkv.batch)]
-        grads = _attention_grads(chunks, qkv, mask, window_mask, grad_out, (*need[:4], False), recompute)
+        grads = _attention_grads(chunks, qkv, mask, window_mask, grad_out, (*need[:4], False),
+                                 autograd_grads(recompute, (*need[:4], False)))
         return (*grads[:4], None, None, None, None, None, None, None)
 
 
@@ -573,15 +643,16 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         pq, pk, pv, mask, extra, keep_payload = load_context(ctx)
         scaling, dropout_p, n_rep = ctx.args
         need = ctx.needs_input_grad
-        qkv = _SavedQKV(pq, pk, pv, ctx.v_shape, grad_out.dtype)
+        # q, k, v decoded straight into the dtype attention is recomputed in (fp32 for half inputs)
+        qkv = _SavedQKV(pq, pk, pv, ctx.v_shape, _math_dtype(grad_out.dtype), grad_out.dtype)
         keep = unpack_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
 
-        def recompute(qc, kc, vc, m, e, start, end):  # attention of items [start, end), keep mask sliced to them
-            return math_attention(qc, repeat_kv(kc, n_rep), repeat_kv(vc, n_rep), (m,),
-                                  None if keep is None else keep[start:end], dropout_p, scaling, window_mask=e)
+        def chunk_grads(qc, kc, vc, m, e, g, start, end):  # items [start, end), keep mask sliced to them
+            return math_attention_grads(qc, kc, vc, m, None if keep is None else keep[start:end], dropout_p, scaling,
+                                        e, n_rep, g, need[:5])
 
         chunks = _batch_chunks(qkv.batch, math.prod(ctx.keep_shape[1:]), 1 if extra is None else extra.shape[0])
-        return (*_attention_grads(chunks, qkv, mask, extra, grad_out, need[:5], recompute),
+        return (*_attention_grads(chunks, qkv, mask, extra, grad_out, need[:5], chunk_grads),
                 None, None, None, None, None, None, None, None)
 
 
@@ -591,47 +662,62 @@ def _per_item_mask(mask: Tensor | None, batch: int, ndim: int) -> bool:
     return mask is not None and mask.dim() == ndim and mask.shape[0] == batch and batch > 1
 
 
+#: a chunk's gradients: ``(q, k, v, mask, window_mask, grad_out, start, end) -> [dq, dk, dv, dmask, dwindow_mask]``
+#: for batch items ``[start, end)``, given their q, k, v, grad_out and (sliced when per item) mask
+ChunkGrads = Callable[[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor, int, int], list[Tensor | None]]
+
+
+def autograd_grads(recompute: Callable[..., Tensor], need: tuple[bool, ...]) -> ChunkGrads:
+    """:data:`ChunkGrads` by autograd on a recomputation: ``recompute(q, k, v, mask, window_mask, start, end)``
+    runs the attention of items ``[start, end)`` on leaves made of the given tensors, requiring grad as ``need``
+    says (q, k, v, the mask, the window mask)."""
+
+    def grads(q, k, v, m, e, g, start, end):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(want) for t, want in zip((q, k, v), need[:3])]
+            if m is not None:
+                m = m.detach().requires_grad_(need[3])
+            if e is not None and need[4]:
+                e = e.detach().requires_grad_(True)
+            return grads_of(recompute(*leaves, m, e, start, end), [*leaves, m, e], g)
+
+    return grads
+
+
 def _recomputed_grads(start: int, end: int, qkv: tuple[Tensor, Tensor, Tensor], batch: int, mask: Tensor | None,
-                      window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
-                      recompute: Callable[..., Tensor]) -> list[Tensor | None]:
-    """The gradients of batch items ``[start, end)`` of ``batch``, whose q, k and v are ``qkv``:
-    ``recompute(q, k, v, mask, window_mask, start, end)`` runs their attention (batch items are independent) and
-    autograd differentiates it. ``need``: whether q, k, v, the mask and the window mask want a gradient."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(want) for t, want in zip(qkv, need[:3])]
-        m = mask
-        if mask is not None:
-            m = (mask[start:end] if _per_item_mask(mask, batch, qkv[0].dim()) else mask).detach()
-            m.requires_grad_(need[3])
-        e = window_mask.detach().requires_grad_(True) if window_mask is not None and need[4] else window_mask
-        out = recompute(*leaves, m, e, start, end)
-        return grads_of(out, [*leaves, m, e], grad_out[start:end])
+                      window_mask: Tensor | None, grad_out: Tensor, chunk_grads: ChunkGrads) -> list[Tensor | None]:
+    """The gradients of batch items ``[start, end)`` of ``batch``, whose q, k and v are ``qkv`` (batch items are
+    independent): ``chunk_grads`` on them, the mask sliced to them when it has one entry per item."""
+    m = mask[start:end] if _per_item_mask(mask, batch, qkv[0].dim()) else mask
+    return chunk_grads(*qkv, m, window_mask, grad_out[start:end], start, end)
 
 
 def _attention_grads(chunks: list[tuple[int, int]], qkv: _SavedQKV, mask: Tensor | None,
                      window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
-                     recompute: Callable[..., Tensor]) -> list[Tensor | None]:
-    """An attention backward by recomputation: in one pass for a single chunk, else :func:`_grads_by_chunks`."""
+                     chunk_grads: ChunkGrads) -> list[Tensor | None]:
+    """An attention backward by recomputation: in one pass for a single chunk (dq, dk, dv in ``qkv.grad_dtype``),
+    else :func:`_grads_by_chunks`."""
     if len(chunks) > 1:
-        return _grads_by_chunks(chunks, qkv, mask, window_mask, grad_out, need, recompute)
+        return _grads_by_chunks(chunks, qkv, mask, window_mask, grad_out, need, chunk_grads)
     start, end = chunks[0]
-    return _recomputed_grads(start, end, qkv.items(start, end), qkv.batch, mask, window_mask, grad_out, need,
-                             recompute)
+    grads = _recomputed_grads(start, end, qkv.items(start, end), qkv.batch, mask, window_mask, grad_out,
+                              chunk_grads)
+    return [None if g is None else g.to(qkv.grad_dtype) for g in grads[:3]] + grads[3:]
 
 
 def _grads_by_chunks(chunks: list[tuple[int, int]], qkv: _SavedQKV, mask: Tensor | None,
                      window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
-                     recompute: Callable[..., Tensor]) -> list[Tensor | None]:
+                     chunk_grads: ChunkGrads) -> list[Tensor | None]:
     """An attention backward over ``chunks`` of the batch (:func:`_recomputed_grads` each, on that chunk's q, k
-    and v alone). ``dq``, ``dk``, ``dv`` and a per-item mask's gradient are filled chunk by chunk; the gradients
-    of a mask broadcast over the batch (Swin's relative position bias) and of the window mask are summed over
-    the chunks."""
+    and v alone). ``dq``, ``dk``, ``dv`` (in ``qkv.grad_dtype``) and a per-item mask's gradient are filled chunk
+    by chunk; the gradients of a mask broadcast over the batch (Swin's relative position bias) and of the window
+    mask are summed over the chunks."""
     per_item_mask = _per_item_mask(mask, qkv.batch, len(qkv.packed[0].shape))
     grads: list[Tensor | None] = [qkv.empty_like(i) if want else None for i, want in enumerate(need[:3])]
     grads += [torch.empty_like(mask) if need[3] and per_item_mask else None, None]
     for start, end in chunks:
-        got = _recomputed_grads(start, end, qkv.items(start, end), qkv.batch, mask, window_mask, grad_out, need,
-                                recompute)
+        got = _recomputed_grads(start, end, qkv.items(start, end), qkv.batch, mask, window_mask, grad_out,
+                                chunk_grads)
         for i, g in enumerate(got):
             if g is None:
                 continue

@@ -19,7 +19,15 @@ from act_hf.compress import dequantize, dequantize_items, quantize
 from act_hf.context import track_saved
 from act_hf.errors import ActHFValueError
 from act_hf.ops._saving import OpSettings
-from act_hf.ops.attention import _grads_by_chunks, act_eager_attention, act_sdpa, repeat_kv
+from act_hf.ops.attention import (
+    _grads_by_chunks,
+    act_eager_attention,
+    act_sdpa,
+    grads_of,
+    math_attention,
+    math_attention_grads,
+    repeat_kv,
+)
 from tests.utils import assert_grads_match, dispatched, packed_bytes, sqnr_db, tensors_with_history
 
 # Minimum gradient SQNR (dB) of dq, dk, dv per bit width for Gaussian q, k, v (B, H, S, D = 2, 4, 64, 32).
@@ -414,6 +422,45 @@ def test_no_zeros_are_made_for_the_attention_weights_gradient(monkeypatch, kind)
     out.sum().backward()
     assert received == [None] and not w.requires_grad
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("case", ["bias_and_window", "per_item_mask", "bool_mask", "dropout_gqa", "no_mask"])
+@pytest.mark.parametrize("need", [(True, True, True), (False, False, True), (True, False, False)])
+def test_written_out_attention_backward_gives_autograds_gradients(case, need):
+    """``math_attention_grads``, the eager backward written out (no graph, no ``P @ v``), gives the gradients
+    autograd takes through ``math_attention`` on the same inputs: q, k, v (through ``repeat_kv``), a learned
+    mask (broadcast over the batch or one per item) and Swin's window mask, dropout's keep mask applied.
+    float64: only the order of a sum may differ."""
+    torch.manual_seed(0)
+    windows, n, d, heads = 3, 7, 5, 4
+    batch = 2 * windows
+    n_rep = 2 if case == "dropout_gqa" else 1
+    q, k, v = (t.detach() for t in _qkv(b=batch, h=heads, hkv=heads // n_rep, s=n, d=d, dtype=torch.float64))
+    mask = window = keep = None
+    if case == "bias_and_window":
+        mask = torch.randn(1, heads, n, n, dtype=torch.float64)
+        window = torch.zeros(windows, n, n, dtype=torch.float64).masked_fill(torch.rand(windows, n, n) < 0.3, -9.0)
+    elif case == "per_item_mask":
+        mask = torch.randn(batch, 1, n, n, dtype=torch.float64)
+    elif case == "bool_mask":
+        mask = torch.rand(batch, 1, 1, n) > 0.2
+    elif case == "dropout_gqa":
+        keep = torch.rand(batch, heads, n, n) > 0.25
+    grad_out = torch.randn(batch, heads, n, d, dtype=torch.float64)
+    wants = (*need, mask is not None and mask.is_floating_point(), window is not None)
+    leaves = [t.clone().requires_grad_(w) for t, w in zip((q, k, v), need)]
+    learned = [None if t is None else t.clone().requires_grad_(w) for t, w in zip((mask, window), wants[3:])]
+    out = math_attention(leaves[0], repeat_kv(leaves[1], n_rep), repeat_kv(leaves[2], n_rep), (learned[0],), keep,
+                         0.25 if keep is not None else 0.0, 0.3, window_mask=learned[1])
+    expected = grads_of(out, [*leaves, *learned], grad_out)
+    got = math_attention_grads(q, k, v, mask, keep, 0.25 if keep is not None else 0.0, 0.3, window, n_rep, grad_out,
+                               wants)
+    for want, e, g in zip(wants, expected, got):
+        if not want:
+            assert g is None
+            continue
+        assert g.dtype == e.dtype and g.shape == e.shape
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("op", ["eager", "sdpa"])
