@@ -26,6 +26,8 @@ which hidden states are channel scaled, as in every real model.
                                                                          # traffic at wider, longer shapes
     python benchmarks/benchmark_host_overhead.py --stub-codec --timm resnet50 --batch 4 --steps 1
                                                                          # a timm model instead (96 px images)
+    python benchmarks/benchmark_host_overhead.py --stub-codec --timm swin_tiny_patch4_window7_224 --image-size 224 \
+        --batch 8 --steps 1 --attention-chunk-elements 524288     # swin-tiny's attention chunks of batch 256
 
 Writes ``host_overhead.json`` and ``host_overhead.md`` under ``--out``.
 """
@@ -44,6 +46,7 @@ import torch
 
 import act_hf
 from act_hf.compress import reference
+from act_hf.ops import attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_saved_memory import _meta, pyplot
@@ -310,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                              "their host work on that machine)")
     parser.add_argument("--stub-codec", action="store_true",
                         help="replace the codec's CPU implementations by shape-only stand-ins (host work only)")
+    parser.add_argument("--attention-chunk-elements", type=int, metavar="N",
+                        help="act_hf.ops.attention.RECOMPUTE_CHUNK_ELEMENTS for the run: a small batch then runs "
+                             "the attention chunks a large one does on a GPU (swin-tiny at batch 8 with 524288: "
+                             "batch 256's 38 chunks a way)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     for name in args.settings:
@@ -321,7 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--timm and --hf-fallback: one model at a time")
     if args.device == "cuda" and (args.stub_codec or not torch.cuda.is_available()):
         parser.error("--device cuda: needs a GPU, and runs the CUDA kernels (no --stub-codec)")
+    if args.attention_chunk_elements is not None and args.attention_chunk_elements < 1:
+        parser.error(f"--attention-chunk-elements must be >= 1, got {args.attention_chunk_elements}")
     torch.set_num_threads(1)
+    chunk_elements = attention.RECOMPUTE_CHUNK_ELEMENTS
+    if args.attention_chunk_elements is not None:
+        attention.RECOMPUTE_CHUNK_ELEMENTS = args.attention_chunk_elements
     saved = {name: getattr(reference, name) for name in STUBS}
     if args.stub_codec:
         for name, stub in STUBS.items():
@@ -334,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name, kernel in saved.items():
             setattr(reference, name, kernel)
+        attention.RECOMPUTE_CHUNK_ELEMENTS = chunk_elements
     base = next((r["ms_per_step"] for r in rows if r["setting"] == "unpatched"), None)
     for r in rows:
         r["vs_unpatched"] = None if base is None else r["ms_per_step"] / base
@@ -341,13 +354,16 @@ def main(argv: list[str] | None = None) -> int:
                                          "seq": args.seq, "hidden": args.hidden, "timm": args.timm,
                                          "hf_fallback": args.hf_fallback,
                                          "image_size": args.image_size, "stub_codec": args.stub_codec,
-                                         "autocast": not args.fp32}
+                                         "autocast": not args.fp32,
+                                         "attention_chunk_elements": args.attention_chunk_elements or chunk_elements}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     model = (f"timm {args.timm} ({args.image_size} px images, batch {args.batch})" if args.timm else
              f"Tiny {args.hf_fallback} through the fallback ({max(1, args.layers // 2)} encoder and decoder layers, "
              f"hidden {args.hidden}, batch {args.batch} x seq {args.seq})" if args.hf_fallback else
              f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq})")
+    if args.attention_chunk_elements is not None:
+        model += f", attention recomputed in chunks of {args.attention_chunk_elements} matrix elements"
     codec = ("stubbed (host work only)" if args.stub_codec else "CUDA kernels" if args.device == "cuda"
              else "real (CPU reference)")
     lines = [(f"{model}, {'fp32' if args.fp32 else 'bf16 autocast'}, one thread, best of 3 x {args.steps} steps; "

@@ -334,6 +334,26 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert (tmp_path / "host_overhead.md").read_text().startswith("timm resnet18 (32 px images, batch 2)")
 
 
+def test_host_overhead_runs_attention_in_the_chunks_asked_for(tmp_path, monkeypatch):
+    """``--attention-chunk-elements``: the steps measured recompute attention in chunks of that many matrix
+    elements (a small batch runs the chunks a large one does), recorded in the results; the module's constant is
+    put back after, and a size below 1 is refused."""
+    from act_hf.ops import attention
+
+    host_overhead = _load("benchmark_host_overhead")
+    default, seen = attention.RECOMPUTE_CHUNK_ELEMENTS, []
+    measure = host_overhead.measure
+    monkeypatch.setattr(host_overhead, "measure",
+                        lambda *a, **k: seen.append(attention.RECOMPUTE_CHUNK_ELEMENTS) or measure(*a, **k))
+    assert host_overhead.main(["--stub-codec", "--layers", "1", "--steps", "1", "--attention-chunk-elements",
+                               "4096", "--out", str(tmp_path)]) == 0
+    assert seen == [4096, 4096] and attention.RECOMPUTE_CHUNK_ELEMENTS == default
+    assert json.loads((tmp_path / "host_overhead.json").read_text())["meta"]["attention_chunk_elements"] == 4096
+    assert "attention recomputed in chunks of 4096 matrix elements" in (tmp_path / "host_overhead.md").read_text()
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--attention-chunk-elements", "0"])
+
+
 @pytest.mark.parametrize("name", ["bart", "whisper"])
 def test_host_overhead_of_a_fallback_model(tmp_path, name):
     """``--hf-fallback``: a tiny HF model act_hf has no family for, patched through the fallback, trains; its
