@@ -92,7 +92,7 @@ class ActConfig:
         channel_scale: before quantizing the hidden states (LayerNorm/RMSNorm output contexts, which the
             linears after them share, and packed checkpoint inputs), multiply each feature channel by a power
             of two that equalizes the channels' ranges, and divide it back out when decoding (exact, so
-            unbiased; one byte per channel; :func:`act_hf.compress.quantize`). Hidden states have a few outlier
+            unbiased; four bytes per channel; :func:`act_hf.compress.quantize`). Hidden states have a few outlier
             channels tens of times larger than the rest, which otherwise set the range of every group they
             fall in (README, "Channel scaling"). Other contexts (attention's q/k/v, the attention context,
             GELU outputs) measured worse scaled and stay plain. On by default, for fixed bits and adaptive

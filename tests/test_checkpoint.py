@@ -63,7 +63,7 @@ def test_packed_inputs_recompute_on_the_dequantized_input(bits, channel_scale):
                                                                 channel_scale=channel_scale))
     assert torch.equal(y1, y0)
     numel = x.numel()
-    assert saved.by_slot["checkpoint"] == math.ceil(numel * bits / 8) + 4 * (numel // 64) + 16 * channel_scale
+    assert saved.by_slot["checkpoint"] == math.ceil(numel * bits / 8) + 4 * (numel // 64) + 4 * 16 * channel_scale
 
     act_hf.manual_seed(7)
     q = dequantize(quantize((x * 2).detach(), bits, 64, channel_scale=channel_scale)).requires_grad_()

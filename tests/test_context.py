@@ -42,7 +42,7 @@ def test_the_first_packer_decides_the_channel_scaling_of_a_shared_copy():
     first = store.compress(x, slot="norm:output", bits=3, group_size=256, channel_scale=True)
     again = store.compress(x, slot="lin:input", bits=3, group_size=256, channel_scale=False)
     assert again.spec.channel_scaled and all(a is b for a, b in zip(again.tensors, first.tensors))
-    assert first.nbytes == n * 3 // 8 + 4 * (n // 256) + 64  # + one byte per channel
+    assert first.nbytes == n * 3 // 8 + 4 * (n // 256) + 4 * 64  # + four bytes per channel
 
 
 def test_a_freed_shared_copy_is_packed_again_in_the_first_packers_form():

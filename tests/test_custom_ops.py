@@ -134,8 +134,11 @@ def test_eager_calls_skip_the_dispatcher_and_modes_still_see_the_ops(monkeypatch
     hidden = torch.randn(64, 100)
     seen = [str(func) for func, _ in dispatched(lambda: quantize(hidden, 3, 64, seed=5, channel_scale=True))]
     ops = [name for name in seen if not name.startswith(("aten.detach", "aten.view"))]
-    assert ops == ["act_hf.channel_shifts.default", "act_hf.quantize_pack_scaled.default",
-                   "aten._to_copy.default"]  # the shifts' int8 copy for the packed tensor
+    assert ops == ["act_hf.channel_shifts.default", "act_hf.quantize_pack_scaled.default"]  # the shifts kept as made
+    packed = quantize(hidden, 3, 64, seed=5, channel_scale=True)
+    seen = [str(func) for func, _ in dispatched(lambda: dequantize(packed))]
+    ops = [name for name in seen if not name.startswith(("aten.detach", "aten.view"))]
+    assert ops == ["act_hf.unpack_dequantize.default", "aten.index_select.default", "aten.mul_.Tensor"]  # no cast
 
     calls = []
     implementation = _library._IMPLEMENTATIONS[_library.quantize_pack]["cpu"]

@@ -62,7 +62,7 @@ class PackedTensor:
         lo: ``int16[n_groups]``, raw bf16 (fp16 for fp16 inputs) bit patterns of each group's zero point.
         scale: ``int16[n_groups]``, raw bf16 bit patterns of each group's step.
         spec: shape, dtype, bits, group size and channel scaling of the original tensor.
-        channel: ``int8[shape[-1]]``, the shifts ``k`` when ``spec.channel_scaled`` (channel ``c`` was multiplied
+        channel: ``int32[shape[-1]]``, the shifts ``k`` when ``spec.channel_scaled`` (channel ``c`` was multiplied
             by ``2**k[c]`` before grouping; decoding divides it back out), else ``None``; see
             :func:`act_hf.compress.quantize`.
     """

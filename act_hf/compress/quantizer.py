@@ -23,8 +23,8 @@ __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "
 DEFAULT_GROUP_SIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 CHANNEL_SCALE_MIN_ROWS = 64
-"""Channel scaling applies to tensors with at least this many rows (``numel // shape[-1]``): its one byte per
-channel then costs at most 1/8 bit per element."""
+"""Channel scaling applies to tensors with at least this many rows (``numel // shape[-1]``): its four bytes per
+channel then cost at most 1/2 bit per element (1/64 at 4096 rows, a batch of 32 x 128 tokens)."""
 _MAX_CHANNEL_SHIFT = {torch.float16: 15}  # 2**15 is fp16's largest power of two; other dtypes take 24
 
 
@@ -71,7 +71,8 @@ def quantize(
     channels (pretrained MiniLM's layer inputs at 4 bits: relative error 0.42 -> 0.18, README). The shift is
     exact (a power of two, never past the largest channel, so nothing overflows), so the estimate stays
     unbiased; decoding's division rounds only results below the dtype's smallest normal number (fp16:
-    6.1e-5). It costs one byte per channel (``k``, at most 24, 15 for fp16), and it applies only when ``x`` has
+    6.1e-5). It costs four bytes per channel (``k``, at most 24, 15 for fp16, kept as the ``int32`` index that
+    decoding's table lookup takes: no cast at either end), and it applies only when ``x`` has
     at least 2 dimensions and :data:`CHANNEL_SCALE_MIN_ROWS` rows; otherwise the result is unscaled
     (``spec.channel_scaled`` says which). A contiguous fp32, fp16 or bf16 ``x`` is scaled by the kernel as it reads
     it (``quantize_pack_scaled``); other layouts and fp64 are scaled into a copy first. The bits are the same.
@@ -115,7 +116,7 @@ def quantize(
                                           resolve_seed(seed))
     else:
         payload, lo, scale = _library.run(_library.quantize_pack, flat, bits, group_size, resolve_seed(seed))
-    return PackedTensor(payload, lo, scale, spec, None if shifts is None else shifts.to(torch.int8))
+    return PackedTensor(payload, lo, scale, spec, None if shifts is None else shifts.to(torch.int32))
 
 
 def quantize_by_rows(make: Callable[[int, int], torch.Tensor], shape: tuple[int, ...] | torch.Size, bits: int = 3,
@@ -223,8 +224,8 @@ def _channel_shifts(x: torch.Tensor) -> torch.Tensor:
 
 
 def _powers_of_two(shifts: torch.Tensor, dtype: torch.dtype, *, negate: bool = False) -> torch.Tensor:
-    """``2**shifts`` (``2**-shifts`` with ``negate``) in ``dtype``, looked up in a table of the exact powers (two
-    device ops for stored ``int8`` shifts, one for ``int32``)."""
+    """``2**shifts`` (``2**-shifts`` with ``negate``) in ``dtype``, looked up in a table of the exact powers (one
+    device op for ``int32`` or ``int64`` shifts, as packed tensors keep them; other integers are cast first)."""
     index = shifts if shifts.dtype in (torch.int32, torch.int64) else shifts.to(torch.int32)
     return reused(_cached_power_table, shifts, shifts.device, dtype, negate).index_select(0, index)
 

@@ -33,7 +33,7 @@ def test_it_is_the_plain_quantizer_on_exactly_shifted_channels(dtype, bits):
     ``2**-k``, bit for bit: the shift adds no rounding of its own."""
     x = outlier_hidden_states(dtype=dtype)
     p = quantize(x, bits, 64, seed=11, channel_scale=True)
-    assert p.spec.channel_scaled and p.channel.dtype == torch.int8 and p.channel.shape == (x.shape[-1],)
+    assert p.spec.channel_scaled and p.channel.dtype == torch.int32 and p.channel.shape == (x.shape[-1],)
     shifted = (x.double() * powers(p.channel, +1)).to(dtype)
     assert torch.equal(shifted.double() * powers(p.channel, -1), x.double())  # the shift is exact
     plain = quantize(shifted, bits, 64, seed=11)
@@ -118,10 +118,10 @@ def test_small_and_one_dimensional_tensors_stay_plain():
     assert quantize(torch.randn(CHANNEL_SCALE_MIN_ROWS, 32), 3, 64, channel_scale=True).spec.channel_scaled
 
 
-def test_one_byte_per_channel_and_rebuild():
+def test_four_bytes_per_channel_and_rebuild():
     x = outlier_hidden_states()
     p = quantize(x, 3, 64, seed=0, channel_scale=True)
-    assert p.nbytes == quantize(x, 3, 64, seed=0).nbytes + x.shape[-1]
+    assert p.nbytes == quantize(x, 3, 64, seed=0).nbytes + 4 * x.shape[-1]
     assert len(p.tensors) == p.spec.n_tensors == 4
     q = PackedTensor.rebuild(p.tensors, p.spec)
     assert torch.equal(dequantize(q), dequantize(p))
