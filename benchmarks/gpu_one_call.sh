@@ -6,11 +6,12 @@
 #
 # Order, after the ninth run (H200, 847dd5a; README "Ninth GPU run"): the build and the kernel tests (the decode of
 # a residual block's terms into one tensor, unpack_dequantize_into, and BatchNorm's normalizing quantize,
-# quantize_pack_normalized, never run on a GPU yet); the kernels' throughput,
+# quantize_pack_normalized, never run on a GPU yet) and eager attention's written-out backward on the GPU's
+# matmuls (math_attention_grads, since the ninth run); the kernels' throughput,
 # the one-pass LayerNorm decode, dropout's masked gradient and that decode among them (only ad hoc so far); the host
 # probe (tiny BERT, `--device cuda`), which says how fast this lease's host is (the ninth's was slower than the
-# seventh's); swin-tiny at equal batch 256 with the attention recomputed in chunks of 2^24 elements (0.352x with 2^22,
-# host-bound); swin-tiny's largest batch under 16 GiB at 2 and 3 bits with those larger chunks (7.00x and 5.85x
+# seventh's); swin-tiny at equal batch 256 with the attention recomputed in chunks of 2^24 elements and its backward
+# written out (0.352x with 2^22 and autograd, host-bound); swin-tiny's largest batch under 16 GiB at 2 and 3 bits with those larger chunks (7.00x and 5.85x
 # in the fifth run, the 2-bit target 6.5x); resnet50 at equal batch 256, whose conv inputs now decode in one pass
 # per residual term and whose BatchNorms pack their input as they read it (0.433x in the ninth run), and its step
 # under the profiler at batch 128 (no run has profiled
@@ -44,6 +45,7 @@ echo "build exit $?"; tail -n 3 "$W/build.log"
 
 part "the kernel tests"
 timeout "$(cap 60)" "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py -p no:cacheprovider -rfEs \
+  tests/ops/test_attention.py::test_written_out_attention_backward_gives_autograds_gradients \
   >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
 

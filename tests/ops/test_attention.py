@@ -424,9 +424,10 @@ def test_no_zeros_are_made_for_the_attention_weights_gradient(monkeypatch, kind)
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("case", ["bias_and_window", "per_item_mask", "bool_mask", "dropout_gqa", "no_mask"])
 @pytest.mark.parametrize("need", [(True, True, True), (False, False, True), (True, False, False)])
-def test_written_out_attention_backward_gives_autograds_gradients(case, need):
+def test_written_out_attention_backward_gives_autograds_gradients(case, need, device):
     """``math_attention_grads``, the eager backward written out (no graph, no ``P @ v``), gives the gradients
     autograd takes through ``math_attention`` on the same inputs: q, k, v (through ``repeat_kv``), a learned
     mask (broadcast over the batch or one per item) and Swin's window mask, dropout's keep mask applied.
@@ -447,6 +448,8 @@ def test_written_out_attention_backward_gives_autograds_gradients(case, need):
     elif case == "dropout_gqa":
         keep = torch.rand(batch, heads, n, n) > 0.25
     grad_out = torch.randn(batch, heads, n, d, dtype=torch.float64)
+    q, k, v, mask, window, keep, grad_out = (None if t is None else t.to(device)
+                                             for t in (q, k, v, mask, window, keep, grad_out))
     wants = (*need, mask is not None and mask.is_floating_point(), window is not None)
     leaves = [t.clone().requires_grad_(w) for t, w in zip((q, k, v), need)]
     learned = [None if t is None else t.clone().requires_grad_(w) for t, w in zip((mask, window), wants[3:])]
