@@ -87,7 +87,7 @@ def quantize(
 
     Returns:
         The :class:`PackedTensor` (``nbytes == ceil(numel*bits/8) + 4*ceil(numel/group_size)``, plus
-        ``shape[-1]`` bytes when channel-scaled).
+        ``4 * shape[-1]`` bytes when channel-scaled).
 
     Raises:
         TypeError: ``x`` is not a tensor or ``bits``/``group_size`` are not integers.
