@@ -278,7 +278,10 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
         grads[4] = windows.sum_to_size(1, window_mask.shape[0], 1, length, slen).view(window_mask.shape)
         grads[4] = grads[4].to(window_mask.dtype)
     if need[0] or need[1]:
-        d_scores.mul_(scale)
+        # in place, unless a mask's gradient is d_scores itself (sum_to_size of its own shape returns it)
+        shared = any(t is not None and t.untyped_storage().data_ptr() == d_scores.untyped_storage().data_ptr()
+                     for t in grads[3:])
+        d_scores = d_scores * scale if shared else d_scores.mul_(scale)
         if need[0]:
             grads[0] = torch.matmul(d_scores, k_full)
         if need[1]:

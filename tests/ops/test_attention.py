@@ -425,22 +425,27 @@ def test_no_zeros_are_made_for_the_attention_weights_gradient(monkeypatch, kind)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("case", ["bias_and_window", "per_item_mask", "bool_mask", "dropout_gqa", "no_mask"])
+@pytest.mark.parametrize("case", ["bias_and_window", "per_item_mask", "bool_mask", "dropout_gqa", "no_mask",
+                                  "full_shape_mask", "one_image_one_head_window"])
 @pytest.mark.parametrize("need", [(True, True, True), (False, False, True), (True, False, False)])
 def test_written_out_attention_backward_gives_autograds_gradients(case, need, device):
     """``math_attention_grads``, the eager backward written out (no graph, no ``P @ v``), gives the gradients
     autograd takes through ``math_attention`` on the same inputs: q, k, v (through ``repeat_kv``), a learned
-    mask (broadcast over the batch or one per item) and Swin's window mask, dropout's keep mask applied.
-    float64: only the order of a sum may differ."""
+    mask (broadcast over the batch, one per item, or of the scores' own shape, whose gradient is the scores'
+    before they are scaled for q and k) and Swin's window mask (of one image and one head too), dropout's keep
+    mask applied. float64: only the order of a sum may differ."""
     torch.manual_seed(0)
-    windows, n, d, heads = 3, 7, 5, 4
-    batch = 2 * windows
+    windows, n, d = 3, 7, 5
+    heads = 1 if case == "one_image_one_head_window" else 4
+    batch = (1 if case == "one_image_one_head_window" else 2) * windows
     n_rep = 2 if case == "dropout_gqa" else 1
     q, k, v = (t.detach() for t in _qkv(b=batch, h=heads, hkv=heads // n_rep, s=n, d=d, dtype=torch.float64))
     mask = window = keep = None
-    if case == "bias_and_window":
+    if case in ("bias_and_window", "one_image_one_head_window"):
         mask = torch.randn(1, heads, n, n, dtype=torch.float64)
         window = torch.zeros(windows, n, n, dtype=torch.float64).masked_fill(torch.rand(windows, n, n) < 0.3, -9.0)
+    elif case == "full_shape_mask":
+        mask = torch.randn(batch, heads, n, n, dtype=torch.float64)
     elif case == "per_item_mask":
         mask = torch.randn(batch, 1, n, n, dtype=torch.float64)
     elif case == "bool_mask":
