@@ -225,6 +225,10 @@ def grads_of(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list
     return [next(got) if t is not None and t.requires_grad else None for t in leaves]
 
 
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _reduced_repeat(grad: Tensor, n_rep: int) -> Tensor:
     """The gradient of :func:`repeat_kv`'s input from its output's: each group of ``n_rep`` heads summed."""
     if n_rep == 1:
@@ -277,10 +281,11 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
         windows = d_scores.view(-1, window_mask.shape[0], heads, length, slen)
         grads[4] = windows.sum_to_size(1, window_mask.shape[0], 1, length, slen).view(window_mask.shape)
         grads[4] = grads[4].to(window_mask.dtype)
+        if grads[3] is not None and _same_storage(grads[4], grads[3]):  # both d_scores: one is summed into later
+            grads[4] = grads[4].clone()
     if need[0] or need[1]:
         # in place, unless a mask's gradient is d_scores itself (sum_to_size of its own shape returns it)
-        shared = any(t is not None and t.untyped_storage().data_ptr() == d_scores.untyped_storage().data_ptr()
-                     for t in grads[3:])
+        shared = any(t is not None and _same_storage(t, d_scores) for t in grads[3:])
         d_scores = d_scores * scale if shared else d_scores.mul_(scale)
         if need[0]:
             grads[0] = torch.matmul(d_scores, k_full)

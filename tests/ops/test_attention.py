@@ -426,22 +426,23 @@ def test_no_zeros_are_made_for_the_attention_weights_gradient(monkeypatch, kind)
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("case", ["bias_and_window", "per_item_mask", "bool_mask", "dropout_gqa", "no_mask",
-                                  "full_shape_mask", "one_image_one_head_window"])
+                                  "full_shape_mask", "one_image_one_head_window", "one_window"])
 @pytest.mark.parametrize("need", [(True, True, True), (False, False, True), (True, False, False)])
 def test_written_out_attention_backward_gives_autograds_gradients(case, need, device):
     """``math_attention_grads``, the eager backward written out (no graph, no ``P @ v``), gives the gradients
     autograd takes through ``math_attention`` on the same inputs: q, k, v (through ``repeat_kv``), a learned
     mask (broadcast over the batch, one per item, or of the scores' own shape, whose gradient is the scores'
     before they are scaled for q and k) and Swin's window mask (of one image and one head too), dropout's keep
-    mask applied. float64: only the order of a sum may differ."""
+    mask applied; no two gradients share memory (a chunked backward sums into the mask's and the window mask's).
+    float64: only the order of a sum may differ."""
     torch.manual_seed(0)
-    windows, n, d = 3, 7, 5
-    heads = 1 if case == "one_image_one_head_window" else 4
-    batch = (1 if case == "one_image_one_head_window" else 2) * windows
+    windows, n, d = (1 if case == "one_window" else 3), 7, 5
+    heads = 1 if case in ("one_image_one_head_window", "one_window") else 4
+    batch = (1 if case in ("one_image_one_head_window", "one_window") else 2) * windows
     n_rep = 2 if case == "dropout_gqa" else 1
     q, k, v = (t.detach() for t in _qkv(b=batch, h=heads, hkv=heads // n_rep, s=n, d=d, dtype=torch.float64))
     mask = window = keep = None
-    if case in ("bias_and_window", "one_image_one_head_window"):
+    if case in ("bias_and_window", "one_image_one_head_window", "one_window"):
         mask = torch.randn(1, heads, n, n, dtype=torch.float64)
         window = torch.zeros(windows, n, n, dtype=torch.float64).masked_fill(torch.rand(windows, n, n) < 0.3, -9.0)
     elif case == "full_shape_mask":
@@ -469,6 +470,8 @@ def test_written_out_attention_backward_gives_autograds_gradients(case, need, de
             continue
         assert g.dtype == e.dtype and g.shape == e.shape
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    storages = [g.untyped_storage().data_ptr() for g in got if g is not None]
+    assert len(set(storages)) == len(storages)
 
 
 @pytest.mark.parametrize("op", ["eager", "sdpa"])
