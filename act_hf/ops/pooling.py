@@ -90,10 +90,10 @@ def _index_dtype(in_sizes) -> torch.dtype:
 
 def _recode_by_slices(src: Tensor, out_dtype: torch.dtype, in_sizes, stride, padding, radix,
                       term: Callable[[Tensor, int, Tensor], None]) -> Tensor:
-    """A new ``out_dtype`` tensor of ``src``'s shape: each value of ``src`` split into mixed-radix digits (``radix``,
-    the last dim's digit fastest), digit ``d`` mapped in place by ``term(digit, d, window_starts[d])``, the mapped
-    digits summed. Computed over slices of the first dim, in int32 where a plane's indices fit: temporaries of a
-    slice's size, not full-size int64 tensors."""
+    """A new ``out_dtype`` tensor of ``src``'s shape: each value of ``src`` (below ``prod(radix)``) split into
+    mixed-radix digits (``radix``, the last dim's digit fastest), digit ``d`` mapped in place by ``term(digit, d,
+    window_starts[d])``, the mapped digits summed. Computed over slices of the first dim, in int32 where a plane's
+    indices fit: temporaries of a slice's size, not full-size int64 tensors."""
     nd = len(in_sizes)
     dtype = _index_dtype(in_sizes)
     starts = _window_starts(src.shape[-nd:], stride, padding, src.device, dtype)
@@ -102,7 +102,7 @@ def _recode_by_slices(src: Tensor, out_dtype: torch.dtype, in_sizes, stride, pad
         rest = src[start:stop].to(dtype, copy=True)
         total = None
         for d in reversed(range(nd)):
-            digit = rest.remainder(radix[d])
+            digit = rest.remainder(radix[d]) if d else rest  # what is left below the first radix is its digit
             if d:
                 rest.div_(radix[d], rounding_mode="floor")
             term(digit, d, starts[d])
