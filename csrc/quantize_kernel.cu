@@ -66,7 +66,7 @@ struct ChannelScaling {
 template <typename T, int B, bool Scaled, bool Normalized>
 __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
     const T* __restrict__ x, int64_t n, int64_t group_size, int64_t n_groups, uint64_t seed, bool vec,
-    ChannelScaling scaling, ChannelNorm norm, uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out,
+    ChannelScaling scaling, ChannelFactors norm, uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out,
     uint16_t* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp;
@@ -143,7 +143,7 @@ constexpr int kOctets = 4;
 template <typename T, int B, bool Scaled, bool Normalized>
 __global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(  // 3 blocks an SM: at most 80 registers
     const T* __restrict__ x, int64_t n, int lanes, int group_shift, uint64_t seed, bool vec, ChannelScaling scaling,
-    ChannelNorm norm, uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out,
+    ChannelFactors norm, uint8_t* __restrict__ payload, uint16_t* __restrict__ lo_out,
     uint16_t* __restrict__ scale_out) {
   const int lane = threadIdx.x % kWarp;
   const int sub = lane & (lanes - 1);  // the lane within its group's sub-warp
@@ -255,23 +255,15 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   store_octet_values(out + i, vals, cnt, true);  // `out` is a new tensor: aligned
 }
 
-// The per-channel map of unpack_dequantize_into: element k of the output belongs to channel (k / inner) % channels
-// (dim 1 of a row-major (batch, channels, inner...) tensor) and becomes v * weight[c] + bias[c].
-struct ChannelMap {
-  const float* weight;
-  const float* bias;
-  int64_t channels;
-  int64_t inner;
-};
-
 // One thread per octet of `out`: elements start + k of the packed tensor (start a multiple of 8, so an octet of out
-// is an octet of the payload, inside one group) decoded, mapped by their channel, with Accumulate added to what out
+// is an octet of the payload, inside one group) decoded, mapped by their channel c of out's dim 1 to
+// v * weight[c] + bias[c] (`map`: a = weight, b = bias), with Accumulate added to what out
 // holds, with Masked zeroed where their bit of `mask` (bit k for out's element k) is 0, and rounded once into T.
 template <typename T, int B, bool Accumulate, bool Masked>
 __global__ void __launch_bounds__(kThreads) unpack_dequantize_into_kernel(
     const uint8_t* __restrict__ payload, const uint16_t* __restrict__ lo_in, const uint16_t* __restrict__ scale_in,
-    int64_t n, int64_t start, int64_t group_size, int group_shift, ChannelMap map, const uint8_t* __restrict__ mask,
-    bool vec, T* __restrict__ out) {
+    int64_t n, int64_t start, int64_t group_size, int group_shift, ChannelFactors map,
+    const uint8_t* __restrict__ mask, bool vec, T* __restrict__ out) {
   constexpr uint64_t kMask = (1u << B) - 1;
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t k = o * 8;
@@ -283,7 +275,7 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_into_kernel(
   const float lo = ZeroPoint<T>::decode(lo_in[g]);
   const float scale = bf16_bits_to_float(scale_in[g]);
   float w[8], b[8];  // each element's channel factors
-  octet_channel_factors(map.weight, map.bias, map.channels, map.inner, k, w, b);
+  octet_channel_factors(map, k, w, b);
   alignas(16) T old[8];
   if constexpr (Accumulate) load_octet_values(out + k, cnt, vec, old);
   const unsigned keep = Masked ? mask[k / 8] : 0xFFu;
@@ -326,7 +318,7 @@ __global__ void __launch_bounds__(kThreads) unpack_bits_kernel(const uint8_t* __
 
 // quantize_pack_cuda, scaled by channel when `shifts` is given (int32, one per channel of the last dimension), or
 // normalized by channel of dim 1 when `norm` is (BatchNorm's input; not fp16, whose zero points round to nearest).
-std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tensor* shifts, const ChannelNorm* norm,
+std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tensor* shifts, const ChannelFactors* norm,
                                              int64_t bits, int64_t group_size, int64_t seed) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
@@ -348,7 +340,7 @@ std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tens
     scaling.lane_step = (8 * (by_lanes ? lanes : kWarp)) % scaling.channels;  // from a lane's octet to its next
     scaling.small_index = n + kOctets * 8 * kWarp <= (int64_t{1} << 32);  // every lane's first element too
   }
-  const ChannelNorm normalizer = norm != nullptr ? *norm : ChannelNorm{nullptr, nullptr, 1, 1};
+  const ChannelFactors normalizer = norm != nullptr ? *norm : ChannelFactors{nullptr, nullptr, 1, 1};
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_hf_quantize_pack", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {
@@ -398,7 +390,7 @@ std::vector<at::Tensor> quantize_pack_scaled_cuda(const at::Tensor& x, const at:
 std::vector<at::Tensor> quantize_pack_normalized_cuda(const at::Tensor& x, const at::Tensor& mean,
                                                       const at::Tensor& invstd, int64_t inner, int64_t bits,
                                                       int64_t group_size, int64_t seed) {
-  const ChannelNorm norm{mean.data_ptr<float>(), invstd.data_ptr<float>(), mean.numel(), inner};
+  const ChannelFactors norm{mean.data_ptr<float>(), invstd.data_ptr<float>(), mean.numel(), inner};
   return launch_quantize_pack(x, nullptr, &norm, bits, group_size, seed);
 }
 
@@ -462,7 +454,7 @@ void unpack_dequantize_into_cuda(const at::Tensor& out, const at::Tensor& payloa
   if (n == 0) return;
   const int64_t blocks = ceil_div(ceil_div(n, 8), kThreads);
   const int group_shift = log2_or_minus_one(group_size);
-  const ChannelMap map{weight.data_ptr<float>(), bias.data_ptr<float>(), weight.numel(), inner};
+  const ChannelFactors map{weight.data_ptr<float>(), bias.data_ptr<float>(), weight.numel(), inner};
   const uint8_t* mask_ptr = mask.has_value() ? mask->data_ptr<uint8_t>() : nullptr;
   const bool vec = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
   auto stream = c10::cuda::getCurrentCUDAStream();

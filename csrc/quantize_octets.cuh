@@ -162,21 +162,23 @@ ACT_HD void scale_octet(float (&v)[8], int cnt, const int32_t* __restrict__ shif
   }
 }
 
-// BatchNorm's normalized input, packed as it is read (reference.py: quantize_pack_normalized): element i of a
-// row-major (batch, channels, inner) tensor becomes (v - mean[c]) * invstd[c] for its channel c = (i / inner) %
-// channels, the difference and the product each rounded (no fused multiply-add).
-struct ChannelNorm {
-  const float* mean;
-  const float* invstd;
+// Two factors a[c] and b[c] for each channel c of dim 1 of a row-major (batch, channels, inner) tensor, element i
+// being of channel (i / inner) % channels: BatchNorm's mean and invstd (normalize_octet), a decode's weight and
+// bias (unpack_dequantize_into_kernel).
+struct ChannelFactors {
+  const float* a;
+  const float* b;
   int64_t channels;
   int64_t inner;
 };
 
-// The factors a[c] and b[c] of element i + j (j in 0..7) of a row-major (batch, channels, inner) tensor, c its
-// channel (i + j) / inner % channels: 32-bit divisions where they fit, one read of each for an octet inside one
-// channel's plane (most of them, past 8 elements a plane). Past a partial octet's count too: the channels wrap.
-ACT_HD void octet_channel_factors(const float* __restrict__ a, const float* __restrict__ b, int64_t channels,
-                                  int64_t inner, int64_t i, float (&fa)[8], float (&fb)[8]) {
+// The factors a[c] and b[c] of element i + j (j in 0..7), c its channel: 32-bit divisions where they fit, one read
+// of each for an octet inside one channel's plane (most of them, past 8 elements a plane). Past a partial octet's
+// count too: the channels wrap.
+ACT_HD void octet_channel_factors(const ChannelFactors& f, int64_t i, float (&fa)[8], float (&fb)[8]) {
+  const float* __restrict__ a = f.a;
+  const float* __restrict__ b = f.b;
+  const int64_t channels = f.channels, inner = f.inner;
   int64_t row, r;  // i / inner and i % inner: a 64-bit division is a long routine
   if (i <= UINT32_MAX && inner <= UINT32_MAX) {
     const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(inner);
@@ -205,11 +207,13 @@ ACT_HD void octet_channel_factors(const float* __restrict__ a, const float* __re
   }
 }
 
-// normalize v[j], the value of element i + j, for j in 0..7 (past a partial octet's count too; those values are
-// masked off after).
-ACT_HD void normalize_octet(float (&v)[8], const ChannelNorm& norm, int64_t i) {
+// BatchNorm's normalized input, packed as it is read (reference.py: quantize_pack_normalized): v[j], the value of
+// element i + j, for j in 0..7 (past a partial octet's count too; those values are masked off after), becomes
+// (v - mean[c]) * invstd[c] for its channel c (`norm`: a = mean, b = invstd), the difference and the product each
+// rounded (no fused multiply-add).
+ACT_HD void normalize_octet(float (&v)[8], const ChannelFactors& norm, int64_t i) {
   float mean[8], invstd[8];
-  octet_channel_factors(norm.mean, norm.invstd, norm.channels, norm.inner, i, mean, invstd);
+  octet_channel_factors(norm, i, mean, invstd);
 #pragma unroll
   for (int j = 0; j < 8; ++j) v[j] = mul_rn(sub_rn(v[j], mean[j]), invstd[j]);
 }

@@ -91,7 +91,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, 
   const bool scaled = shifts.numel() > 0;
   const int64_t channels = scaled ? shifts.numel() : 1;
   const bool normalized = mean.numel() > 0;
-  const act_hf::ChannelNorm norm{normalized ? mean.data_ptr<float>() : nullptr,
+  const act_hf::ChannelFactors norm{normalized ? mean.data_ptr<float>() : nullptr,
                                  normalized ? invstd.data_ptr<float>() : nullptr, std::max<int64_t>(mean.numel(), 1),
                                  inner};
   const int64_t lanes = group_size / 32;
