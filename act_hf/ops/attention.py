@@ -360,8 +360,8 @@ class ActSDPAFunction(torch.autograd.Function):
         chunked = replay is None and (need[3] or window_mask is not None)
         chunks = _batch_chunks(qkv.batch, pq.shape[1] * pq.shape[-2] * pk.shape[-2],
                                1 if window_mask is None else window_mask.shape[0]) if chunked else [(0, qkv.batch)]
-        grads = _attention_grads(chunks, qkv, mask, window_mask, grad_out, (*need[:4], False),
-                                 autograd_grads(recompute, (*need[:4], False)))
+        wanted = (*need[:4], False)  # q, k, v, the mask; never the window mask here
+        grads = _attention_grads(chunks, qkv, mask, window_mask, grad_out, wanted, autograd_grads(recompute, wanted))
         return (*grads[:4], None, None, None, None, None, None, None)
 
 
