@@ -11,11 +11,12 @@ nothing on the host; what remains is act_hf's own work per op. The stand-ins mak
 measures time only. The time spent inside each act_hf op (its autograd Function's forward and backward, aten
 calls included) is listed per call, from one more timed run with each Function wrapped.
 
-It also counts the device ops of one step, the number a GPU would launch: every aten op that is not a view, and
-each codec call once (counted under a dispatch mode, where the codec runs as its ``torch.ops.act_hf`` op), and
-among them the host syncs (``.item()``-like reads), and the bytes those ops read and write (their tensor inputs
-and outputs): the GPU time of memory-bound ops, most of what act_hf adds, follows that traffic. CPU paths differ
-from CUDA ones in places (CPU dropout is composite; CPU autocast leaves LayerNorm in its input dtype), so the
+It also counts the device ops of one step, the number a GPU would launch: every aten op that is not a view or an
+allocation (``empty`` and its kin launch nothing; counted apart, as allocations), and each codec call once
+(counted under a dispatch mode, where the codec runs as its ``torch.ops.act_hf`` op), and among them the host
+syncs (``.item()``-like reads), and the bytes those ops read and write (their tensor inputs and outputs): the
+GPU time of memory-bound ops, most of what act_hf adds, follows that traffic. CPU paths differ from CUDA ones in
+places (CPU dropout is composite; CPU autocast leaves LayerNorm in its input dtype), so the
 counts are a proxy for the GPU's launches and traffic. The default batch of 8 x 16 tokens gives the 64 rows from
 which hidden states are channel scaled, as in every real model.
 
@@ -155,23 +156,29 @@ def time_functions(run, steps: int) -> list[dict]:
 _VIEWS = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "expand", "t", "transpose", "permute", "slice",
                     "select", "unsqueeze", "squeeze", "detach", "alias", "split", "unbind", "lift_fresh"})
 _SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal"})
+#: ops that only allocate (the caching allocator on a GPU): no kernel, nothing read or written
+_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
 
 
-def count_ops(step) -> tuple[int, int, int, dict[str, int]]:
-    """``(device ops, host syncs, bytes moved, device ops by name)`` that one call of ``step`` dispatches: aten ops
-    other than views, the codec's ``act_hf`` ops once each, and the bytes of those ops' tensor inputs and outputs
-    (what a GPU reads and writes for them: the time of the memory-bound ones, most of act_hf's, follows it)."""
+def count_ops(step) -> tuple[int, int, int, int, dict[str, int]]:
+    """``(device ops, allocations, host syncs, bytes moved, device ops by name)`` that one call of ``step``
+    dispatches: aten ops other than views and allocations (``empty`` and its kin, which launch nothing and move
+    nothing: counted apart), the codec's ``act_hf`` ops once each, and the bytes of those ops' tensor inputs and
+    outputs (what a GPU reads and writes for them: the time of the memory-bound ones, most of act_hf's, follows
+    it)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    counts = [0, 0]  # host syncs, bytes moved
+    counts = [0, 0, 0]  # host syncs, bytes moved, allocations
     by_name: Counter[str] = Counter()
 
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
-            if name not in _VIEWS:
+            if name in _ALLOCATIONS:
+                counts[2] += 1
+            elif name not in _VIEWS:
                 counts[0] += name in _SYNCS
                 by_name[name] += 1
                 tensors = {id(t): t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
@@ -180,7 +187,7 @@ def count_ops(step) -> tuple[int, int, int, dict[str, int]]:
 
     with _Count():
         step()
-    return sum(by_name.values()), counts[0], counts[1], dict(by_name)
+    return sum(by_name.values()), counts[2], counts[0], counts[1], dict(by_name)
 
 
 def added_ops(rows: list[dict], top: int = 15) -> list[dict]:
@@ -275,7 +282,7 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
             step()
         sync()
         best = min(best, (time.perf_counter() - start) / steps * 1000)
-    ops, syncs, moved, ops_by_name = count_ops(step)
+    ops, allocations, syncs, moved, ops_by_name = count_ops(step)
 
     def run() -> None:
         for _ in range(steps):
@@ -287,7 +294,8 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
             if row["ms_per_step"] < fastest.get(row["op"], {"ms_per_step": float("inf")})["ms_per_step"]:
                 fastest[row["op"]] = row
     by_op = sorted(fastest.values(), key=lambda o: -o["ms_per_step"])
-    return {"setting": setting, "ms_per_step": best, "ops_per_step": ops, "syncs_per_step": syncs, "by_op": by_op,
+    return {"setting": setting, "ms_per_step": best, "ops_per_step": ops, "allocations_per_step": allocations,
+            "syncs_per_step": syncs, "by_op": by_op,
             "mb_moved_per_step": moved / 1e6, "ops_by_name": ops_by_name}
 
 
@@ -368,14 +376,15 @@ def main(argv: list[str] | None = None) -> int:
              else "real (CPU reference)")
     lines = [(f"{model}, {'fp32' if args.fp32 else 'bf16 autocast'}, one thread, best of 3 x {args.steps} steps; "
               f"codec {codec}; {meta['device']}, torch "
-              f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops, host syncs and MB moved (the ops' tensor "
-              "inputs and outputs): one step's, counted as dispatched (views excluded, each codec call one op)."), "",
-             ("| setting | ms per step | vs unpatched | device ops per step | host syncs per step | "
-              "MB moved per step |"),
-             "|---|---|---|---|---|---|"]
+              f"{meta['torch']}, act_hf @ {meta['commit']}. Device ops, allocations, host syncs and MB moved (the "
+              "ops' tensor inputs and outputs): one step's, counted as dispatched (views excluded, each codec call "
+              "one op; `empty` and its kin, which launch nothing, are the allocations)."), "",
+             ("| setting | ms per step | vs unpatched | device ops per step | allocations per step | "
+              "host syncs per step | MB moved per step |"),
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['setting']} | {r['ms_per_step']:.2f} | "
               f"{'-' if r['vs_unpatched'] is None else format(r['vs_unpatched'], '.2f')} | {r['ops_per_step']} | "
-              f"{r['syncs_per_step']} | {r['mb_moved_per_step']:.2f} |" for r in rows]
+              f"{r['allocations_per_step']} | {r['syncs_per_step']} | {r['mb_moved_per_step']:.2f} |" for r in rows]
     added = added_ops(rows)
     if added:
         patched = [r["setting"] for r in rows if r["setting"] != "unpatched"]

@@ -322,6 +322,7 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert f"| unpack_dequantize | 0 | {added['unpack_dequantize']['bits3']} (+" in \
         (tmp_path / "host_overhead.md").read_text()
     assert rows[1]["syncs_per_step"] == 0
+    assert "empty" not in rows[1]["ops_by_name"] and rows[1]["allocations_per_step"] > 0  # launch nothing
     assert 0 < rows[0]["mb_moved_per_step"] < rows[1]["mb_moved_per_step"]
     with pytest.raises(SystemExit):
         host_overhead.main(["--settings", "bits9"])
