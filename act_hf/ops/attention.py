@@ -225,6 +225,17 @@ def grads_of(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list
     return [next(got) if t is not None and t.requires_grad else None for t in leaves]
 
 
+def _scaled_matmul(a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """``torch.matmul(a, b) * scale``, the scale applied by the GEMM itself (``baddbmm``'s alpha) rather than by a
+    pass over the product, for ``a`` and ``b`` with the same leading dims (else the two ops)."""
+    lead = a.shape[:-2]
+    if a.dim() < 3 or b.shape[:-2] != lead:
+        return torch.matmul(a, b).mul_(scale)
+    a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+    product = torch.empty((a3.shape[0], a3.shape[1], b3.shape[2]), dtype=a.dtype, device=a.device)
+    return product.baddbmm_(a3, b3, beta=0, alpha=scale).view(*lead, a3.shape[1], b3.shape[2])
+
+
 def _same_storage(a: Tensor, b: Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -242,13 +253,14 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
                          need: tuple[bool, ...]) -> list[Tensor | None]:
     """The gradients of ``math_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), (mask,), keep, dropout_p,
     scale, window_mask)`` for upstream ``grad_out``, by the ops autograd runs on it, written out: no graph is
-    built, and the output's product ``P @ v``, which no gradient reads, is not computed. ``q``, ``k`` and ``v`` are
+    built, the output's product ``P @ v``, which no gradient reads, is not computed, and ``scale`` is applied by the
+    GEMMs of the scores and of dq and dk (their alpha), not by passes over the scores. ``q``, ``k`` and ``v`` are
     in the dtype attention is computed in (fp32 for half inputs, as ``math_attention`` casts them), and so are
     the gradients of q, k and v; a mask's and the window mask's come in their own dtypes. ``need``: whether q, k,
     v, the mask and the window mask want a gradient (``None`` for those that do not)."""
     dtype = q.dtype
     k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    scores = torch.matmul(q, k_full.transpose(-2, -1)).mul_(scale)
+    scores = _scaled_matmul(q, k_full.transpose(-2, -1), scale)
     if mask is not None:
         if mask.dtype == torch.bool:
             scores.masked_fill_(mask.logical_not(), float("-inf"))
@@ -283,14 +295,10 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
         grads[4] = grads[4].to(window_mask.dtype)
         if grads[3] is not None and _same_storage(grads[4], grads[3]):  # both d_scores: one is summed into later
             grads[4] = grads[4].clone()
-    if need[0] or need[1]:
-        # in place, unless a mask's gradient is d_scores itself (sum_to_size of its own shape returns it)
-        shared = any(t is not None and _same_storage(t, d_scores) for t in grads[3:])
-        d_scores = d_scores * scale if shared else d_scores.mul_(scale)
-        if need[0]:
-            grads[0] = torch.matmul(d_scores, k_full)
-        if need[1]:
-            grads[1] = _reduced_repeat(torch.matmul(d_scores.transpose(-2, -1), q), n_rep)
+    if need[0]:
+        grads[0] = _scaled_matmul(d_scores, k_full, scale)
+    if need[1]:
+        grads[1] = _reduced_repeat(_scaled_matmul(d_scores.transpose(-2, -1), q, scale), n_rep)
     return grads
 
 
