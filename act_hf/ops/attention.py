@@ -174,11 +174,11 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, 
 #: the most attention-matrix elements (batch x heads x L x S) an eager backward recomputes at once; beyond it the
 #: recomputation runs over chunks of the batch, so that its scores, probabilities and their gradients (several
 #: fp32 copies of the matrix) stay bounded instead of growing with the batch. Each chunk costs the host launches
-#: (eager attention: about 11 forward, 20 backward): at 2^22, swin-tiny's 3-bit step at batch 256 ran 144 chunks a
-#: way (9 images a chunk in stage 1) and was bound by host work on the H200 (README, "Ninth GPU run"); 2^24 makes
-#: 38 (36 images), whose matrices, at most 3 fp32 copies of 16.8 M elements alive at once in eager attention's
-#: written-out backward (:func:`math_attention_grads`), stay near 200 MB
-RECOMPUTE_CHUNK_ELEMENTS = 1 << 24
+#: (eager attention: about 8 forward, 17 backward): at 2^22, swin-tiny's 3-bit step at batch 256 ran 144 chunks a
+#: way (9 images a chunk in stage 1) and was bound by host work on the H200 (README, "Ninth GPU run"); 2^25 makes
+#: 20 (72 images), whose matrices, at most 3 fp32 copies of 33.6 M elements alive at once in eager attention's
+#: written-out backward (:func:`math_attention_grads`), stay near 400 MB
+RECOMPUTE_CHUNK_ELEMENTS = 1 << 25
 
 
 def _batch_chunks(batch: int, per_item: int, period: int) -> list[tuple[int, int]]:
