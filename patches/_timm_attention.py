@@ -54,12 +54,16 @@ def _compressing(module: nn.Module) -> bool:
     return module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
-def _heads_first(qkv: Tensor) -> Tensor:
-    """timm's ``qkv.permute(2, 0, 3, 1, 4)`` of a fused projection's ``(B, N, 3, heads, head_dim)``, copied into
-    its own contiguous ``(3, B, heads, N, head_dim)`` tensor (the projection's output, which nothing else holds, is
-    freed): q, k and v are then contiguous, so each is quantized without a copy of its own, and eager attention's
-    matmuls, in every chunk of the batch, read them without one (three copies a call and three a chunk before,
-    one now). The same values as timm's views."""
+def _heads_first(qkv: Tensor, *, fused: bool) -> Tensor:
+    """timm's ``qkv.permute(2, 0, 3, 1, 4)`` of a fused projection's ``(B, N, 3, heads, head_dim)``, a view of one
+    dense copy of it (the projection's output, which nothing else holds, is freed), so that q, k and v are each
+    quantized without a copy of their own (three copies a call before, one now). For eager attention
+    (``fused`` false) the copy is contiguous in that order: its matmuls, in every chunk of the batch, then read q,
+    k and v without copies of their own too. For SDPA (``fused``) it is laid out ``(3, B, N, heads, head_dim)``:
+    SDPA's output takes q's layout, so the caller's ``transpose(1, 2).reshape(B, N, -1)`` of it stays a view, as
+    in timm. The same values as timm's views."""
+    if fused:
+        return qkv.permute(2, 0, 1, 3, 4).contiguous().transpose(2, 3)
     return qkv.permute(2, 0, 3, 1, 4).contiguous()
 
 
@@ -71,7 +75,7 @@ class ActTimmAttentionMixin(ActModule):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, C = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = _heads_first(self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim))
+        qkv = _heads_first(self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim), fused=self.fused_attn)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
 
@@ -102,7 +106,7 @@ class ActWindowAttentionMixin(ActModule):
         if not _compressing(self):
             return super().forward(x, mask)
         B_, N, C = x.shape
-        qkv = _heads_first(self.qkv(x).reshape(B_, N, 3, self.num_heads, -1))
+        qkv = _heads_first(self.qkv(x).reshape(B_, N, 3, self.num_heads, -1), fused=self.fused_attn)
         q, k, v = qkv.unbind(0)
 
         settings = self.act_base_settings()
