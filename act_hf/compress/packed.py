@@ -37,7 +37,7 @@ class PackedSpec:
 
     @property
     def n_tensors(self) -> int:
-        """How many tensors the packed form has: payload, lo, scale, and the channel exponents if scaled."""
+        """How many tensors the packed form has: payload, lo, scale, and the channel factors if scaled."""
         return 4 if self.channel_scaled else 3
 
     @property
@@ -62,8 +62,8 @@ class PackedTensor:
         lo: ``int16[n_groups]``, raw bf16 (fp16 for fp16 inputs) bit patterns of each group's zero point.
         scale: ``int16[n_groups]``, raw bf16 bit patterns of each group's step.
         spec: shape, dtype, bits, group size and channel scaling of the original tensor.
-        channel: ``int32[shape[-1]]``, the shifts ``k`` when ``spec.channel_scaled`` (channel ``c`` was multiplied
-            by ``2**k[c]`` before grouping; decoding divides it back out), else ``None``; see
+        channel: ``float32[shape[-1]]``, the factors ``2**-k[c]`` decoding multiplies channel ``c`` by when
+            ``spec.channel_scaled`` (it was multiplied by ``2**k[c]`` before grouping), else ``None``; see
             :func:`act_hf.compress.quantize`.
     """
 

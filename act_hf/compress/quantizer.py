@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._chunks import in_place
 from .._constants import reused
 from ..errors import ActHFTypeError, ActHFValueError
 from ..ops import _library
@@ -71,11 +72,12 @@ def quantize(
     channels (pretrained MiniLM's layer inputs at 4 bits: relative error 0.42 -> 0.18, README). The shift is
     exact (a power of two, never past the largest channel, so nothing overflows), so the estimate stays
     unbiased; decoding's division rounds only results below the dtype's smallest normal number (fp16:
-    6.1e-5). It costs four bytes per channel (``k``, at most 24, 15 for fp16, kept as the ``int32`` index that
-    decoding's table lookup takes: no cast at either end), and it applies only when ``x`` has
-    at least 2 dimensions and :data:`CHANNEL_SCALE_MIN_ROWS` rows; otherwise the result is unscaled
-    (``spec.channel_scaled`` says which). A contiguous fp32, fp16 or bf16 ``x`` is scaled by the kernel as it reads
-    it (``quantize_pack_scaled``); other layouts and fp64 are scaled into a copy first. The bits are the same.
+    6.1e-5). It costs four bytes per channel (``k`` is at most 24, 15 for fp16; kept as the ``float32`` factor
+    ``2**-k`` that decoding multiplies by, looked up once here rather than by every op that decodes the context),
+    and it applies only when ``x`` has at least 2 dimensions and :data:`CHANNEL_SCALE_MIN_ROWS` rows; otherwise
+    the result is unscaled (``spec.channel_scaled`` says which). A contiguous fp32, fp16 or bf16 ``x`` is scaled by
+    the kernel as it reads it (``quantize_pack_scaled``); other layouts and fp64 are scaled into a copy first. The
+    bits are the same.
 
     Args:
         x: floating tensor (fp32, fp16, bf16; fp64 is accepted and computed in fp32), any shape and layout.
@@ -116,7 +118,10 @@ def quantize(
                                           resolve_seed(seed))
     else:
         payload, lo, scale = _library.run(_library.quantize_pack, flat, bits, group_size, resolve_seed(seed))
-    return PackedTensor(payload, lo, scale, spec, None if shifts is None else shifts.to(torch.int32))
+    # kept as the factors 2**-k that decoding multiplies by (the same four bytes a channel as the shifts): no
+    # consumer of the context looks them up again
+    return PackedTensor(payload, lo, scale, spec, None if shifts is None else _powers_of_two(shifts, torch.float32,
+                                                                                              negate=True))
 
 
 def quantize_by_rows(make: Callable[[int, int], torch.Tensor], shape: tuple[int, ...] | torch.Size, bits: int = 3,
@@ -249,14 +254,15 @@ def dequantize(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.
     context read by a bf16 matmul needs no fp32 copy), except between fp16 and the other dtypes, whose zero
     points are stored differently: those decode to the original's dtype and are then cast."""
     values, factors = dequantize_with_factors(packed, dtype)
-    return values if factors is None else values.mul_(factors)
+    return values if factors is None else in_place(values, torch.Tensor.mul_, factors)
 
 
 def dequantize_with_factors(packed: PackedTensor,
                             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, factors)`` with ``values * factors`` equal to ``dequantize(packed, dtype)``, bit for bit:
-    a channel-scaled context's values before the division by its powers of two, and ``factors`` (``2**-k`` in
-    ``values``' dtype, one per channel of the last dimension, broadcasting against ``values``). A caller folds
+    a channel-scaled context's values before the division by its powers of two, and ``factors`` (``2**-k``,
+    ``float32``, one per channel of the last dimension, broadcasting against ``values``; a product of ``values``
+    and them, computed in fp32 and rounded to ``values``' dtype, is exact there as in that dtype). A caller folds
     them into something smaller than the decoded tensor (a weight gradient's columns, a norm's affine
     parameters) and saves a pass over it; powers of two commute with rounding, so the results are the same
     (away from overflow and subnormal numbers). ``factors`` is ``None`` when there is nothing to fold: the
@@ -287,7 +293,7 @@ def dequantize_affine(packed: PackedTensor, mult: torch.Tensor, shift: torch.Ten
     if spec.memory_order is not None or spec.numel == 0 or lo_dtype_for(spec.dtype) != lo_dtype_for(torch.float32):
         return dequantize(packed, torch.float32).mul_(mult).sub_(shift)
     if spec.channel_scaled:
-        mult = mult * _powers_of_two(packed.channel, torch.float32, negate=True)
+        mult = mult * packed.channel
     flat = _library.run(_library.unpack_dequantize_affine, packed.payload, packed.lo, packed.scale, spec.bits,
                         spec.group_size, spec.numel, mult.contiguous(), shift.contiguous())
     return spec.laid_out(flat)
@@ -396,7 +402,7 @@ def dequantize_items(packed: PackedTensor, start: int, stop: int, dtype: torch.d
                         size, numel, dtype if direct else spec.dtype)
     values = spec.laid_out(flat[begin - first * size:end - first * size], (stop - start, *spec.shape[1:]))
     values, factors = _with_factors(packed, values, dtype, direct)
-    return values if factors is None else values.mul_(factors)
+    return values if factors is None else in_place(values, torch.Tensor.mul_, factors)
 
 
 def _with_factors(packed: PackedTensor, out: torch.Tensor, dtype: torch.dtype,
@@ -405,7 +411,7 @@ def _with_factors(packed: PackedTensor, out: torch.Tensor, dtype: torch.dtype,
     ``dtype``, and the channel factors still to apply (``None``: none, or the values came through a cast,
     ``direct`` false, and are scaled already)."""
     spec = packed.spec
-    factors = _powers_of_two(packed.channel, out.dtype, negate=True) if spec.channel_scaled else None
+    factors = packed.channel if spec.channel_scaled else None
     if direct:
         return out, factors
-    return (out if factors is None else out.mul_(factors)).to(dtype), None
+    return (out if factors is None else in_place(out, torch.Tensor.mul_, factors)).to(dtype), None

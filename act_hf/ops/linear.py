@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunks import by_items, spans
+from .._chunks import by_items, in_place, spans
 from .._constants import zero_scalar
 from ..compress import PackedTensor, dequantize, dequantize_items, dequantize_with_factors
 from ..context import store
@@ -75,7 +75,7 @@ def _input_values_and_factors(saved: PackedTensor | RectifiedAffine | AffineTerm
         return input_values(saved, dtype), None
     values, factors = dequantize_with_factors(saved, dtype)
     if factors is not None and values.dtype == torch.float16:
-        return values.mul_(factors), None
+        return in_place(values, torch.Tensor.mul_, factors), None
     return values, factors
 
 
@@ -117,6 +117,7 @@ class ActLinearFunction(torch.autograd.Function):
                 grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
                 del x2d
                 if factors is not None:  # the input's channels are grad_w's columns (rows when transposed)
+                    # fp32 factors: on the CPU a temporary of the weight's size, not the activation's
                     grad_w.mul_(factors.reshape(-1, 1) if ctx.transposed else factors)
             if ctx.needs_input_grad[2]:
                 grad_b = g2d.sum(0)

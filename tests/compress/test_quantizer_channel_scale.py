@@ -26,6 +26,14 @@ def powers(shifts: torch.Tensor, sign: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (sign * int(k)) for k in shifts], dtype=torch.float64)
 
 
+def shifts(p: PackedTensor) -> torch.Tensor:
+    """The shifts ``k`` of a channel-scaled ``p``, read back from the factors ``2**-k`` it keeps (exact powers of
+    two: ``frexp`` gives them as ``0.5 * 2**(1 - k)``)."""
+    mantissa, exponent = torch.frexp(p.channel)
+    assert torch.all(mantissa == 0.5)
+    return (1 - exponent).to(torch.int32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [1, 2, 3, 8])
 def test_it_is_the_plain_quantizer_on_exactly_shifted_channels(dtype, bits):
@@ -33,12 +41,13 @@ def test_it_is_the_plain_quantizer_on_exactly_shifted_channels(dtype, bits):
     ``2**-k``, bit for bit: the shift adds no rounding of its own."""
     x = outlier_hidden_states(dtype=dtype)
     p = quantize(x, bits, 64, seed=11, channel_scale=True)
-    assert p.spec.channel_scaled and p.channel.dtype == torch.int32 and p.channel.shape == (x.shape[-1],)
-    shifted = (x.double() * powers(p.channel, +1)).to(dtype)
-    assert torch.equal(shifted.double() * powers(p.channel, -1), x.double())  # the shift is exact
+    assert p.spec.channel_scaled and p.channel.dtype == torch.float32 and p.channel.shape == (x.shape[-1],)
+    assert torch.equal(p.channel.double(), powers(shifts(p), -1))  # the factors that decoding multiplies by
+    shifted = (x.double() * powers(shifts(p), +1)).to(dtype)
+    assert torch.equal(shifted.double() * powers(shifts(p), -1), x.double())  # the shift is exact
     plain = quantize(shifted, bits, 64, seed=11)
     assert torch.equal(p.payload, plain.payload) and torch.equal(p.lo, plain.lo) and torch.equal(p.scale, plain.scale)
-    expected = (dequantize(plain).double() * powers(p.channel, -1)).to(dtype)
+    expected = (dequantize(plain).double() * powers(shifts(p), -1)).to(dtype)
     assert torch.equal(dequantize(p), expected)
 
 
@@ -50,13 +59,13 @@ def test_shifts_equalize_channels_and_never_overflow(dtype):
         x[:, 40] = 60000.0  # near fp16's largest value
         x[:, 41] *= 1e-3
     p = quantize(x, 3, 64, seed=0, channel_scale=True)
-    k = p.channel.long()
+    k = shifts(p).long()
     limit = 15 if dtype == torch.float16 else 24
     assert int(k.min()) >= 0 and int(k.max()) <= limit
     before = x.double().abs().amax(0)
     top = before.max()
     assert int(k[before.argmax()]) == 0  # the largest channel is not shifted
-    after = before * powers(p.channel, +1)
+    after = before * powers(shifts(p), +1)
     live = (after > 0) & (k < limit)
     # every unclamped channel's largest magnitude is now within a factor 2 of the largest channel's, never above
     assert bool((after[live] > top / 2).all())
@@ -76,7 +85,7 @@ def test_shift_is_the_floor_of_log2_of_the_ratio_to_the_top_channel():
     x = torch.zeros(64, amax.numel())
     x[5] = amax
     x[9] = -amax / 3  # smaller magnitudes elsewhere in the channel leave its maximum alone
-    k = quantize(x, 3, 64, seed=0, channel_scale=True).channel.long()
+    k = shifts(quantize(x, 3, 64, seed=0, channel_scale=True)).long()
     exact = torch.floor(torch.log2(amax.double().max() / amax.double())).clamp(0, 24).long()
     assert torch.equal(k, exact), (k[k != exact], exact[k != exact])
 
@@ -100,10 +109,10 @@ def test_unbiased_and_variance_is_the_shifted_one(dtype):
     p = quantize(x, 2, 256, seed=0, channel_scale=True)
     lo = R.metadata_to_float(p.lo, R.lo_dtype_for(dtype)).double().repeat_interleave(256)
     scale = R.metadata_to_float(p.scale, torch.bfloat16).double().repeat_interleave(256)
-    shifted = x.double() * powers(p.channel, +1)
+    shifted = x.double() * powers(shifts(p), +1)
     v = (shifted.reshape(-1) - lo) / scale
     f = v - v.floor()
-    predicted = (scale**2 * f * (1 - f)).view(x.shape) * powers(p.channel, -2)
+    predicted = (scale**2 * f * (1 - f)).view(x.shape) * powers(shifts(p), -2)
     se = (predicted / draws).sqrt()
     tol = 5 * se + torch.finfo(dtype).eps * x.double().abs()
     assert bool(((mean - x.double()).abs() <= tol + 1e-12).all()), f"bias {(mean - x.double()).abs().max()}"
@@ -136,7 +145,7 @@ def test_a_non_finite_channel_marks_its_groups_and_leaves_the_others(bad):
     clean = quantize(x, 3, 64, seed=0, channel_scale=True)
     x[3, 9] = bad
     p = quantize(x, 3, 64, seed=0, channel_scale=True)
-    assert int(p.channel[9]) == 0
+    assert int(shifts(p)[9]) == 0
     others = torch.arange(64) != 9
     assert torch.equal(p.channel[others], clean.channel[others])  # the other channels' shifts are undisturbed
     y = dequantize(p)
@@ -189,9 +198,10 @@ def test_values_times_factors_is_the_decode_bit_for_bit(source, target):
     direct = (source == torch.float16) == (target == torch.float16)
     assert (factors is not None) == direct and values.dtype == target
     if factors is not None:
-        assert factors.shape == (x.shape[-1],) and factors.dtype == target
-        assert torch.equal(factors, powers(packed.channel, -1).to(target))
-        values = values * factors
+        assert factors.shape == (x.shape[-1],) and factors.dtype == torch.float32
+        assert torch.equal(factors, packed.channel)
+        assert torch.equal(values.clone().mul_(factors), (values * factors).to(target))
+        values = (values * factors).to(target)  # computed in fp32, rounded to the values' dtype
     assert torch.equal(values, dequantize(packed, target))
     plain = quantize(x, 3, 256, seed=1)
     assert dequantize_with_factors(plain, target)[1] is None
