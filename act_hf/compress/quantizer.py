@@ -18,8 +18,8 @@ from .reference import channel_shifts, empty_packed, lo_dtype_for, place_packed,
 from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
-           "dequantize", "dequantize_affine", "dequantize_items", "dequantize_mapped", "dequantize_with_factors",
-           "quantize", "quantize_by_rows", "quantize_normalized"]
+           "dequantize", "dequantize_affine", "dequantize_inverse_affine", "dequantize_items", "dequantize_mapped",
+           "dequantize_with_factors", "quantize", "quantize_by_rows", "quantize_normalized"]
 
 DEFAULT_GROUP_SIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -285,15 +285,41 @@ def dequantize_affine(packed: PackedTensor, mult: torch.Tensor, shift: torch.Ten
     beta / gamma``. In one pass, decoding and mapping together, for a context stored row-major that decodes
     straight to fp32 (every original but fp16), a channel-scaled one's factors folded into ``mult`` (powers of two:
     the same bits); otherwise a decode and two passes over it."""
+    _check_affine(packed, mult=mult, shift=shift)
+    if not _affine_in_one_pass(packed.spec):
+        return dequantize(packed, torch.float32).mul_(mult).sub_(shift)
+    return _affine_decode(packed, mult * packed.channel if packed.spec.channel_scaled else mult, shift)
+
+
+def dequantize_inverse_affine(packed: PackedTensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(dequantize(packed, torch.float32) - bias) / weight`` (``bias`` ``None``: zero) over the last dimension's
+    channels, a norm's ``x_hat`` from its saved output: :func:`dequantize_affine` with ``mult = 1 / weight`` and
+    ``shift = bias / weight``, bit for bit. A channel-scaled context's factors ``f`` go into the reciprocal as ``f /
+    weight``, the bits of ``f * (1 / weight)`` (powers of two) in one op less."""
+    _check_affine(packed, weight=weight, **({} if bias is None else {"bias": bias}))
+    shift = torch.zeros_like(weight) if bias is None else bias / weight
+    if packed.spec.channel_scaled and _affine_in_one_pass(packed.spec):
+        return _affine_decode(packed, packed.channel / weight, shift)
+    return dequantize_affine(packed, weight.reciprocal(), shift)
+
+
+def _check_affine(packed: PackedTensor, **per_channel: torch.Tensor) -> None:
     if not isinstance(packed, PackedTensor):
         raise ActHFTypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
+    channels = packed.spec.shape[-1] if packed.spec.shape else 1
+    _check_per_channel(channels, "the packed tensor's last dimension", **per_channel)
+
+
+def _affine_in_one_pass(spec: PackedSpec) -> bool:
+    """Whether the affine decode kernel takes the context: stored row-major, not empty, decoding straight to fp32
+    (every original but fp16)."""
+    return spec.memory_order is None and spec.numel > 0 and lo_dtype_for(spec.dtype) == lo_dtype_for(torch.float32)
+
+
+def _affine_decode(packed: PackedTensor, mult: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``unpack_dequantize_affine``: each stored value ``v`` (before any channel factors) to ``v * mult - shift``,
+    in fp32 and ``packed``'s layout."""
     spec = packed.spec
-    channels = spec.shape[-1] if spec.shape else 1
-    _check_per_channel(channels, "the packed tensor's last dimension", mult=mult, shift=shift)
-    if spec.memory_order is not None or spec.numel == 0 or lo_dtype_for(spec.dtype) != lo_dtype_for(torch.float32):
-        return dequantize(packed, torch.float32).mul_(mult).sub_(shift)
-    if spec.channel_scaled:
-        mult = mult * packed.channel
     flat = _library.run(_library.unpack_dequantize_affine, packed.payload, packed.lo, packed.scale, spec.bits,
                         spec.group_size, spec.numel, mult.contiguous(), shift.contiguous())
     return spec.laid_out(flat)

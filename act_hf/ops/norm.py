@@ -56,7 +56,7 @@ from .._constants import zeros_and_ones
 from ..compress import (
     PackedTensor,
     dequantize,
-    dequantize_affine,
+    dequantize_inverse_affine,
     dequantize_items,
     dequantize_with_factors,
     unpack_mask,
@@ -263,9 +263,8 @@ class ActLayerNormFunction(torch.autograd.Function):
         w = None if weight is None else weight.float()
         if context == "output" and out_perm is None and w is not None and k == 1:
             # x_hat = (y - beta) / gamma as y * (1 / gamma) - beta / gamma, decoded and mapped in one pass
-            mult = w.reshape(n).reciprocal()
-            shift = torch.zeros_like(mult) if bias is None else bias.float().reshape(n) / w.reshape(n)
-            saved = dequantize_affine(packed, mult, shift).reshape(rows, n)
+            saved = dequantize_inverse_affine(packed, w.reshape(n), None if bias is None else bias.float().reshape(n))
+            saved = saved.reshape(rows, n)
         else:
             # x_hat = (y - beta) / gamma of the output form takes the channel factors f of a channel-scaled y:
             # (y/f - beta/f) / (gamma/f), the same bits without a pass for them

@@ -12,6 +12,7 @@ from act_hf.compress import (
     PackedTensor,
     dequantize,
     dequantize_affine,
+    dequantize_inverse_affine,
     dequantize_items,
     dequantize_mapped,
     pack_bits,
@@ -330,6 +331,31 @@ def test_dequantize_affine_is_the_decode_times_mult_minus_shift(layout):
     if layout in ("contiguous", "bf16", "fp64"):  # no channel factors: the reference op alone, in 64-element chunks
         assert torch.equal(R.unpack_dequantize_affine(packed.payload, packed.lo, packed.scale, 3, 64, x.numel(),
                                                       mult, shift, chunk=64), got.reshape(-1))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channel scaled", "fp16 channel scaled", "transposed"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_dequantize_inverse_affine_is_the_affine_decode_of_the_inverse_map(layout, with_bias):
+    """``(dequantize(packed, fp32) - bias) / weight`` is ``dequantize_affine(packed, 1 / weight, bias / weight)`` bit
+    for bit (a zero shift without a bias), the channel factors of a channel-scaled context taken into the
+    reciprocal in one op: the ops on the per-channel vectors are one fewer there."""
+    torch.manual_seed(0)
+    x = torch.randn(96, 48) * torch.logspace(-2, 2, 48)
+    x = {"fp16 channel scaled": x.half(), "transposed": x.t().contiguous().t()}.get(layout, x)
+    packed = quantize(x, 3, 64, seed=4, channel_scale=layout.endswith("channel scaled"))
+    weight, bias = torch.rand(48) + 0.5, (torch.randn(48) if with_bias else None)
+    shift = bias / weight if with_bias else torch.zeros(48)
+    got = dequantize_inverse_affine(packed, weight, bias)
+    assert torch.equal(got, dequantize_affine(packed, weight.reciprocal(), shift))
+    def vector_ops(decode) -> int:  # the aten ops on the per-channel vectors, around the decode
+        return len([f for f, _ in dispatched(decode) if "act_hf" not in str(f) and "detach" not in str(f)])
+
+    shift_of = (lambda: bias / weight) if with_bias else (lambda: torch.zeros(48))
+    inverse = vector_ops(lambda: dequantize_inverse_affine(packed, weight, bias))
+    assert inverse == vector_ops(lambda: dequantize_affine(packed, weight.reciprocal(), shift_of())) - (
+        layout == "channel scaled")
+    with pytest.raises(ValueError, match=r"bias must be a float32 tensor of shape \(48,\)"):
+        dequantize_inverse_affine(packed, weight, torch.zeros(47))
 
 
 def test_dequantize_affine_names_its_arguments():

@@ -889,7 +889,7 @@ def test_output_form_folds_the_channel_factors_bit_for_bit(monkeypatch, case):
     """A channel-scaled output context's powers of two go into the per-channel divisor (LayerNorm: bias and
     gamma, RMSNorm: its weight) instead of a pass over the decoded output: the same gradients, bit for bit, as
     decoding them out first, and no full-size scaling op. A LayerNorm over the last dimension decodes ``x_hat``
-    in one op (``dequantize_affine``), against a decode, a scaling and two passes for its affine map."""
+    in one op (``dequantize_inverse_affine``), against a decode, a scaling and two passes for its affine map."""
     torch.manual_seed(0)
     shape = (4, 32, 3, 16) if case.endswith("_2d") else (4, 32, 48)
     normalized = shape[-2:] if case.endswith("_2d") else shape[-1:]
@@ -921,9 +921,9 @@ def test_output_form_folds_the_channel_factors_bit_for_bit(monkeypatch, case):
     folded, folded_scalings = grads()
     monkeypatch.setattr(norm_ops, "_decoded_and_factors",
                         lambda packed, fold: (act_hf.compress.dequantize(packed, torch.float32), None))
-    monkeypatch.setattr(norm_ops, "dequantize_affine",
-                        lambda packed, mult, shift: act_hf.compress.dequantize(packed, torch.float32).mul_(mult)
-                        .sub_(shift))
+    monkeypatch.setattr(norm_ops, "dequantize_inverse_affine",
+                        lambda packed, w, b: act_hf.compress.dequantize(packed, torch.float32).mul_(w.reciprocal())
+                        .sub_(torch.zeros_like(w) if b is None else b / w))
     decoded, decoded_scalings = grads()
     assert all(torch.equal(a, b) for a, b in zip(folded, decoded))
     assert decoded_scalings - folded_scalings == (2 if case in ("layer", "layer_no_bias") else 1)
