@@ -99,7 +99,7 @@ class ActLinearFunction(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         packed = saved_input(x, settings) if need_w else None
         save_context(ctx, packed, weight if need_x else None)
-        ctx.transposed = transposed
+        ctx.transposed, ctx.weight_dtype = transposed, weight.dtype
         return out
 
     @staticmethod
@@ -117,8 +117,11 @@ class ActLinearFunction(torch.autograd.Function):
                 grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
                 del x2d
                 if factors is not None:  # the input's channels are grad_w's columns (rows when transposed)
-                    # fp32 factors: on the CPU a temporary of the weight's size, not the activation's
-                    grad_w.mul_(factors.reshape(-1, 1) if ctx.transposed else factors)
+                    f = factors.reshape(-1, 1) if ctx.transposed else factors
+                    # rounded once into the weight's dtype (powers of two: exact), so autograd has no cast left to
+                    # make; fp32 factors cost the CPU a temporary of the weight's size, not the activation's
+                    grad_w = grad_w.mul_(f) if grad_w.dtype == ctx.weight_dtype else \
+                        torch.mul(grad_w, f, out=torch.empty_like(grad_w, dtype=ctx.weight_dtype))
             if ctx.needs_input_grad[2]:
                 grad_b = g2d.sum(0)
         if ctx.needs_input_grad[0]:

@@ -138,6 +138,40 @@ def test_channel_scaled_weight_grad_folds_the_factors_bit_for_bit(dtype, transpo
     assert torch.equal(weight.grad, q.t() @ g2d if transposed else g2d.t() @ q)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_channel_scaled_weight_grad_under_autocast_lands_in_the_weights_dtype(transposed):
+    """Under bf16 autocast (an fp32 weight, bf16 gradients) the factors scale the bf16 weight gradient straight
+    into the weight's fp32, exactly: autograd has no cast of it left to make, and the gradient is the bf16
+    matmul's with the decoded input, bit for bit."""
+    from act_hf import manual_seed
+    from act_hf.compress import dequantize, quantize
+    from act_hf.ops._saving import OpSettings
+    from act_hf.ops.linear import act_linear
+
+    torch.manual_seed(3)
+    weight = (torch.randn(48, 8) if transposed else torch.randn(8, 48)).requires_grad_()
+    x = torch.randn(4, 32, 48)
+    x[..., 7] *= 50
+    x[..., 9] /= 300
+    g = torch.randn(4, 32, 8, dtype=torch.bfloat16)
+    manual_seed(5)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = act_linear(x.requires_grad_(), weight, None, OpSettings("lin", 3, channel_scale=True),
+                         transposed=transposed)
+    assert out.dtype == torch.bfloat16
+    ops = dispatched(lambda: out.backward(g))
+    weight_sized_fp32 = [f.overloadpacket.__name__ for f, outs in ops
+                         if outs and outs[0].dtype == torch.float32 and outs[0].shape == weight.shape]
+    # the gradient made in fp32 by the scaling, no cast of it after (AccumulateGrad's copies aside: the dispatch
+    # mode that lists the ops holds the gradients it saw, so none is taken as it is)
+    assert weight_sized_fp32[:3] == ["empty_like", "detach", "mul"] and "_to_copy" not in weight_sized_fp32
+    manual_seed(5)
+    q = dequantize(quantize(x.detach(), 3, 256, channel_scale=True), torch.bfloat16).reshape(-1, 48)
+    g2d = g.reshape(-1, 8)
+    assert weight.grad.dtype == torch.float32
+    assert torch.equal(weight.grad, (q.t() @ g2d if transposed else g2d.t() @ q).float())
+
+
 def test_saved_bytes_formula_and_needs_input_grad():
     act = ActLinear(256, 64).act_configure(slot="lin", bits=3)
     x = torch.randn(8, 100, 256)
