@@ -14,9 +14,9 @@
 # written out and its q, k, v contiguous (0.352x with 2^22 and autograd, host-bound); swin-tiny's largest batch
 # under 16 GiB at 2 and 3 bits with those larger chunks (7.00x and 5.85x in the fifth run, the 2-bit target 6.5x);
 # resnet50 at equal batch 256, whose conv inputs now decode in one pass per residual term and whose BatchNorms
-# pack their input as they read it (0.433x in the ninth run), and its step under the profiler at batch 128 (no run has profiled resnet50: where its
-# extra device time goes); bert-large at equal batch 256 (unchanged since the ninth); gpt2 and convnext-tiny at
-# batch 32, which no run has measured since the sixth, with what is left.
+# pack their input as they read it (0.433x in the ninth run), and its step under the profiler at batch 128 (no
+# run has profiled resnet50: where its extra device time goes); bert-large at equal batch 256 (unchanged since the
+# ninth); gpt2 and convnext-tiny at batch 32, which no run has measured since the sixth, with what is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
