@@ -474,6 +474,24 @@ def test_written_out_attention_backward_gives_autograds_gradients(case, need, de
     assert len(set(storages)) == len(storages)
 
 
+def test_written_out_attention_backward_scales_in_its_gemms():
+    """The softmax scale goes into the GEMMs of the scores, dq and dk (their alpha): no pass of it over an
+    attention matrix (the scores' or their gradient's shape) and the same gradients as scaling them."""
+    torch.manual_seed(0)
+    q, k, v = (t.detach() for t in _qkv(b=2, h=4, hkv=4, s=7, d=5, dtype=torch.float64))
+    mask, grad_out = torch.randn(1, 4, 7, 7, dtype=torch.float64), torch.randn(2, 4, 7, 5, dtype=torch.float64)
+    need = (True, True, True, True, False)
+    ops = dispatched(lambda: math_attention_grads(q, k, v, mask, None, 0.0, 0.3, None, 1, grad_out, need))
+    scalings = [f for f, outs in ops if f.overloadpacket.__name__ in ("mul", "mul_") and outs[0].shape[-2:] == (7, 7)]
+    assert scalings == [] and sum(f.overloadpacket.__name__ == "baddbmm_" for f, _ in ops) == 3
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, mask)]
+    out = math_attention(*leaves[:3], (leaves[3],), None, 0.0, 0.3)
+    expected = grads_of(out, leaves, grad_out)
+    got = math_attention_grads(q, k, v, mask, None, 0.0, 0.3, None, 1, grad_out, need)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("op", ["eager", "sdpa"])
 @pytest.mark.parametrize("case", ["swin_bias_and_shift", "per_item_mask", "dropout_gqa", "plain_mask"])
 def test_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, op, case):
@@ -808,6 +826,47 @@ def test_timm_attention_mixins(name, fused):
     for module in converted:
         revert(module)
     assert mixin_for(converted[0]) is not None and not hasattr(type(converted[0]), "act_original_class")
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("name", list(TIMM_CASES))
+def test_timm_fused_qkv_is_copied_once(monkeypatch, name, fused, chunks):
+    """timm's fused qkv projection is copied once, into a dense tensor of q, k and v: none of them is copied again
+    to be quantized, and eager attention's matmuls copy none of them in any chunk of the batch (timm's own forward
+    copies q, k and v for its matmuls; before, act_hf's did that in every chunk and copied each to quantize it).
+    For SDPA the copy lies tokens first, so the output's ``transpose(1, 2).reshape`` stays a view, as in timm."""
+    from act_hf.nn._base import convert
+    from act_hf.ops import attention
+    from act_hf.patches._timm_attention import mixin_for
+
+    kwargs, _ = TIMM_CASES[name]
+    torch.manual_seed(0)
+    model = timm.create_model(pretrained=False, **{**kwargs, "attn_drop_rate": 0.0}).train()
+    module = next(m for m in model.modules() if mixin_for(m) is not None and m.num_heads > 1)
+    module.fused_attn = fused
+    original_forward = type(module).forward
+    module = convert(module, mixin_for(module), slot="attn", bits=3)
+    tokens = 49 if name == "swin" else 17
+    x = torch.randn(16 if name == "swin" else 4, tokens, module.qkv.in_features, requires_grad=True)
+    args = (torch.zeros(4, 49, 49),) if name == "swin" else ()  # Swin's shift mask: 4 windows an image
+    monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", x.shape[0] * module.num_heads * tokens**2 // chunks)
+
+    def copies(forward) -> tuple[list[int], int]:
+        ops = [(f.overloadpacket.__name__, outs[0].numel()) for f, outs in dispatched(forward)]
+        return [n for op, n in ops if op == "clone"], sum(op == "bmm" for op, _ in ops)
+
+    q_numel = x.shape[0] * tokens * module.qkv.out_features // 3
+    ours, matmuls = copies(lambda: module(x, *args))
+    timms, _ = copies(lambda: original_forward(module, x, *args))  # timm's code (its qkv linear act_hf's)
+    assert fused or matmuls == 2 * chunks  # eager attention's two a chunk (SDPA may run its math path's)
+    assert ours.count(3 * q_numel) == 1  # the one copy of q, k and v
+    if fused:  # timm's SDPA copies none of them (act_hf's copied each to quantize it); the output stays a view
+        assert sorted(ours) == sorted([*timms, 3 * q_numel])
+    else:  # timm's matmuls copy q, k and v (three copies of q's size); act_hf's copy none, in every chunk
+        for _ in range(3):
+            timms.remove(q_numel)
+        assert sorted(ours) == sorted([*timms, 3 * q_numel])
 
 
 # --------------------------------------------------------------------------------------------------------------
