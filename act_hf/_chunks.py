@@ -1,4 +1,5 @@
-"""How large a slice an elementwise pass over a full-size tensor works on, to keep its temporaries bounded."""
+"""Elementwise passes over full-size tensors: how large a slice each works on, to keep its temporaries bounded, and
+how one with operands of another dtype runs in a single pass."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["by_items", "chunk_elements", "in_place", "row_spans", "spans"]
+__all__ = ["by_items", "chunk_elements", "in_place", "row_spans", "scaled_as", "spans"]
 
 
 def chunk_elements(device: torch.device) -> int:
@@ -43,6 +44,13 @@ def in_place(values: torch.Tensor, op: Callable[..., torch.Tensor], *operands: t
                                  for o in operands))
     return values
 
+
+def scaled_as(t: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(t * factor).to(dtype)`` in one pass: ``t`` (the caller's own) scaled in place when it has ``dtype``, else
+    the product rounded once into a new tensor of ``dtype`` (the same bits as the two steps)."""
+    if t.dtype == dtype:
+        return t.mul_(factor)
+    return torch.mul(t, factor, out=torch.empty_like(t, dtype=dtype))
 
 def by_items(chunks: list[tuple[int, int]], batch: int, make: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """The output of a computation whose batch items are independent: ``make(start, end)``, the output of items

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunks import by_items, in_place, spans
+from .._chunks import by_items, in_place, scaled_as, spans
 from .._constants import zero_scalar
 from ..compress import PackedTensor, dequantize, dequantize_items, dequantize_with_factors
 from ..context import store
@@ -117,11 +117,10 @@ class ActLinearFunction(torch.autograd.Function):
                 grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
                 del x2d
                 if factors is not None:  # the input's channels are grad_w's columns (rows when transposed)
-                    f = factors.reshape(-1, 1) if ctx.transposed else factors
                     # rounded once into the weight's dtype (powers of two: exact), so autograd has no cast left to
                     # make; fp32 factors cost the CPU a temporary of the weight's size, not the activation's
-                    grad_w = grad_w.mul_(f) if grad_w.dtype == ctx.weight_dtype else \
-                        torch.mul(grad_w, f, out=torch.empty_like(grad_w, dtype=ctx.weight_dtype))
+                    grad_w = scaled_as(grad_w, factors.reshape(-1, 1) if ctx.transposed else factors,
+                                       ctx.weight_dtype)
             if ctx.needs_input_grad[2]:
                 grad_b = g2d.sum(0)
         if ctx.needs_input_grad[0]:

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunks import in_place, row_spans
+from .._chunks import in_place, row_spans, scaled_as
 from .._constants import zeros_and_ones
 from ..compress import (
     PackedTensor,
@@ -184,20 +184,12 @@ def _undo_affine_(y: Tensor, weight: Tensor | None, bias: Tensor | None, factors
     return torch.addcmul(shift.neg().reshape(view), y, mult.reshape(view), out=y)
 
 
-def _scaled_as(t: Tensor, factor: Tensor, dtype: torch.dtype) -> Tensor:
-    """``(t * factor).to(dtype)`` in one pass: ``t`` (the caller's own) scaled in place when it has ``dtype``, else
-    the product rounded once into a new tensor of ``dtype`` (the same bits as the two steps)."""
-    if t.dtype == dtype:
-        return t.mul_(factor)
-    return torch.mul(t, factor, out=torch.empty_like(t, dtype=dtype))
-
-
 def _rms_input_grad_(g: Tensor, x_hat: Tensor, rstd: Tensor, w_eff: Tensor | None, dtype: torch.dtype) -> Tensor:
     """``d x`` of ``y = w * x * rstd`` with ``rstd = rsqrt(mean(x^2) + eps)`` over rows (fp32), in ``dtype``,
     overwriting ``x_hat`` (the caller's own tensor) to keep the full-size temporaries to one."""
     d = g if w_eff is None else g * w_eff
     x_hat.mul_((d * x_hat).mean(1, keepdim=True))
-    return _scaled_as(torch.sub(d, x_hat, out=x_hat), rstd, dtype)
+    return scaled_as(torch.sub(d, x_hat, out=x_hat), rstd, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,7 +280,7 @@ class ActLayerNormFunction(torch.autograd.Function):
         del saved
         if need_x:
             if unit_rstd is not None:  # the bracket of d x, times the real rstd
-                grad_x = _scaled_as(grad_x, rstd.float().reshape(rows, 1), dtype)
+                grad_x = scaled_as(grad_x, rstd.float().reshape(rows, 1), dtype)
             grad_x = grad_x.reshape(shape).to(dtype)
         grad_w = grad_w.reshape(shape[-k:]).to(weight.dtype) if need_w else None
         grad_b = grad_b.reshape(shape[-k:]).to(bias_dtype) if need_b else None
