@@ -298,9 +298,10 @@ def dequantize_inverse_affine(packed: PackedTensor, weight: torch.Tensor, bias: 
     weight``, the bits of ``f * (1 / weight)`` (powers of two) in one op less."""
     _check_affine(packed, weight=weight, **({} if bias is None else {"bias": bias}))
     shift = torch.zeros_like(weight) if bias is None else bias / weight
-    if packed.spec.channel_scaled and _affine_in_one_pass(packed.spec):
-        return _affine_decode(packed, packed.channel / weight, shift)
-    return dequantize_affine(packed, weight.reciprocal(), shift)
+    if not _affine_in_one_pass(packed.spec):  # a decode and two passes
+        return dequantize_affine(packed, weight.reciprocal(), shift)
+    return _affine_decode(packed, packed.channel / weight if packed.spec.channel_scaled else weight.reciprocal(),
+                          shift)
 
 
 def _check_affine(packed: PackedTensor, **per_channel: torch.Tensor) -> None:
