@@ -15,9 +15,9 @@ for backward is only
 
 and backward *recomputes* attention from the dequantized ``q``, ``k``, ``v`` and applies the exact
 softmax/matmul backward: for SDPA through autograd on the recomputation, ``F.scaled_dot_product_attention``
-itself, so CUDA backward uses the fused kernels; for eager attention written out in fp32
+itself, so CUDA backward uses the fused kernels; for eager attention written out
 (:func:`math_attention_grads`, the ops autograd would run on :func:`math_attention` without its graph or its
-output's product), with dropout's keep mask, which eager attention saves at 1 bit per attention-matrix element.
+output's product; its GEMMs in the forward's dtype, the softmax in fp32), with dropout's keep mask, which eager attention saves at 1 bit per attention-matrix element.
 
 Why recompute and not the fused SDPA backward ops
 -------------------------------------------------
@@ -254,37 +254,44 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
     """The gradients of ``math_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), (mask,), keep, dropout_p,
     scale, window_mask)`` for upstream ``grad_out``, by the ops autograd runs on it, written out: no graph is
     built, the output's product ``P @ v``, which no gradient reads, is not computed, and ``scale`` is applied by the
-    GEMMs of the scores and of dq and dk (their alpha), not by passes over the scores. ``q``, ``k`` and ``v`` are
-    in the dtype attention is computed in (fp32 for half inputs, as ``math_attention`` casts them), and so are
-    the gradients of q, k and v; a mask's and the window mask's come in their own dtypes. ``need``: whether q, k,
-    v, the mask and the window mask want a gradient (``None`` for those that do not)."""
-    dtype = q.dtype
+    GEMMs of the scores and of dq and dk (their alpha), not by passes over the scores.
+
+    The GEMMs run in ``q``'s dtype, the softmax and its gradient in :func:`_math_dtype`'s: for fp32 and fp64
+    inputs both are theirs, and the gradients are ``math_attention``'s. For half inputs (the autocast dtype an
+    eager attention's GEMMs ran in forward) the five GEMMs run in half, accumulating in fp32, as the unpatched
+    step's forward and autograd's backward run them: the scores and ``dP = dO v^T`` are rounded to half once,
+    ``P`` and ``dS`` for the GEMMs that read them; ``math_attention`` would run them in fp32 (for the half
+    inputs a tensor-core GEMM reads half the bytes of). ``grad_out`` is cast to ``q``'s dtype; the gradients of
+    q, k and v come in it, a mask's and the window mask's in their own dtypes. ``need``: whether q, k, v, the
+    mask and the window mask want a gradient (``None`` for those that do not)."""
+    dtype, soft = q.dtype, _math_dtype(q.dtype)
     k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     scores = _scaled_matmul(q, k_full.transpose(-2, -1), scale)
-    if mask is not None:
-        if mask.dtype == torch.bool:
+    if mask is not None and mask.dtype != torch.bool:
+        added = mask.to(soft)
+        # in place unless the mask broadcasts the scores to a larger shape or widens a half product (one pass)
+        scores = scores.add_(added) if scores.dtype == soft and torch.broadcast_shapes(
+            scores.shape, added.shape) == scores.shape else torch.add(scores, added)
+    else:
+        scores = scores.to(soft)
+        if mask is not None:
             scores.masked_fill_(mask.logical_not(), float("-inf"))
-        else:
-            added = mask.to(dtype)
-            # in place unless the mask broadcasts the scores to a larger shape
-            scores = scores.add_(added) if torch.broadcast_shapes(scores.shape, added.shape) == scores.shape \
-                else scores + added
     if window_mask is not None:
         heads, length, slen = scores.shape[-3:]
-        scores.view(-1, window_mask.shape[0], heads, length, slen).add_(window_mask.to(dtype).unsqueeze(1))
+        scores.view(-1, window_mask.shape[0], heads, length, slen).add_(window_mask.to(soft).unsqueeze(1))
     probs = torch.softmax(scores, -1)
     del scores
     g = grad_out.to(dtype, memory_format=torch.contiguous_format)  # a transposed output's: one copy, not two
     kept = probs if keep is None else probs * keep * (1.0 / (1.0 - dropout_p))
-    dv = _reduced_repeat(torch.matmul(kept.transpose(-2, -1), g), n_rep) if need[2] else None
+    dv = _reduced_repeat(torch.matmul(kept.to(dtype).transpose(-2, -1), g), n_rep) if need[2] else None
     del kept
     grads: list[Tensor | None] = [None, None, dv, None, None]
     if not (need[0] or need[1] or need[3] or need[4]):
         return grads
-    d_probs = torch.matmul(g, v_full.transpose(-2, -1))
+    d_probs = torch.matmul(g, v_full.transpose(-2, -1)).to(soft)
     if keep is not None:
         d_probs = d_probs.mul_(1.0 / (1.0 - dropout_p)).mul_(keep)
-    d_scores = torch._softmax_backward_data(d_probs, probs, -1, dtype)
+    d_scores = torch._softmax_backward_data(d_probs, probs, -1, soft)
     del d_probs, probs
     if need[3] and mask is not None:
         grads[3] = d_scores.sum_to_size(mask.shape).to(mask.dtype)
@@ -295,6 +302,8 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
         grads[4] = grads[4].to(window_mask.dtype)
         if grads[3] is not None and _same_storage(grads[4], grads[3]):  # both d_scores: one is summed into later
             grads[4] = grads[4].clone()
+    if need[0] or need[1]:
+        d_scores = d_scores.to(dtype)
     if need[0]:
         grads[0] = _scaled_matmul(d_scores, k_full, scale)
     if need[1]:
@@ -660,8 +669,8 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         pq, pk, pv, mask, extra, keep_payload = load_context(ctx)
         scaling, dropout_p, n_rep = ctx.args
         need = ctx.needs_input_grad
-        # q, k, v decoded straight into the dtype attention is recomputed in (fp32 for half inputs)
-        qkv = _SavedQKV(pq, pk, pv, ctx.v_shape, _math_dtype(grad_out.dtype), grad_out.dtype)
+        # q, k, v decoded straight into the gradient's dtype, the GEMMs' (math_attention_grads)
+        qkv = _SavedQKV(pq, pk, pv, ctx.v_shape, grad_out.dtype)
         keep = unpack_mask(keep_payload, ctx.keep_shape) if keep_payload is not None else None
 
         def chunk_grads(qc, kc, vc, m, e, g, start, end):  # items [start, end), keep mask sliced to them

@@ -492,6 +492,61 @@ def test_written_out_attention_backward_scales_in_its_gemms():
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dropout", [False, True])
+def test_written_out_attention_backward_runs_half_gemms_in_half(dropout):
+    """For bf16 q, k, v (the dtype eager attention's GEMMs ran in under autocast) the written-out backward's five
+    GEMMs run in bf16, as the unpatched step's forward and backward run them (on a GPU: tensor cores, half the
+    bytes), the softmax and its gradient in fp32. Its gradients are as close to the exact ones (float64 autograd
+    on the same values) as those autograd takes through Swin's eager attention under bf16 autocast, the
+    unpatched step's; the bias's and the window mask's come in fp32."""
+    torch.manual_seed(0)
+    windows, n, d, heads, batch = 4, 49, 32, 3, 8
+    q, k, v = (t.detach() for t in _qkv(b=batch, h=heads, hkv=heads, s=n, d=d, dtype=torch.bfloat16))
+    bias = torch.randn(1, heads, n, n)
+    shift = torch.zeros(windows, n, n).masked_fill(torch.rand(windows, n, n) < 0.3, -100.0)
+    keep = torch.rand(batch, heads, n, n) > 0.2 if dropout else None
+    p = 0.2 if dropout else 0.0
+    grad_out = torch.randn(batch, heads, n, d, dtype=torch.bfloat16)
+    need = (True, True, True, True, True)
+    ops = dispatched(lambda: math_attention_grads(q, k, v, bias, keep, p, 0.3, shift, 1, grad_out, need))
+    gemms = [(f.overloadpacket.__name__, outs[0].dtype) for f, outs in ops
+             if f.overloadpacket.__name__ in ("bmm", "baddbmm_", "mm", "addmm", "matmul")]
+    assert len(gemms) == 5 and all(dtype == torch.bfloat16 for _, dtype in gemms), gemms
+    got = math_attention_grads(q, k, v, bias, keep, p, 0.3, shift, 1, grad_out, need)
+
+    wide = [t.double().requires_grad_() for t in (q, k, v, bias, shift)]
+    exact = grads_of(math_attention(*wide[:3], (wide[3],), keep, p, 0.3, window_mask=wide[4]), wide,
+                     grad_out.double())
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias, shift)]
+    with torch.autocast("cpu", torch.bfloat16):  # timm's Swin attention, its dropout's mask replaced by keep
+        w = (leaves[0] * 0.3) @ leaves[1].transpose(-2, -1) + leaves[3]
+        w = (w.view(-1, windows, heads, n, n) + leaves[4].unsqueeze(1)).view(-1, heads, n, n).softmax(-1)
+        if keep is not None:
+            w = w * keep / (1 - p)
+        unpatched = grads_of(w @ leaves[2], leaves, grad_out)
+    for name, g, u, e in zip(("dq", "dk", "dv", "dbias", "dshift"), got, unpatched, exact):
+        assert g.dtype == u.dtype, name
+        error, unpatched_error = ((t.double() - e).norm() / e.norm() for t in (g, u))
+        assert error <= 1.25 * unpatched_error + 1e-6, (name, error, unpatched_error)
+
+
+def test_eager_attention_backward_under_autocast_decodes_and_multiplies_in_half():
+    """Under bf16 autocast an eager attention's backward decodes q, k and v in bf16, the dtype its GEMMs ran in
+    forward, and runs its GEMMs in it: no fp32 copy of q, k, v or of their gradients."""
+    q, k, v = (t.detach().requires_grad_() for t in _qkv(b=4, h=2, hkv=2, s=16, d=8, dtype=torch.bfloat16))
+    bias = torch.randn(1, 2, 16, 16, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        out, _ = act_eager_attention(q, k, v, bias, scaling=0.3, settings=_settings(4), scale_query=True,
+                                     need_weights=False)
+    grad_out = torch.randn_like(out)
+    ops = dispatched(lambda: torch.autograd.grad(out, (q, k, v, bias), grad_out))
+    named = [(f.overloadpacket.__name__, outs[0]) for f, outs in ops]
+    decoded = [t.dtype for name, t in named if name == "unpack_dequantize"]
+    gemms = [t.dtype for name, t in named if name in ("bmm", "baddbmm_", "mm", "matmul")]
+    assert decoded == [torch.bfloat16] * 3 and gemms == [torch.bfloat16] * 5
+    assert not any(t.dtype == torch.float32 and t.shape == q.shape for _, t in named)
+
+
 @pytest.mark.parametrize("op", ["eager", "sdpa"])
 @pytest.mark.parametrize("case", ["swin_bias_and_shift", "per_item_mask", "dropout_gqa", "plain_mask"])
 def test_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, op, case):
