@@ -67,7 +67,8 @@ def _stub_unpack_dequantize(payload, lo, scale, bits, group_size, numel, dtype, 
     return torch.zeros(numel, dtype=dtype)
 
 
-def _stub_unpack_dequantize_affine(payload, lo, scale, bits, group_size, numel, mult, shift, chunk=None):
+def _stub_unpack_dequantize_affine(payload, lo, scale, bits, group_size, numel, mult, shift, divisor=None,
+                                   chunk=None):
     return torch.zeros(numel, dtype=torch.float32)
 
 

@@ -36,7 +36,7 @@ at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& l
                                   int64_t bits, int64_t group_size, int64_t numel, at::ScalarType dtype);
 at::Tensor unpack_dequantize_affine_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                          int64_t bits, int64_t group_size, int64_t numel, const at::Tensor& mult,
-                                         const at::Tensor& shift);
+                                         const at::Tensor& shift, const c10::optional<at::Tensor>& divisor);
 void unpack_dequantize_into_cuda(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo,
                                  const at::Tensor& scale, int64_t bits, int64_t group_size, int64_t start,
                                  const at::Tensor& weight, const at::Tensor& bias, int64_t inner,
@@ -174,13 +174,22 @@ void check_channel_factors(const at::Tensor& payload, const at::Tensor& a, const
 
 at::Tensor unpack_dequantize_affine(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                     int64_t bits, int64_t group_size, int64_t numel, const at::Tensor& mult,
-                                    const at::Tensor& shift) {
+                                    const at::Tensor& shift, const c10::optional<at::Tensor>& divisor) {
   check_packed(payload, lo, scale, bits, group_size, numel);
   check_channel_factors(payload, mult, shift, "mult", "shift");
   TORCH_CHECK(numel % mult.numel() == 0, "numel must be a whole number of rows of " + std::to_string(mult.numel()) +
                                              " channels, got " + std::to_string(numel));
+  if (divisor.has_value()) {
+    TORCH_CHECK(divisor->scalar_type() == at::kFloat,
+                "divisor must have dtype Float, got " + std::string(c10::toString(divisor->scalar_type())));
+    check_same_device(payload, *divisor, "divisor");
+    TORCH_CHECK(divisor->is_contiguous(), "divisor must be contiguous");
+    TORCH_CHECK(divisor->numel() * mult.numel() == numel,
+                "divisor must hold one value a row of " + std::to_string(mult.numel()) + " channels, " +
+                    std::to_string(numel / mult.numel()) + " values, got " + std::to_string(divisor->numel()));
+  }
   py::gil_scoped_release no_gil;
-  return act_hf::unpack_dequantize_affine_cuda(payload, lo, scale, bits, group_size, numel, mult, shift);
+  return act_hf::unpack_dequantize_affine_cuda(payload, lo, scale, bits, group_size, numel, mult, shift, divisor);
 }
 
 // x's values normalized by their channel of dim 1 before grouping: (x - mean[c]) * invstd[c] for an element k of
@@ -330,8 +339,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("numel"), py::arg("dtype"));
   m.def("unpack_dequantize_affine", &unpack_dequantize_affine,
         "unpack_dequantize to float32 of a row-major tensor of len(mult) channels, each value v then v * mult[c] - "
-        "shift[c] for its channel c", py::arg("payload"), py::arg("lo"), py::arg("scale"), py::arg("bits"),
-        py::arg("group_size"), py::arg("numel"), py::arg("mult"), py::arg("shift"));
+        "shift[c] for its channel c, and with divisor times the reciprocal of its row's divisor", py::arg("payload"),
+        py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"), py::arg("numel"), py::arg("mult"),
+        py::arg("shift"), py::arg("divisor") = py::none());
   m.def("unpack_dequantize_into", &unpack_dequantize_into,
         "Elements start.. of a packed tensor decoded into out, each v of channel c = (k / inner) % len(weight) "
         "mapped to v * weight[c] + bias[c], added to out's values with accumulate, zeroed where mask's bit is 0",

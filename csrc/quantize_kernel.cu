@@ -215,11 +215,15 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(  // 3
 }
 
 // A per-channel affine map of a decode (unpack_dequantize_affine; fp32 only): element i, of channel i % channels
-// of a row-major tensor, becomes v * mult[c] - shift[c], each operation rounded (no fused multiply-add).
+// of a row-major tensor, becomes v * mult[c] - shift[c], each operation rounded (no fused multiply-add); with a
+// `divisor` (one value a row of `channels` elements, `rows` of them; nullptr: none) that times the reciprocal of its
+// row's, the reciprocal and the product each rounded.
 struct ChannelAffine {
   const float* mult;
   const float* shift;
   int64_t channels;
+  const float* divisor;
+  int64_t rows;
 };
 
 // One thread per octet; with Affine, each value then mapped by `affine`.
@@ -236,19 +240,31 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   const int64_t g = group_shift >= 0 ? i >> group_shift : i / group_size;  // a 64-bit division is a long routine
   const float lo = ZeroPoint<T>::decode(lo_in[g]);
   const float scale = bf16_bits_to_float(scale_in[g]);
-  int64_t c = 0;
+  int64_t c = 0, row = 0;
+  float inverse = 1.f;  // the reciprocal of the row's divisor
   if constexpr (Affine) {
-    c = i <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(i) % static_cast<uint32_t>(affine.channels))
-                        : i % affine.channels;
+    if (i <= UINT32_MAX && affine.channels <= UINT32_MAX) {
+      const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(affine.channels);
+      row = q;
+      c = static_cast<uint32_t>(i) - q * static_cast<uint32_t>(affine.channels);
+    } else {
+      row = i / affine.channels;
+      c = i - row * affine.channels;
+    }
+    if (affine.divisor != nullptr) inverse = __frcp_rn(affine.divisor[row]);
   }
   alignas(16) T vals[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float code = static_cast<float>((word >> (j * B)) & kMask);
     float v = __fadd_rn(lo, __fmul_rn(code, scale));
-    if constexpr (Affine) {  // past cnt too: c stays a channel, and those values are not stored
+    if constexpr (Affine) {  // past cnt too: c stays a channel, the row the last; those values are not stored
       v = __fsub_rn(__fmul_rn(v, affine.mult[c]), affine.shift[c]);
-      if (++c == affine.channels) c = 0;
+      if (affine.divisor != nullptr) v = __fmul_rn(v, inverse);
+      if (++c == affine.channels) {
+        c = 0;
+        if (affine.divisor != nullptr && ++row < affine.rows) inverse = __frcp_rn(affine.divisor[row]);
+      }
     }
     vals[j] = from_float<T>(v);
   }
@@ -418,7 +434,7 @@ at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& l
       unpack_dequantize_kernel<scalar_t, B, false><<<blocks, kThreads, 0, stream>>>(
           payload.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(lo.data_ptr<int16_t>()),
           reinterpret_cast<const uint16_t*>(scale.data_ptr<int16_t>()), numel, group_size, group_shift,
-          ChannelAffine{nullptr, nullptr, 1}, out.data_ptr<scalar_t>());
+          ChannelAffine{nullptr, nullptr, 1, nullptr, 0}, out.data_ptr<scalar_t>());
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -427,13 +443,14 @@ at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& l
 
 at::Tensor unpack_dequantize_affine_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                          int64_t bits, int64_t group_size, int64_t numel, const at::Tensor& mult,
-                                         const at::Tensor& shift) {
+                                         const at::Tensor& shift, const c10::optional<at::Tensor>& divisor) {
   const c10::cuda::CUDAGuard guard(payload.device());
   auto out = at::empty({numel}, payload.options().dtype(at::kFloat));
   if (numel == 0) return out;
   const int64_t blocks = ceil_div(ceil_div(numel, 8), kThreads);
   const int group_shift = log2_or_minus_one(group_size);
-  const ChannelAffine affine{mult.data_ptr<float>(), shift.data_ptr<float>(), mult.numel()};
+  const ChannelAffine affine{mult.data_ptr<float>(), shift.data_ptr<float>(), mult.numel(),
+                             divisor.has_value() ? divisor->data_ptr<float>() : nullptr, numel / mult.numel()};
   auto stream = c10::cuda::getCurrentCUDAStream();
   ACT_BITS_SWITCH(bits, B, [&] {
     unpack_dequantize_kernel<float, B, true><<<blocks, kThreads, 0, stream>>>(

@@ -23,9 +23,10 @@ def test_opcheck_quantize_and_dequantize(dtype):
     torch.library.opcheck(
         torch.ops.act_hf.unpack_dequantize.default, (payload, lo, scale, 3, 256, 1000, dtype), test_utils=OPCHECK_TESTS
     )
-    torch.library.opcheck(torch.ops.act_hf.unpack_dequantize_affine.default,
-                          (payload, lo, scale, 3, 256, 1000, torch.rand(40) + 0.5, torch.randn(40)),
-                          test_utils=OPCHECK_TESTS)
+    for divisor in (None, torch.rand(25) + 0.5):  # 25 rows of 40 channels
+        torch.library.opcheck(torch.ops.act_hf.unpack_dequantize_affine.default,
+                              (payload, lo, scale, 3, 256, 1000, torch.rand(40) + 0.5, torch.randn(40), divisor),
+                              test_utils=OPCHECK_TESTS)
     mask = torch.randint(0, 256, (63,), dtype=torch.uint8)
     for start, out, accumulate, m in [(0, torch.empty(1000, dtype=dtype), False, None),
                                       (200, torch.randn(500).to(dtype), True, mask)]:  # 5 items of 4 x 25 from 200

@@ -291,17 +291,33 @@ def dequantize_affine(packed: PackedTensor, mult: torch.Tensor, shift: torch.Ten
     return _affine_decode(packed, mult * packed.channel if packed.spec.channel_scaled else mult, shift)
 
 
-def dequantize_inverse_affine(packed: PackedTensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def dequantize_inverse_affine(packed: PackedTensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                              divisor: torch.Tensor | None = None) -> torch.Tensor:
     """``(dequantize(packed, torch.float32) - bias) / weight`` (``bias`` ``None``: zero) over the last dimension's
     channels, a norm's ``x_hat`` from its saved output: :func:`dequantize_affine` with ``mult = 1 / weight`` and
     ``shift = bias / weight``, bit for bit. A channel-scaled context's factors ``f`` go into the reciprocal as ``f /
-    weight``, the bits of ``f * (1 / weight)`` (powers of two) in one op less."""
+    weight``, the bits of ``f * (1 / weight)`` (powers of two) in one op less.
+
+    With ``divisor`` (float32, one value a row: ``numel // shape[-1]`` of them), each row of the result then times
+    the reciprocal of its divisor, the reciprocal and the product each rounded: a LayerNorm's ``x_hat / rstd``,
+    its input less its mean, whose backward then takes the real ``rstd`` and needs no pass for it. In the same one
+    pass where that takes the context; otherwise after the decode and the two passes, as a third."""
     _check_affine(packed, weight=weight, **({} if bias is None else {"bias": bias}))
+    if divisor is not None:
+        rows = packed.spec.numel // max(packed.spec.shape[-1] if packed.spec.shape else 1, 1)
+        if not isinstance(divisor, torch.Tensor) or divisor.dtype != torch.float32 or divisor.numel() != rows:
+            got = (f"{divisor.dtype} of {divisor.numel()} values" if isinstance(divisor, torch.Tensor)
+                   else type(divisor).__name__)
+            raise ActHFValueError(f"divisor must be a float32 tensor of {rows} values, one per row of the packed "
+                                  f"tensor's last dimension, got {got}")
     shift = torch.zeros_like(weight) if bias is None else bias / weight
-    if not _affine_in_one_pass(packed.spec):  # a decode and two passes
-        return dequantize_affine(packed, weight.reciprocal(), shift)
+    if not _affine_in_one_pass(packed.spec):  # a decode and two passes (and one for the divisor)
+        decoded = dequantize_affine(packed, weight.reciprocal(), shift)
+        if divisor is None:
+            return decoded
+        return decoded.mul_(torch.reciprocal(divisor).reshape(*packed.spec.shape[:-1], 1))
     return _affine_decode(packed, packed.channel / weight if packed.spec.channel_scaled else weight.reciprocal(),
-                          shift)
+                          shift, divisor)
 
 
 def _check_affine(packed: PackedTensor, **per_channel: torch.Tensor) -> None:
@@ -317,12 +333,14 @@ def _affine_in_one_pass(spec: PackedSpec) -> bool:
     return spec.memory_order is None and spec.numel > 0 and lo_dtype_for(spec.dtype) == lo_dtype_for(torch.float32)
 
 
-def _affine_decode(packed: PackedTensor, mult: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``unpack_dequantize_affine``: each stored value ``v`` (before any channel factors) to ``v * mult - shift``,
-    in fp32 and ``packed``'s layout."""
+def _affine_decode(packed: PackedTensor, mult: torch.Tensor, shift: torch.Tensor,
+                   divisor: torch.Tensor | None = None) -> torch.Tensor:
+    """``unpack_dequantize_affine``: each stored value ``v`` (before any channel factors) to ``v * mult - shift``
+    (with ``divisor``, that times the reciprocal of its row's), in fp32 and ``packed``'s layout."""
     spec = packed.spec
     flat = _library.run(_library.unpack_dequantize_affine, packed.payload, packed.lo, packed.scale, spec.bits,
-                        spec.group_size, spec.numel, mult.contiguous(), shift.contiguous())
+                        spec.group_size, spec.numel, mult.contiguous(), shift.contiguous(),
+                        None if divisor is None else divisor.reshape(-1).contiguous())
     return spec.laid_out(flat)
 
 

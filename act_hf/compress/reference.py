@@ -280,13 +280,17 @@ def _groups_fp32(payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, b
 
 def unpack_dequantize_affine(payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int,
                              group_size: int, numel: int, mult: torch.Tensor, shift: torch.Tensor,
-                             chunk: int = 1 << 18) -> torch.Tensor:
+                             divisor: torch.Tensor | None = None, chunk: int = 1 << 18) -> torch.Tensor:
     """:func:`unpack_dequantize` to fp32 of a row-major tensor of ``len(mult)`` channels, each value ``v`` then
     ``v * mult[c] - shift[c]`` for its channel ``c`` (``mult``, ``shift``: fp32), the product and the difference each
-    rounded; decoded a chunk at a time like :func:`unpack_dequantize_chunked`."""
+    rounded; with ``divisor`` (fp32, one value a row of ``len(mult)`` elements) that times the reciprocal of its
+    row's divisor, the reciprocal and the product each rounded. Decoded a chunk at a time like
+    :func:`unpack_dequantize_chunked`."""
     out = unpack_dequantize_chunked(payload, lo, scale, bits, group_size, numel, torch.float32, chunk)
-    rows = out.view(-1, mult.numel())
-    return rows.mul_(mult).sub_(shift).view(-1)
+    rows = out.view(-1, mult.numel()).mul_(mult).sub_(shift)
+    if divisor is not None:
+        rows.mul_(torch.reciprocal(divisor).unsqueeze(1))
+    return rows.view(-1)
 
 
 def unpack_dequantize_into(out: torch.Tensor, payload: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor,

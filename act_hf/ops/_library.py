@@ -182,16 +182,17 @@ def _(payload, lo, scale, bits, group_size, numel, dtype):
 
 
 def _unpack_dequantize_affine(payload: Tensor, lo: Tensor, scale: Tensor, bits: int, group_size: int, numel: int,
-                              mult: Tensor, shift: Tensor) -> Tensor:
+                              mult: Tensor, shift: Tensor, divisor: Tensor | None = None) -> Tensor:
     """``unpack_dequantize`` to fp32 of a row-major tensor of ``len(mult)`` channels, each value then times its
-    channel's ``mult`` minus its ``shift`` (``act_hf.compress.reference.unpack_dequantize_affine``)."""
-    return reference.unpack_dequantize_affine(payload, lo, scale, bits, group_size, numel, mult, shift)
+    channel's ``mult`` minus its ``shift``, and with ``divisor`` times the reciprocal of its row's
+    (``act_hf.compress.reference.unpack_dequantize_affine``)."""
+    return reference.unpack_dequantize_affine(payload, lo, scale, bits, group_size, numel, mult, shift, divisor)
 
 
-def _unpack_dequantize_affine_cuda(payload, lo, scale, bits, group_size, numel, mult, shift):
+def _unpack_dequantize_affine_cuda(payload, lo, scale, bits, group_size, numel, mult, shift, divisor=None):
     module = _cuda_ext()
     kernel = _unpack_dequantize_affine if module is None else module.unpack_dequantize_affine
-    return kernel(payload, lo, scale, bits, group_size, numel, mult, shift)
+    return kernel(payload, lo, scale, bits, group_size, numel, mult, shift, divisor)
 
 
 unpack_dequantize_affine = torch.library.custom_op("act_hf::unpack_dequantize_affine", _unpack_dequantize_affine,
@@ -200,10 +201,11 @@ unpack_dequantize_affine.register_kernel("cuda", _unpack_dequantize_affine_cuda)
 
 
 @unpack_dequantize_affine.register_fake
-def _(payload, lo, scale, bits, group_size, numel, mult, shift):
+def _(payload, lo, scale, bits, group_size, numel, mult, shift, divisor=None):
     torch._check(lo.numel() == _ceil_div(numel, group_size), lambda: "lo has the wrong number of groups")
     torch._check(mult.shape == shift.shape and numel % mult.numel() == 0,
                  lambda: "mult and shift need one value a channel of whole rows")
+    torch._check(divisor is None or divisor.numel() * mult.numel() == numel, lambda: "divisor needs one value a row")
     return payload.new_empty(numel, dtype=torch.float32)
 
 

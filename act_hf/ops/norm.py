@@ -253,9 +253,13 @@ class ActLayerNormFunction(torch.autograd.Function):
             grad_b = g.sum(0).reshape(shape[-k:]).to(bias_dtype) if need_b else None
             return None, None, grad_b, None, None, None, None, None
         w = None if weight is None else weight.float()
+        centred = False  # whether saved is x - mean, x_hat / rstd: aten's backward then takes the real rstd
         if context == "output" and out_perm is None and w is not None and k == 1:
-            # x_hat = (y - beta) / gamma as y * (1 / gamma) - beta / gamma, decoded and mapped in one pass
-            saved = dequantize_inverse_affine(packed, w.reshape(n), None if bias is None else bias.float().reshape(n))
+            # x_hat = (y - beta) / gamma as y * (1 / gamma) - beta / gamma, decoded and mapped in one pass; divided
+            # by rstd in it when grad_x is wanted, so that aten's backward multiplies by rstd, not a pass after it
+            centred = rstd is not None
+            saved = dequantize_inverse_affine(packed, w.reshape(n), None if bias is None else bias.float().reshape(n),
+                                              divisor=rstd.float().reshape(rows) if centred else None)
             saved = saved.reshape(rows, n)
         else:
             # x_hat = (y - beta) / gamma of the output form takes the channel factors f of a channel-scaled y:
@@ -267,10 +271,10 @@ class ActLayerNormFunction(torch.autograd.Function):
             saved = saved.reshape(rows, n)
             if context == "output":  # x_hat, in place (the decoded tensor is this backward's own)
                 _undo_affine_(saved, w, None if bias is None else bias.float(), factors, (1, n))
-        if context == "output":  # x_hat is fed to aten's backward as an input of mean 0 and rstd 1
-            mean, unit_rstd = zeros_and_ones((rows, 1), g)
-        else:
-            unit_rstd = None
+        unit_rstd = None
+        if context == "output":  # x_hat (x - mean: centred) is fed to aten's backward as an input of mean 0
+            mean, ones = zeros_and_ones((rows, 1), g)
+            unit_rstd = None if centred else ones
         # grad_b, sum(g), comes from the same pass as grad_w; aten reads only the dtype and device of its bias
         beta = (g.new_empty(n) if bias is None else bias.float().reshape(n)) if need_b else None
         grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(

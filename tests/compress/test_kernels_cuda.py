@@ -95,17 +95,20 @@ def test_unpack_dequantize_into_another_dtype_matches_reference(ext, packed_dtyp
 @pytest.mark.parametrize("group_size", [24, 256])
 @pytest.mark.parametrize("channels", [1, 7, 1024])
 def test_unpack_dequantize_affine_matches_reference(ext, bits, group_size, channels):
-    """The decode's per-channel ``v * mult - shift`` (each rounded, no fused multiply-add): rows that straddle
-    groups and octets, channels fewer than and more than an octet."""
+    """The decode's per-channel ``v * mult - shift`` (each rounded, no fused multiply-add), and that times the
+    reciprocal of a per-row divisor (each rounded): rows that straddle groups and octets, channels fewer than and
+    more than an octet (several rows an octet)."""
     for rows in (1, 3, 70):
         n = rows * channels
         x = torch.randn(n, device="cuda") * 3
         packed = ext.quantize_pack(x, bits, group_size, 5)
         mult = torch.rand(channels, device="cuda") + 0.3
         shift = torch.randn(channels, device="cuda")
-        out = ext.unpack_dequantize_affine(*packed, bits, group_size, n, mult, shift)
-        ref = R.unpack_dequantize_affine(*packed, bits, group_size, n, mult, shift)
-        assert out.dtype == torch.float32 and torch.equal(out, ref), f"rows={rows}"
+        divisor = torch.rand(rows, device="cuda") * 3 + 0.1
+        for d in (None, divisor):
+            out = ext.unpack_dequantize_affine(*packed, bits, group_size, n, mult, shift, d)
+            ref = R.unpack_dequantize_affine(*packed, bits, group_size, n, mult, shift, d)
+            assert out.dtype == torch.float32 and torch.equal(out, ref), f"rows={rows}, divisor={d is not None}"
 
 
 @pytest.mark.parametrize("bits", [1, 3, 8])
@@ -318,7 +321,9 @@ def test_kernel_errors_name_arguments(ext):
                  (ext.unpack_dequantize_into, (x[:6], *ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, 0, bounds, bounds, 1,
                                                payload[:0], True)),
                  (ext.quantize_pack_normalized, (x.half(), bounds[:2], bounds[:2], 5, 3, 8, 0)),
-                 (ext.quantize_pack_normalized, (x, bounds, bounds, 2, 3, 8, 0))]
+                 (ext.quantize_pack_normalized, (x, bounds, bounds, 2, 3, 8, 0)),
+                 (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds[:2], bounds[:2],
+                                                 bounds[:2]))]
         for fn, args in calls:
             try:
                 fn(*args)
@@ -347,6 +352,7 @@ def test_kernel_errors_name_arguments(ext):
     assert "mask holds 0 bytes, fewer than ceil(out.numel() / 8) = 1" in lines[12]
     assert "x must be float32, bfloat16 or float64 for a normalized quantize" in lines[13]
     assert "x must hold whole rows of inner * len(mean) = 6 elements, got 10" in lines[14]
+    assert "divisor must hold one value a row of 2 channels, 5 values, got 2" in lines[15]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -358,6 +358,28 @@ def test_dequantize_inverse_affine_is_the_affine_decode_of_the_inverse_map(layou
         dequantize_inverse_affine(packed, weight, torch.zeros(47))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channel scaled", "fp16 channel scaled", "transposed"])
+def test_dequantize_inverse_affine_divides_rows_by_a_divisor_in_the_same_pass(layout):
+    """With ``divisor`` (one value a row), each row of the inverse map then times the reciprocal of its divisor, the
+    bits of a pass of its own after it, and still in one op where the context decodes in one; its errors name it."""
+    torch.manual_seed(0)
+    x = torch.randn(96, 48) * torch.logspace(-2, 2, 48)
+    x = {"fp16 channel scaled": x.half(), "transposed": x.t().contiguous().t()}.get(layout, x)
+    packed = quantize(x, 3, 64, seed=4, channel_scale=layout.endswith("channel scaled"))
+    weight, bias, divisor = torch.rand(48) + 0.5, torch.randn(48), torch.rand(96) * 2 + 0.1
+    ops = dispatched(lambda: dequantize_inverse_affine(packed, weight, bias, divisor=divisor))
+    got = dequantize_inverse_affine(packed, weight, bias, divisor=divisor)
+    expected = dequantize_inverse_affine(packed, weight, bias).mul_(divisor.reciprocal().unsqueeze(1))
+    assert got.shape == x.shape and torch.equal(got, expected)
+    one_op = layout in ("contiguous", "channel scaled")
+    assert [str(f) for f, _ in ops if "act_hf" in str(f)] == (["act_hf.unpack_dequantize_affine.default"] if one_op
+                                                              else ["act_hf.unpack_dequantize.default"])
+    for bad, message in [(torch.rand(95), "float32 tensor of 96 values, one per row .* got torch.float32 of 95"),
+                         (divisor.double(), "got torch.float64 of 96 values"), ([1.0] * 96, "got list")]:
+        with pytest.raises(ValueError, match=message):
+            dequantize_inverse_affine(packed, weight, bias, divisor=bad)
+
+
 def test_dequantize_affine_names_its_arguments():
     packed = quantize(torch.randn(8, 16), 3)
     with pytest.raises(ValueError, match=r"mult must be a float32 tensor of shape \(16,\), one value per channel "

@@ -921,9 +921,43 @@ def test_output_form_folds_the_channel_factors_bit_for_bit(monkeypatch, case):
     folded, folded_scalings = grads()
     monkeypatch.setattr(norm_ops, "_decoded_and_factors",
                         lambda packed, fold: (act_hf.compress.dequantize(packed, torch.float32), None))
-    monkeypatch.setattr(norm_ops, "dequantize_inverse_affine",
-                        lambda packed, w, b: act_hf.compress.dequantize(packed, torch.float32).mul_(w.reciprocal())
-                        .sub_(torch.zeros_like(w) if b is None else b / w))
+    def decoded_inverse_affine(packed, w, b, divisor=None):  # a decode, then each operation a pass of its own
+        x_hat = act_hf.compress.dequantize(packed, torch.float32).mul_(w.reciprocal())
+        x_hat = x_hat.sub_(torch.zeros_like(w) if b is None else b / w)
+        return x_hat if divisor is None else x_hat.mul_(divisor.reciprocal().reshape(*x_hat.shape[:-1], 1))
+
+    monkeypatch.setattr(norm_ops, "dequantize_inverse_affine", decoded_inverse_affine)
     decoded, decoded_scalings = grads()
     assert all(torch.equal(a, b) for a, b in zip(folded, decoded))
-    assert decoded_scalings - folded_scalings == (2 if case in ("layer", "layer_no_bias") else 1)
+    # LayerNorm's decode also takes the rows' 1 / rstd, a third pass when done apart
+    assert decoded_scalings - folded_scalings == (3 if case in ("layer", "layer_no_bias") else 1)
+
+
+@pytest.mark.parametrize("channel_scale", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_layer_norm_output_form_takes_rstd_in_its_decode(channel_scale, autocast):
+    """A LayerNorm's output-form backward decodes ``x_hat / rstd`` (its input less its mean) in the one pass that
+    maps the packed output back, so that aten's backward multiplies by the real ``rstd`` itself: no full-size
+    scaling op is left (an fp32 pass over the input gradient before). The gradients are the LayerNorm backward's
+    at the decoded ``x_hat`` (float64, from the same packed output) to fp32's rounding."""
+    torch.manual_seed(0)
+    x = (torch.randn(4, 24, 48) * torch.logspace(-1, 1, 48) + 3).requires_grad_()
+    weight, bias = (1 + 0.1 * torch.randn(48)).requires_grad_(), torch.randn(48).requires_grad_()
+    g = torch.randn(4, 24, 48)
+    settings = OpSettings("norm", 3, channel_scale=channel_scale)
+    act_hf.manual_seed(1)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = act_layer_norm(x, (48,), weight, bias, 1e-5, settings, context="output")
+    ops = dispatched(lambda: out.backward(g.to(out.dtype)))
+    scalings = [f for f, outs in ops if f.overloadpacket.__name__ in ("mul", "mul_") and outs[0].numel() == x.numel()]
+    assert scalings == []
+    act_hf.manual_seed(1)
+    packed = act_hf.compress.quantize(out.detach(), 3, channel_scale=channel_scale)  # the context, drawn again
+    x_hat = (act_hf.compress.dequantize(packed, torch.float64) - bias.double()) / weight.double()
+    x64 = x.detach().double()
+    rstd = 1 / torch.sqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    gw = g.to(out.dtype).double() * weight.double()
+    exact_x = rstd * (gw - gw.mean(-1, keepdim=True) - x_hat * (gw * x_hat).mean(-1, keepdim=True))
+    torch.testing.assert_close(x.grad.double(), exact_x, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), (g.to(out.dtype).double() * x_hat).sum((0, 1)), rtol=1e-4,
+                               atol=1e-4)
