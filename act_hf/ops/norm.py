@@ -430,15 +430,20 @@ class ActRMSNormFunction(torch.autograd.Function):
                 w = weight.float().reshape(1, n)
                 if style == "gemma":
                     w = 1.0 + w
-            # this backward's own, normalized in place; y / w of the output form takes a channel-scaled y's
-            # factors f as (y/f) / (w/f)
-            x_hat, factors = _decoded_and_factors(packed, context == "output" and w is not None)
-            x_hat = x_hat.reshape(rows, n)
-            if context == "output":
-                if w is not None:
-                    x_hat.div_(w if factors is None else (w.reshape(weight.shape) / factors).reshape(1, n))
+            if context == "output" and w is not None and k == 1:
+                # x_hat = y / w as y * (1 / w), decoded and mapped in one pass (a channel-scaled y's factors f
+                # folded in as f / w): one rounding more than a division, a pass less
+                x_hat = dequantize_inverse_affine(packed, w.reshape(n), None).reshape(rows, n)
             else:
-                x_hat.mul_(rstd.float().reshape(rows, 1))
+                # this backward's own, normalized in place; y / w of the output form takes a channel-scaled y's
+                # factors f as (y/f) / (w/f)
+                x_hat, factors = _decoded_and_factors(packed, context == "output" and w is not None)
+                x_hat = x_hat.reshape(rows, n)
+                if context == "output":
+                    if w is not None:
+                        x_hat.div_(w if factors is None else (w.reshape(weight.shape) / factors).reshape(1, n))
+                else:
+                    x_hat.mul_(rstd.float().reshape(rows, 1))
             if need_w:
                 grad_w = (g * x_hat).sum(0).reshape(weight.shape).to(weight.dtype)
             if need_x:
