@@ -5,9 +5,10 @@
 # logs are bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
 # Order, after the ninth run (H200, 847dd5a; README "Ninth GPU run"): the build and the kernel tests (the decode of
-# a residual block's terms into one tensor, unpack_dequantize_into, and BatchNorm's normalizing quantize,
-# quantize_pack_normalized, never run on a GPU yet) and eager attention's written-out backward on the GPU's
-# matmuls (math_attention_grads, since the ninth run); the kernels' throughput,
+# a residual block's terms into one tensor, unpack_dequantize_into, BatchNorm's normalizing quantize,
+# quantize_pack_normalized, and the LayerNorm decode's per-row divisor, never run on a GPU yet) and eager attention's
+# written-out backward on the GPU's matmuls (math_attention_grads, since the ninth run; bf16 GEMMs under autocast
+# since 13ec957); the kernels' throughput,
 # the one-pass LayerNorm decode, dropout's masked gradient and that decode among them (only ad hoc so far); the host
 # probe (tiny BERT, `--device cuda`), which says how fast this lease's host is (the ninth's was slower than the
 # seventh's); swin-tiny at equal batch 256 with the attention recomputed in chunks of 2^25 elements, its backward
