@@ -492,8 +492,9 @@ def test_written_out_attention_backward_scales_in_its_gemms():
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dropout", [False, True])
-def test_written_out_attention_backward_runs_half_gemms_in_half(dropout):
+def test_written_out_attention_backward_runs_half_gemms_in_half(dropout, device):
     """For bf16 q, k, v (the dtype eager attention's GEMMs ran in under autocast) the written-out backward's five
     GEMMs run in bf16, as the unpatched step's forward and backward run them (on a GPU: tensor cores, half the
     bytes), the softmax and its gradient in fp32. Its gradients are as close to the exact ones (float64 autograd
@@ -507,6 +508,8 @@ def test_written_out_attention_backward_runs_half_gemms_in_half(dropout):
     keep = torch.rand(batch, heads, n, n) > 0.2 if dropout else None
     p = 0.2 if dropout else 0.0
     grad_out = torch.randn(batch, heads, n, d, dtype=torch.bfloat16)
+    q, k, v, bias, shift, keep, grad_out = (None if t is None else t.to(device)
+                                            for t in (q, k, v, bias, shift, keep, grad_out))
     need = (True, True, True, True, True)
     ops = dispatched(lambda: math_attention_grads(q, k, v, bias, keep, p, 0.3, shift, 1, grad_out, need))
     gemms = [(f.overloadpacket.__name__, outs[0].dtype) for f, outs in ops
@@ -518,7 +521,7 @@ def test_written_out_attention_backward_runs_half_gemms_in_half(dropout):
     exact = grads_of(math_attention(*wide[:3], (wide[3],), keep, p, 0.3, window_mask=wide[4]), wide,
                      grad_out.double())
     leaves = [t.clone().requires_grad_() for t in (q, k, v, bias, shift)]
-    with torch.autocast("cpu", torch.bfloat16):  # timm's Swin attention, its dropout's mask replaced by keep
+    with torch.autocast(device, torch.bfloat16):  # timm's Swin attention, its dropout's mask replaced by keep
         w = (leaves[0] * 0.3) @ leaves[1].transpose(-2, -1) + leaves[3]
         w = (w.view(-1, windows, heads, n, n) + leaves[4].unsqueeze(1)).view(-1, heads, n, n).softmax(-1)
         if keep is not None:
