@@ -310,12 +310,15 @@ def dequantize_inverse_affine(packed: PackedTensor, weight: torch.Tensor, bias: 
                    else type(divisor).__name__)
             raise ActHFValueError(f"divisor must be a float32 tensor of {rows} values, one per row of the packed "
                                   f"tensor's last dimension, got {got}")
-    shift = torch.zeros_like(weight) if bias is None else bias / weight
-    if not _affine_in_one_pass(packed.spec):  # a decode and two passes (and one for the divisor)
-        decoded = dequantize_affine(packed, weight.reciprocal(), shift)
+    if not _affine_in_one_pass(packed.spec):  # a decode and a pass or two (and one for the divisor)
+        if bias is None:  # v * m - 0 is v * m, bit for bit: no pass for a zero shift
+            decoded = dequantize(packed, torch.float32).mul_(weight.reciprocal())
+        else:
+            decoded = dequantize_affine(packed, weight.reciprocal(), bias / weight)
         if divisor is None:
             return decoded
         return decoded.mul_(torch.reciprocal(divisor).reshape(*packed.spec.shape[:-1], 1))
+    shift = torch.zeros_like(weight) if bias is None else bias / weight
     return _affine_decode(packed, packed.channel / weight if packed.spec.channel_scaled else weight.reciprocal(),
                           shift, divisor)
 
