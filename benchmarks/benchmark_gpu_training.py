@@ -202,9 +202,16 @@ def prepare_step(trial: Trial) -> tuple[Callable[[], None], dict, Callable[[int]
     return step, info, rebatch
 
 
+#: the caching allocator's counters (``torch.cuda.memory_stats``) that :func:`_timed_steps` reports a step of: a
+#: ``cudaMalloc`` or ``cudaFree`` during a step, or an allocation retried after freeing the cache, stalls the host
+#: (``cudaFree`` and a retry wait for the device), so a step that makes them is not bound by its launches alone
+ALLOCATOR_EVENTS = {"cudaMalloc": "num_device_alloc", "cudaFree": "num_device_free", "retries": "num_alloc_retries"}
+
+
 def _timed_steps(step: Callable[[], None], trial: Trial, batch: int) -> dict:
     """``trial.warmup`` untimed and ``trial.steps`` timed steps at ``batch``: samples/s, and on a GPU the peak
-    allocated and reserved memory over the timed steps. An out-of-memory propagates."""
+    allocated and reserved memory over the timed steps and the allocator's events a step
+    (:data:`ALLOCATOR_EVENTS`). An out-of-memory propagates."""
     device = torch.device(trial.device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -214,6 +221,7 @@ def _timed_steps(step: Callable[[], None], trial: Trial, batch: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         settled = torch.cuda.memory_allocated(device)
+        before = torch.cuda.memory_stats(device)
     start = time.perf_counter()
     for _ in range(trial.steps):
         step()
@@ -221,10 +229,12 @@ def _timed_steps(step: Callable[[], None], trial: Trial, batch: int) -> dict:
     elapsed = time.perf_counter() - start
     out = {"samples_per_s": batch * trial.steps / elapsed, "step_ms": 1000 * elapsed / trial.steps}
     if cuda:  # resident: what stays between steps (weights, gradients, optimizer states); it must not grow
-        resident = torch.cuda.memory_allocated(device)
+        resident, after = torch.cuda.memory_allocated(device), torch.cuda.memory_stats(device)
         out |= {"peak_bytes": torch.cuda.max_memory_allocated(device),
                 "reserved_bytes": torch.cuda.max_memory_reserved(device),
-                "resident_bytes": resident, "growth_bytes_per_step": (resident - settled) / trial.steps}
+                "resident_bytes": resident, "growth_bytes_per_step": (resident - settled) / trial.steps,
+                "allocator_events_per_step": {name: (after.get(key, 0) - before.get(key, 0)) / trial.steps
+                                              for name, key in ALLOCATOR_EVENTS.items()}}
     return out
 
 
@@ -564,6 +574,13 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
                      + ", ".join(f"{r['model']} {r['setting']} "
                                  f"({format_bytes(r['equal_batch']['growth_bytes_per_step'])} a step)" for r in grew)
                      + " (a leak, or a cache still filling).")]
+    events = [r for r in timed if any(r["equal_batch"].get("allocator_events_per_step", {}).values())]
+    if timed:
+        lines += ["", "The caching allocator's events a timed step (" + ", ".join(ALLOCATOR_EVENTS) + "): "
+                  + ("none in any speed trial." if not events else "; ".join(
+                      f"{r['model']} {r['setting']} " + ", ".join(
+                          f"{value:g} {name}" for name, value in r["equal_batch"]["allocator_events_per_step"].items())
+                      for r in events) + " (each `cudaFree` and retry waits for the device).")]
     curves = [r for r in rows if r.get("curve")]
     if curves:
         batches = sorted({int(b) for r in curves for b in r["curve"]})

@@ -205,6 +205,24 @@ def test_speed_trials_report_allocated_memory_growing_over_steps(tmp_path):
     assert "the same in every speed trial" in (tmp_path / "gpu_training.md").read_text()
 
 
+def test_speed_trials_report_the_allocators_events_a_step(tmp_path):
+    """A speed trial's ``cudaMalloc``, ``cudaFree`` and retried allocations a timed step go into the table's notes,
+    named by trial: each stalls the host, so a step that makes them is not bound by its launches alone."""
+    meta = {**gpu_training._meta(torch.device("cpu")), "dtype": "bf16", "seq": 128, "image_size": 224, "batch": 256,
+            "steps": 4, "warmup": 2, "cap_bytes": None, "resolution": 0.02}
+    trial = {"oom": False, "samples_per_s": 100.0, "peak_bytes": 2**30, "resident_bytes": 2**29,
+             "growth_bytes_per_step": 0.0}
+    quiet = {"cudaMalloc": 0.0, "cudaFree": 0.0, "retries": 0.0}
+    rows = [{"model": "swin-tiny", "setting": "unpatched", "equal_batch": trial | {"allocator_events_per_step": quiet}},
+            {"model": "swin-tiny", "setting": "bits3", "equal_batch": trial | {"allocator_events_per_step": {
+                "cudaMalloc": 2.5, "cudaFree": 2.0, "retries": 0.25}}}]
+    gpu_training.write_results(rows, meta, tmp_path)
+    text = (tmp_path / "gpu_training.md").read_text()
+    assert "swin-tiny bits3 2.5 cudaMalloc, 2 cudaFree, 0.25 retries" in text and "swin-tiny unpatched 0" not in text
+    gpu_training.write_results(rows[:1], meta, tmp_path)
+    assert "(cudaMalloc, cudaFree, retries): none in any speed trial." in (tmp_path / "gpu_training.md").read_text()
+
+
 def test_targets_start_the_search_and_are_answered_by_its_first_trial(monkeypatch, tmp_path):
     """``--targets`` with ``--no-speed``: each row's first trial is ratio x the given unpatched largest batch, and
     the row says whether it fit before the search goes on (the GPU played by a memory model, as above)."""
