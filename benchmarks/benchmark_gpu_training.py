@@ -576,11 +576,14 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
                      + " (a leak, or a cache still filling).")]
     events = [r for r in timed if any(r["equal_batch"].get("allocator_events_per_step", {}).values())]
     if timed:
+        def counts(r: dict) -> str:
+            per_step = r["equal_batch"]["allocator_events_per_step"]
+            return ", ".join(f"{value:g} {name}" for name, value in per_step.items())
+
         lines += ["", "The caching allocator's events a timed step (" + ", ".join(ALLOCATOR_EVENTS) + "): "
                   + ("none in any speed trial." if not events else "; ".join(
-                      f"{r['model']} {r['setting']} " + ", ".join(
-                          f"{value:g} {name}" for name, value in r["equal_batch"]["allocator_events_per_step"].items())
-                      for r in events) + " (each `cudaFree` and retry waits for the device).")]
+                      f"{r['model']} {r['setting']} {counts(r)}" for r in events)
+                     + " (each `cudaFree` and retry waits for the device).")]
     curves = [r for r in rows if r.get("curve")]
     if curves:
         batches = sorted({int(b) for r in curves for b in r["curve"]})

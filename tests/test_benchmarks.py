@@ -213,9 +213,9 @@ def test_speed_trials_report_the_allocators_events_a_step(tmp_path):
     trial = {"oom": False, "samples_per_s": 100.0, "peak_bytes": 2**30, "resident_bytes": 2**29,
              "growth_bytes_per_step": 0.0}
     quiet = {"cudaMalloc": 0.0, "cudaFree": 0.0, "retries": 0.0}
-    rows = [{"model": "swin-tiny", "setting": "unpatched", "equal_batch": trial | {"allocator_events_per_step": quiet}},
-            {"model": "swin-tiny", "setting": "bits3", "equal_batch": trial | {"allocator_events_per_step": {
-                "cudaMalloc": 2.5, "cudaFree": 2.0, "retries": 0.25}}}]
+    busy = {"cudaMalloc": 2.5, "cudaFree": 2.0, "retries": 0.25}
+    rows = [{"model": "swin-tiny", "setting": name, "equal_batch": trial | {"allocator_events_per_step": events}}
+            for name, events in (("unpatched", quiet), ("bits3", busy))]
     gpu_training.write_results(rows, meta, tmp_path)
     text = (tmp_path / "gpu_training.md").read_text()
     assert "swin-tiny bits3 2.5 cudaMalloc, 2 cudaFree, 0.25 retries" in text and "swin-tiny unpatched 0" not in text
