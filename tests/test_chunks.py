@@ -7,14 +7,39 @@ import torch
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-from act_hf._chunks import by_items, chunk_elements, in_place, row_spans, spans
+from act_hf._chunks import by_items, chunk_elements, even_spans, in_place, row_spans, spans
 
 
 def test_spans_cover_the_range_and_rows_hold_about_the_asked_elements():
     assert list(spans(10, 4)) == [(0, 4), (4, 8), (8, 10)]
     t = torch.empty(7, 3, 5)
     assert list(row_spans(t, 30)) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert list(row_spans(t, 45)) == [(0, 3), (3, 6), (6, 7)]
+    assert list(row_spans(t, 60)) == [(0, 4), (4, 7)]  # two spans of at most 4 rows: 4 + 3, not 4 + 4
     assert list(row_spans(t, 1)) == [(i, i + 1) for i in range(7)]  # at least a row
+
+
+@pytest.mark.parametrize("count", [1, 7, 20, 40, 255, 256, 257])
+@pytest.mark.parametrize("most", [1, 4, 8, 72, 83, 1000])
+@pytest.mark.parametrize("multiple", [1, 4, 64])
+def test_even_spans_are_as_few_as_the_plain_ones_and_of_one_size(count, most, multiple):
+    """``even_spans`` covers the range in as many spans as ``spans`` at the largest step allowed (``most`` rounded
+    down to a multiple, at least one): all but the last of one size, a whole multiple no larger than that step,
+    the last no larger than they are."""
+    got = list(even_spans(count, most, multiple))
+    step = max(multiple, most // multiple * multiple)
+    assert got[0][0] == 0 and got[-1][1] == count and all(a[1] == b[0] for a, b in zip(got, got[1:]))
+    assert len(got) == len(list(spans(count, step)))
+    sizes = [b - a for a, b in got]
+    assert sizes[0] <= max(step, count) and set(sizes[:-1]) <= {sizes[0]} and sizes[-1] <= sizes[0]
+    assert len(sizes) == 1 or (sizes[0] <= step and sizes[0] % multiple == 0)
+
+
+def test_even_spans_split_a_batch_evenly():
+    assert list(even_spans(256, 72)) == [(0, 64), (64, 128), (128, 192), (192, 256)]  # not 72, 72, 72, 40
+    assert list(even_spans(256, 83)) == [(0, 64), (64, 128), (128, 192), (192, 256)]  # not 83, 83, 83, 7
+    assert list(even_spans(20, 8, 4)) == [(0, 8), (8, 16), (16, 20)]  # whole multiples: 8, 8, 4, not 7, 7, 6
+    assert list(even_spans(10, 3, 4)) == [(0, 4), (4, 8), (8, 10)]  # at least a multiple
 
 
 def _largest_allocation(fn) -> int:

@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .._chunks import by_items
+from .._chunks import by_items, even_spans
 from ..compress import PackedTensor, dequantize_items, pack_bits, unpack_mask
 from ..context import store
 from ..errors import ActHFTypeError, ActHFValueError
@@ -183,9 +183,9 @@ RECOMPUTE_CHUNK_ELEMENTS = 1 << 25
 
 def _batch_chunks(batch: int, per_item: int, period: int) -> list[tuple[int, int]]:
     """``[start, end)`` ranges covering ``range(batch)``, each of at most ``RECOMPUTE_CHUNK_ELEMENTS //
-    per_item`` items but at least ``period`` (Swin's windows of one image stay together), a multiple of it."""
-    step = max(period, RECOMPUTE_CHUNK_ELEMENTS // max(per_item, 1) // period * period)
-    return [(start, min(batch, start + step)) for start in range(0, batch, step)]
+    per_item`` items but at least ``period`` (Swin's windows of one image stay together), a multiple of it: as
+    few as that allows, of one size as near as whole images allow (:func:`~act_hf._chunks.even_spans`)."""
+    return list(even_spans(batch, RECOMPUTE_CHUNK_ELEMENTS // max(per_item, 1), period))
 
 
 class _SavedQKV:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunks import by_items, in_place, scaled_as, spans
+from .._chunks import by_items, even_spans, in_place, scaled_as
 from .._constants import zero_scalar
 from ..compress import PackedTensor, dequantize, dequantize_items, dequantize_with_factors
 from ..context import store
@@ -158,7 +158,7 @@ def _conv_item_spans(padded_shape, weight_shape, stride, padding, dilation) -> l
     per_item = max(math.prod(padded_shape[1:]), weight_shape[0] * math.prod(out_size), 1)
     if padded_shape[0] * per_item <= CONV_CHUNK_ELEMENTS:
         return [(0, padded_shape[0])]
-    return list(spans(padded_shape[0], max(1, CONV_CHUNK_ELEMENTS // per_item)))
+    return list(even_spans(padded_shape[0], max(1, CONV_CHUNK_ELEMENTS // per_item)))
 
 
 def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, ...], padding: tuple[int, ...],

@@ -598,9 +598,10 @@ def test_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, op
     if op == "sdpa" and case in ("dropout_gqa", "plain_mask"):
         assert chunks == []  # a dropout mask is drawn for the whole shape; a mask without grad builds nothing
         assert decoded == [(0, 20)] * 3
-    else:
-        assert chunks == [[(0, 8), (8, 16), (16, 20)]]
-        assert decoded == [(0, 8)] * 3 + [(8, 16)] * 3 + [(16, 20)] * 3  # q, k, v one chunk at a time
+    else:  # three chunks of at most two images' windows: of whole images with Swin's windows, else as even as 20
+        expected = [(0, 8), (8, 16), (16, 20)] if shift is not None else [(0, 7), (7, 14), (14, 20)]
+        assert chunks == [expected]
+        assert decoded == [span for span in expected for _ in range(3)]  # q, k, v one chunk at a time
     assert torch.equal(out, chunked_out)
     for a, b in zip(one_pass, chunked):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
