@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import Tensor
@@ -28,7 +30,7 @@ def test_even_spans_are_as_few_as_the_plain_ones_and_of_one_size(count, most, mu
     the last no larger than they are."""
     got = list(even_spans(count, most, multiple))
     step = max(multiple, most // multiple * multiple)
-    assert got[0][0] == 0 and got[-1][1] == count and all(a[1] == b[0] for a, b in zip(got, got[1:]))
+    assert got[0][0] == 0 and got[-1][1] == count and all(a[1] == b[0] for a, b in itertools.pairwise(got))
     assert len(got) == len(list(spans(count, step)))
     sizes = [b - a for a, b in got]
     assert sizes[0] <= max(step, count) and set(sizes[:-1]) <= {sizes[0]} and sizes[-1] <= sizes[0]
