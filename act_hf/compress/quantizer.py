@@ -301,7 +301,8 @@ def dequantize_inverse_affine(packed: PackedTensor, weight: torch.Tensor, bias: 
     With ``divisor`` (float32, one value a row: ``numel // shape[-1]`` of them), each row of the result then times
     the reciprocal of its divisor, the reciprocal and the product each rounded: a LayerNorm's ``x_hat / rstd``,
     its input less its mean, whose backward then takes the real ``rstd`` and needs no pass for it. In the same one
-    pass where that takes the context; otherwise after the decode and the two passes, as a third."""
+    pass where that takes the context; otherwise a pass of its own after the decode and the map's passes (one
+    without a bias: no zero shift is subtracted)."""
     _check_affine(packed, weight=weight, **({} if bias is None else {"bias": bias}))
     if divisor is not None:
         rows = packed.spec.numel // max(packed.spec.shape[-1] if packed.spec.shape else 1, 1)

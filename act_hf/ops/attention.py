@@ -17,7 +17,8 @@ and backward *recomputes* attention from the dequantized ``q``, ``k``, ``v`` and
 softmax/matmul backward: for SDPA through autograd on the recomputation, ``F.scaled_dot_product_attention``
 itself, so CUDA backward uses the fused kernels; for eager attention written out
 (:func:`math_attention_grads`, the ops autograd would run on :func:`math_attention` without its graph or its
-output's product; its GEMMs in the forward's dtype, the softmax in fp32), with dropout's keep mask, which eager attention saves at 1 bit per attention-matrix element.
+output's product; its GEMMs in the forward's dtype, the softmax in fp32), with dropout's keep mask, which eager
+attention saves at 1 bit per attention-matrix element.
 
 Why recompute and not the fused SDPA backward ops
 -------------------------------------------------
