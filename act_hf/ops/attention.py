@@ -262,8 +262,8 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
     inputs both are theirs, and the gradients are ``math_attention``'s. For half inputs (the autocast dtype an
     eager attention's GEMMs ran in forward) the five GEMMs run in half, accumulating in fp32, as the unpatched
     step's forward and autograd's backward run them: the scores and ``dP = dO v^T`` are rounded to half once,
-    ``P`` and ``dS`` for the GEMMs that read them; ``math_attention`` would run them in fp32 (for the half
-    inputs a tensor-core GEMM reads half the bytes of). ``grad_out`` is cast to ``q``'s dtype; the gradients of
+    ``P`` and ``dS`` for the GEMMs that read them (``math_attention`` runs them in fp32, on twice the bytes and,
+    on a GPU, without tensor cores). ``grad_out`` is cast to ``q``'s dtype; the gradients of
     q, k and v come in it, a mask's and the window mask's in their own dtypes. ``need``: whether q, k, v, the
     mask and the window mask want a gradient (``None`` for those that do not)."""
     dtype, soft = q.dtype, _math_dtype(q.dtype)
