@@ -161,17 +161,19 @@ _SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "mas
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
 
 
-def count_ops(step) -> tuple[int, int, int, int, dict[str, int]]:
-    """``(device ops, allocations, host syncs, bytes moved, device ops by name)`` that one call of ``step``
-    dispatches: aten ops other than views and allocations (``empty`` and its kin, which launch nothing and move
-    nothing: counted apart), the codec's ``act_hf`` ops once each, and the bytes of those ops' tensor inputs and
-    outputs (what a GPU reads and writes for them: the time of the memory-bound ones, most of act_hf's, follows
-    it)."""
+def count_ops(step) -> tuple[int, int, int, int, dict[str, int], dict[str, int]]:
+    """``(device ops, allocations, host syncs, bytes moved, device ops by name, bytes moved by name)`` that one
+    call of ``step`` dispatches: aten ops other than views and allocations (``empty`` and its kin, which launch
+    nothing and move nothing: counted apart), the codec's ``act_hf`` ops once each, and the bytes of those ops'
+    tensor inputs and outputs (what a GPU reads and writes for them: the time of the memory-bound ones, most of
+    act_hf's, follows it). A zero-stride input (an expanded stand-in whose values are never read) counts its
+    elements all the same."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     counts = [0, 0, 0]  # host syncs, bytes moved, allocations
     by_name: Counter[str] = Counter()
+    bytes_by_name: Counter[str] = Counter()
 
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -183,26 +185,29 @@ def count_ops(step) -> tuple[int, int, int, int, dict[str, int]]:
                 counts[0] += name in _SYNCS
                 by_name[name] += 1
                 tensors = {id(t): t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
-                counts[1] += sum(t.numel() * t.element_size() for t in tensors.values())  # an out= tensor once
+                moved = sum(t.numel() * t.element_size() for t in tensors.values())  # an out= tensor once
+                counts[1] += moved
+                bytes_by_name[name] += moved
             return out
 
     with _Count():
         step()
-    return sum(by_name.values()), counts[2], counts[0], counts[1], dict(by_name)
+    return sum(by_name.values()), counts[2], counts[0], counts[1], dict(by_name), dict(bytes_by_name)
 
 
-def added_ops(rows: list[dict], top: int = 15) -> list[dict]:
-    """The device ops each patched row makes beyond the unpatched one, by name, most added first: ``[{"op",
-    "unpatched", <setting>..., }]`` for the ``top`` ops whose count changed most in any patched row (an op a
-    patched step makes less often shows a negative difference)."""
-    base = next((r["ops_by_name"] for r in rows if r["setting"] == "unpatched"), None)
+def added_ops(rows: list[dict], top: int = 15, key: str = "ops_by_name") -> list[dict]:
+    """What each patched row's ops make beyond the unpatched one's, by op name, most added first: ``[{"op",
+    "unpatched", <setting>..., }]`` of ``key`` (``"ops_by_name"``: device ops; ``"mb_by_name"``: MB moved) for the
+    ``top`` ops whose figure changed most in any patched row (an op a patched step runs less shows a negative
+    difference)."""
+    base = next((r[key] for r in rows if r["setting"] == "unpatched"), None)
     patched = [r for r in rows if r["setting"] != "unpatched"]
     if base is None or not patched:
         return []
-    names = set(base).union(*(r["ops_by_name"] for r in patched))
-    change = {n: max(abs(r["ops_by_name"].get(n, 0) - base.get(n, 0)) for r in patched) for n in names}
+    names = set(base).union(*(r[key] for r in patched))
+    change = {n: max(abs(r[key].get(n, 0) - base.get(n, 0)) for r in patched) for n in names}
     chosen = sorted((n for n in names if change[n]), key=lambda n: (-change[n], n))[:top]
-    return [{"op": n, "unpatched": base.get(n, 0)} | {r["setting"]: r["ops_by_name"].get(n, 0) for r in patched}
+    return [{"op": n, "unpatched": base.get(n, 0)} | {r["setting"]: r[key].get(n, 0) for r in patched}
             for n in chosen]
 
 
@@ -283,7 +288,7 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
             step()
         sync()
         best = min(best, (time.perf_counter() - start) / steps * 1000)
-    ops, allocations, syncs, moved, ops_by_name = count_ops(step)
+    ops, allocations, syncs, moved, ops_by_name, bytes_by_name = count_ops(step)
 
     def run() -> None:
         for _ in range(steps):
@@ -297,7 +302,8 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
     by_op = sorted(fastest.values(), key=lambda o: -o["ms_per_step"])
     return {"setting": setting, "ms_per_step": best, "ops_per_step": ops, "allocations_per_step": allocations,
             "syncs_per_step": syncs, "by_op": by_op,
-            "mb_moved_per_step": moved / 1e6, "ops_by_name": ops_by_name}
+            "mb_moved_per_step": moved / 1e6, "ops_by_name": ops_by_name,
+            "mb_by_name": {name: n / 1e6 for name, n in bytes_by_name.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
                   "| op | unpatched | " + " | ".join(patched) + " |", "|---|---|" + "---|" * len(patched)]
         lines += [f"| {a['op']} | {a['unpatched']} | " + " | ".join(f"{a[p]} ({a[p] - a['unpatched']:+d})"
                                                                    for p in patched) + " |" for a in added]
+        lines += ["", ("MB moved in one step by aten op (the same ops; a zero-stride stand-in input counted in "
+                       "full), where a patched step's differs most from the unpatched one's:"), "",
+                  "| op | unpatched | " + " | ".join(patched) + " |", "|---|---|" + "---|" * len(patched)]
+        lines += [f"| {a['op']} | {a['unpatched']:.1f} | " + " | ".join(
+            f"{a[p]:.1f} ({a[p] - a['unpatched']:+.1f})" for p in patched) + " |"
+            for a in added_ops(rows, key="mb_by_name")]
     for r in rows:
         if r["by_op"]:
             lines += ["", (f"Time inside act_hf's ops at {r['setting']} (forward and backward of each autograd "

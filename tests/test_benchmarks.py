@@ -342,6 +342,13 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert rows[1]["syncs_per_step"] == 0
     assert "empty" not in rows[1]["ops_by_name"] and rows[1]["allocations_per_step"] > 0  # launch nothing
     assert 0 < rows[0]["mb_moved_per_step"] < rows[1]["mb_moved_per_step"]
+    for r in rows:  # the bytes by op add up to the step's, over the same ops
+        assert sum(r["mb_by_name"].values()) == pytest.approx(r["mb_moved_per_step"])
+        assert set(r["mb_by_name"]) == set(r["ops_by_name"])
+    moved = {a["op"]: a for a in host_overhead.added_ops(rows, key="mb_by_name")}
+    quantized = moved["quantize_pack"]
+    assert quantized["unpatched"] == 0 and quantized["bits3"] == rows[1]["mb_by_name"]["quantize_pack"] > 0
+    assert f"| quantize_pack | 0.0 | {quantized['bits3']:.1f} (+" in (tmp_path / "host_overhead.md").read_text()
     with pytest.raises(SystemExit):
         host_overhead.main(["--settings", "bits9"])
     with pytest.raises(SystemExit):  # the GPU runs the CUDA kernels, never the stand-ins
