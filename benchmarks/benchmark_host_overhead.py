@@ -15,9 +15,9 @@ It also counts the device ops of one step, the number a GPU would launch: every 
 allocation (``empty`` and its kin launch nothing; counted apart, as allocations), and each codec call once
 (counted under a dispatch mode, where the codec runs as its ``torch.ops.act_hf`` op), and among them the host
 syncs (``.item()``-like reads), and the bytes those ops read and write (their tensor inputs and outputs; by op
-too): the GPU time of memory-bound ops, most of what act_hf adds, follows that traffic. CPU paths differ from CUDA ones in
-places (CPU dropout is composite; CPU autocast leaves LayerNorm in its input dtype), so the
-counts are a proxy for the GPU's launches and traffic. The default batch of 8 x 16 tokens gives the 64 rows from
+too): the GPU time of memory-bound ops, most of what act_hf adds, follows that traffic. CPU paths differ from CUDA
+ones in places (CPU dropout is composite; CPU autocast leaves LayerNorm in its input dtype), so the counts are a
+proxy for the GPU's launches and traffic. The default batch of 8 x 16 tokens gives the 64 rows from
 which hidden states are channel scaled, as in every real model.
 
     python benchmarks/benchmark_host_overhead.py --stub-codec            # ms per step, best of 3 x 40 steps
