@@ -269,18 +269,26 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
     dtype, soft = q.dtype, _math_dtype(q.dtype)
     k_full, v_full = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     scores = _scaled_matmul(q, k_full.transpose(-2, -1), scale)
+    heads, length, slen = scores.shape[-3:]
+    windowed = (-1, window_mask.shape[0], heads, length, slen) if window_mask is not None else None
     if mask is not None and mask.dtype != torch.bool:
         added = mask.to(soft)
+        combined = windowed is not None and mask.dim() == 4 and mask.shape[0] == 1
+        if combined:  # Swin's bias, one for every window, and its window mask: their (windows, heads, L, S) sum,
+            # small, added to the scores in one pass instead of two
+            added, windowed = added + window_mask.to(soft).unsqueeze(1), None
+            scores = scores.view(-1, *added.shape)
         # in place unless the mask broadcasts the scores to a larger shape or widens a half product (one pass)
         scores = scores.add_(added) if scores.dtype == soft and torch.broadcast_shapes(
             scores.shape, added.shape) == scores.shape else torch.add(scores, added)
+        if combined:
+            scores = scores.view(-1, heads, length, slen)
     else:
         scores = scores.to(soft)
         if mask is not None:
             scores.masked_fill_(mask.logical_not(), float("-inf"))
-    if window_mask is not None:
-        heads, length, slen = scores.shape[-3:]
-        scores.view(-1, window_mask.shape[0], heads, length, slen).add_(window_mask.to(soft).unsqueeze(1))
+    if windowed is not None:
+        scores.view(windowed).add_(window_mask.to(soft).unsqueeze(1))
     probs = torch.softmax(scores, -1)
     del scores
     g = grad_out.to(dtype, memory_format=torch.contiguous_format)  # a transposed output's: one copy, not two
@@ -298,7 +306,6 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
     if need[3] and mask is not None:
         grads[3] = d_scores.sum_to_size(mask.shape).to(mask.dtype)
     if need[4] and window_mask is not None:
-        heads, length, slen = d_scores.shape[-3:]
         windows = d_scores.view(-1, window_mask.shape[0], heads, length, slen)
         grads[4] = windows.sum_to_size(1, window_mask.shape[0], 1, length, slen).view(window_mask.shape)
         grads[4] = grads[4].to(window_mask.dtype)

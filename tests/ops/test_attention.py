@@ -492,6 +492,31 @@ def test_written_out_attention_backward_scales_in_its_gemms():
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_written_out_attention_backward_adds_swin_masks_in_one_pass(dtype):
+    """Swin's position bias (one for every window) and its window mask are summed first, a (windows, heads, L, S)
+    tensor, and added to the scores in one pass over the attention matrices, not two; the gradients are autograd's
+    through the two additions (float64: only rounding's order differs)."""
+    torch.manual_seed(0)
+    windows, n, heads, batch = 3, 7, 4, 6
+    q, k, v = (t.detach().to(dtype) for t in _qkv(b=batch, h=heads, hkv=heads, s=n, d=5, dtype=torch.float64))
+    bias = torch.randn(1, heads, n, n, dtype=torch.float64)
+    shift = torch.zeros(windows, n, n, dtype=torch.float64).masked_fill(torch.rand(windows, n, n) < 0.3, -9.0)
+    grad_out = torch.randn(batch, heads, n, 5, dtype=torch.float64).to(dtype)
+    need = (True, True, True, True, True)
+    ops = dispatched(lambda: math_attention_grads(q, k, v, bias, None, 0.0, 0.3, shift, 1, grad_out, need))
+    additions = [f for f, outs in ops if f.overloadpacket.__name__ in ("add", "add_") and outs[0].numel() ==
+                 batch * heads * n * n]
+    assert len(additions) == 1
+    if dtype == torch.float64:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias, shift)]
+        out = math_attention(*leaves[:3], (leaves[3],), None, 0.0, 0.3, window_mask=leaves[4])
+        expected = grads_of(out, leaves, grad_out)
+        got = math_attention_grads(q, k, v, bias, None, 0.0, 0.3, shift, 1, grad_out, need)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dropout", [False, True])
 def test_written_out_attention_backward_runs_half_gemms_in_half(dropout, device):
