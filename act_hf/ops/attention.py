@@ -271,7 +271,6 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
     scores = _scaled_matmul(q, k_full.transpose(-2, -1), scale)
     heads, length, slen = scores.shape[-3:]
     windowed = (-1, window_mask.shape[0], heads, length, slen) if window_mask is not None else None
-    combined = False
     if mask is not None and mask.dtype != torch.bool:
         added = mask.to(soft)
         combined = windowed is not None and mask.dim() == 4 and mask.shape[0] == 1
@@ -304,19 +303,14 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
         d_probs = d_probs.mul_(1.0 / (1.0 - dropout_p)).mul_(keep)
     d_scores = torch._softmax_backward_data(d_probs, probs, -1, soft)
     del d_probs, probs
-    if combined and need[3] and need[4]:  # both summed from one sum over the images: one pass over d_scores
-        per_window = d_scores.view(-1, window_mask.shape[0], heads, length, slen).sum(0)
-        grads[3] = per_window.sum_to_size(mask.shape).to(mask.dtype)
-        grads[4] = per_window.sum(1).view(window_mask.shape).to(window_mask.dtype)
-    else:
-        if need[3] and mask is not None:
-            grads[3] = d_scores.sum_to_size(mask.shape).to(mask.dtype)
-        if need[4] and window_mask is not None:
-            windows = d_scores.view(-1, window_mask.shape[0], heads, length, slen)
-            grads[4] = windows.sum_to_size(1, window_mask.shape[0], 1, length, slen).view(window_mask.shape)
-            grads[4] = grads[4].to(window_mask.dtype)
-            if grads[3] is not None and _same_storage(grads[4], grads[3]):  # both d_scores: one summed into later
-                grads[4] = grads[4].clone()
+    if need[3] and mask is not None:
+        grads[3] = d_scores.sum_to_size(mask.shape).to(mask.dtype)
+    if need[4] and window_mask is not None:
+        windows = d_scores.view(-1, window_mask.shape[0], heads, length, slen)
+        grads[4] = windows.sum_to_size(1, window_mask.shape[0], 1, length, slen).view(window_mask.shape)
+        grads[4] = grads[4].to(window_mask.dtype)
+        if grads[3] is not None and _same_storage(grads[4], grads[3]):  # both d_scores: one is summed into later
+            grads[4] = grads[4].clone()
     if need[0] or need[1]:
         d_scores = d_scores.to(dtype)
     if need[0]:
