@@ -150,11 +150,15 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
 def math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, ...], keep: Tensor | None,
                    dropout_p: float, scale: float | Tensor, window_mask: Tensor | None = None,
                    window_mask_adds: int = 1) -> Tensor:
-    """Differentiable eager attention used by backward recomputations (k, v already repeated), in fp32 for half
-    inputs: ``softmax(q k^T * scale + masks + window_mask (added window_mask_adds times)) * keep / (1 - p) @ v``.
-    ``scale`` may be a tensor (cosine attention's learned per-head logit scale)."""
+    """Differentiable eager attention used by backward recomputations (k, v already repeated):
+    ``softmax(q k^T * scale + masks + window_mask (added window_mask_adds times)) * keep / (1 - p) @ v``. The two
+    GEMMs run in the inputs' dtype, half ones as autocast runs them (accumulating in fp32); the scores from the
+    scaling on and the softmax in fp32 for half inputs (:func:`_math_dtype`), the probabilities cast back for the
+    second GEMM, as autocast casts them. ``scale`` may be a tensor (cosine attention's learned per-head logit
+    scale): an fp32 one multiplies a half product into fp32 in one op, as the models' code does."""
     dtype = _math_dtype(q.dtype)
-    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
+    product = torch.matmul(q, k.transpose(-2, -1))
+    scores = product * scale if isinstance(scale, Tensor) and scale.dtype == dtype else product.to(dtype) * scale
     for mask in masks:
         if mask is None:
             continue
@@ -169,7 +173,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, 
     probs = torch.softmax(scores, -1)
     if keep is not None:
         probs = probs * keep * (1.0 / (1.0 - dropout_p))
-    return torch.matmul(probs, v.to(dtype))
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 #: the most attention-matrix elements (batch x heads x L x S) an eager backward recomputes at once; beyond it the
@@ -258,12 +262,12 @@ def math_attention_grads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, k
     built, the output's product ``P @ v``, which no gradient reads, is not computed, and ``scale`` is applied by the
     GEMMs of the scores and of dq and dk (their alpha), not by passes over the scores.
 
-    The GEMMs run in ``q``'s dtype, the softmax and its gradient in :func:`_math_dtype`'s: for fp32 and fp64
-    inputs both are theirs, and the gradients are ``math_attention``'s. For half inputs (the autocast dtype an
-    eager attention's GEMMs ran in forward) the five GEMMs run in half, accumulating in fp32, as the unpatched
-    step's forward and autograd's backward run them: the scores and ``dP = dO v^T`` are rounded to half once,
-    ``P`` and ``dS`` for the GEMMs that read them (``math_attention`` runs them in fp32, on twice the bytes and,
-    on a GPU, without tensor cores). ``grad_out`` is cast to ``q``'s dtype; the gradients of
+    The GEMMs run in ``q``'s dtype, the softmax and its gradient in :func:`_math_dtype`'s, as in
+    ``math_attention``: for half inputs (the autocast dtype an eager attention's GEMMs ran in forward) the five
+    GEMMs run in half, accumulating in fp32, as the unpatched step's forward and autograd's backward run them (on
+    a GPU, tensor cores on half the bytes of fp32): the scores and ``dP = dO v^T`` are rounded to half once, ``P``
+    and ``dS`` for the GEMMs that read them; the scale, applied by a GEMM here, multiplies its product there (the
+    same up to that rounding). ``grad_out`` is cast to ``q``'s dtype; the gradients of
     q, k and v come in it, a mask's and the window mask's in their own dtypes. ``need``: whether q, k, v, the
     mask and the window mask want a gradient (``None`` for those that do not)."""
     dtype, soft = q.dtype, _math_dtype(q.dtype)

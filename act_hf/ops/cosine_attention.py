@@ -33,8 +33,9 @@ What is kept
 * ``logit_scale``, ``bias`` and the window mask as given (per head or per window, shared by the batch), and the
   1-bit keep mask with dropout.
 
-Backward recomputes the probabilities from the dequantized unit rows in fp32 (as
-:class:`~act_hf.ops.attention.ActEagerAttentionFunction` does), takes the gradients of the unit rows, the scale
+Backward recomputes the probabilities from the dequantized unit rows, its GEMMs in the forward's dtype and the
+softmax in fp32 (:func:`~act_hf.ops.attention.math_attention`, as the models run them under autocast), takes the
+gradients of the unit rows, the scale
 and the bias by autograd on that recomputation, and maps the unit rows' gradients through ``F.normalize``'s
 backward with the exact norms: ``grad_q = (g - u (u . g)) / max(|q|, eps)``, the radial term dropped where
 ``|q| < eps`` as ``clamp_min`` drops it.
@@ -128,10 +129,12 @@ class ActCosineAttentionFunction(torch.autograd.Function):
         window_mask_adds, dropout_p = ctx.args
         v_shape, w_shape = ctx.shapes
         need = ctx.needs_input_grad
+        # the unit rows and v decoded in the dtype the forward's GEMMs ran in (bf16 under autocast), as the
+        # recomputation runs them (math_attention); the normalize backward in fp32 for half ones
         compute = torch.float32 if packed_q.dtype in (torch.float16, torch.bfloat16) else packed_q.dtype
-        q_unit, k_unit = dequantize(packed_q, compute), dequantize(packed_k, compute)
+        q_unit, k_unit = dequantize(packed_q), dequantize(packed_k)
         # only dv wanted: v's values do not enter it, only its shape
-        v = dequantize(packed_v, compute) if packed_v is not None else q_unit.new_zeros(v_shape)
+        v = dequantize(packed_v, q_unit.dtype) if packed_v is not None else q_unit.new_zeros(v_shape)
         keep = unpack_mask(keep_payload, w_shape) if keep_payload is not None else None
         leaf = lambda t, wanted: t.detach().requires_grad_(True) if t is not None and wanted else t
         with torch.enable_grad():
@@ -141,8 +144,9 @@ class ActCosineAttentionFunction(torch.autograd.Function):
                                  window_mask=leaves[5], window_mask_adds=window_mask_adds)
             g_qu, g_ku, dv, ds, db, dm = grads_of(out, leaves, grad_out)
         cast = lambda t: t.to(ctx.dtype) if t is not None else None
-        dq = _normalize_backward(q_unit, q_norm.to(compute), g_qu) if g_qu is not None else None
-        dk = _normalize_backward(k_unit, k_norm.to(compute), g_ku) if g_ku is not None else None
+        wide = lambda *tensors: [t.to(compute) for t in tensors]
+        dq = _normalize_backward(*wide(q_unit, q_norm, g_qu)) if g_qu is not None else None
+        dk = _normalize_backward(*wide(k_unit, k_norm, g_ku)) if g_ku is not None else None
         return cast(dq), cast(dk), cast(dv), ds, db, dm, None, None, None, None
 
 

@@ -16,6 +16,7 @@ from act_hf.errors import ActHFTypeError, ActHFValueError
 from act_hf.ops import cosine_attention
 from act_hf.ops._saving import OpSettings
 from act_hf.ops.cosine_attention import act_cosine_attention
+from tests.utils import dispatched
 
 B, H, N, D = 8, 3, 16, 8
 NUM_WINDOWS = 4
@@ -123,6 +124,34 @@ def test_bf16_autocast_forward_and_gradient_dtypes():
     got.float().square().sum().backward()
     assert [t.grad.dtype for t in leaves] == [torch.float32] * 5
     assert all(t.grad.abs().sum() > 0 for t in leaves)
+
+
+def test_bf16_backward_multiplies_in_bf16_as_the_model_does(monkeypatch):
+    """Under bf16 autocast the backward recomputes the scores and the output with bf16 GEMMs, the dtype the
+    forward's ran in (no fp32 copy of the unit rows or of v), the softmax in fp32: with packing turned into the
+    identity its gradients are as close to float64 autograd's as the model's own under autocast."""
+    monkeypatch.setattr(cosine_attention, "compress_role", lambda t, settings, role: t)
+    monkeypatch.setattr(cosine_attention, "dequantize", lambda t, dtype=None: t if dtype is None else t.to(dtype))
+    tensors = _inputs()
+    grad_out = torch.randn(B, H, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _, exact = _grads(_model_attention, tensors, grad_out, mask=tensors[5])
+    q, k, v, log_scale, bias_logits, mask = (t.float() for t in tensors)
+
+    def under_autocast(fn):
+        leaves = [t.clone().requires_grad_() for t in (q.bfloat16(), k.bfloat16(), v.bfloat16(), log_scale,
+                                                         bias_logits)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(*leaves, mask=mask)
+        found = []
+        ops = dispatched(lambda: found.extend(torch.autograd.grad(out, leaves, grad_out.to(out.dtype))))
+        return found, [outs[0].dtype for f, outs in ops if f.overloadpacket.__name__ in ("bmm", "mm", "matmul")]
+
+    got, gemms = under_autocast(_op)
+    model, _ = under_autocast(_model_attention)
+    assert gemms and set(gemms) == {torch.bfloat16}
+    for g, m, e, name in zip(got, model, exact, ["q", "k", "v", "logit_scale", "bias"]):
+        error, model_error = ((t.double() - e).norm() / e.norm() for t in (g, m))
+        assert error <= 1.25 * model_error + 1e-6, (name, error, model_error)
 
 
 def test_saves_the_unit_rows_packed_and_their_norms_exact():
