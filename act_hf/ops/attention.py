@@ -198,12 +198,11 @@ class _SavedQKV:
     """An attention backward's q, k and v, decoded from their packed contexts in ``dtype`` a chunk of the batch at
     a time (:func:`~act_hf.compress.dequantize_items`): a backward over chunks holds one chunk's values, never the
     whole batch's. Without a packed v (only dv is wanted, which v's values do not enter) v is zeros of its
-    shape. Their gradients are laid out in ``grad_dtype`` (default ``dtype``)."""
+    shape. Their gradients are laid out in ``dtype`` too."""
 
     def __init__(self, pq: PackedTensor, pk: PackedTensor, pv: PackedTensor | None, v_shape: torch.Size,
-                 dtype: torch.dtype, grad_dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype) -> None:
         self.packed, self.v_shape, self.dtype = (pq, pk, pv), v_shape, dtype
-        self.grad_dtype = dtype if grad_dtype is None else grad_dtype
         self.device = pq.device
         self.batch = pq.shape[0]
 
@@ -217,11 +216,11 @@ class _SavedQKV:
         return dequantize_items(pq, start, end, self.dtype), dequantize_items(pk, start, end, self.dtype), v
 
     def empty_like(self, i: int) -> Tensor:
-        """An uninitialised tensor of ``grad_dtype`` laid out as q, k or v (``i``) decodes, for its gradient."""
+        """An uninitialised tensor of ``dtype`` laid out as q, k or v (``i``) decodes, for its gradient."""
         packed = self.packed[i]
         if packed is None:
-            return torch.empty(self.v_shape, dtype=self.grad_dtype, device=self.device)
-        return packed.spec.laid_out(torch.empty(packed.spec.numel, dtype=self.grad_dtype, device=self.device))
+            return torch.empty(self.v_shape, dtype=self.dtype, device=self.device)
+        return packed.spec.laid_out(torch.empty(packed.spec.numel, dtype=self.dtype, device=self.device))
 
 
 def grads_of(out: Tensor, leaves: list[Tensor | None], grad_out: Tensor) -> list[Tensor | None]:
@@ -734,21 +733,21 @@ def _recomputed_grads(start: int, end: int, qkv: tuple[Tensor, Tensor, Tensor], 
 def _attention_grads(chunks: list[tuple[int, int]], qkv: _SavedQKV, mask: Tensor | None,
                      window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
                      chunk_grads: ChunkGrads) -> list[Tensor | None]:
-    """An attention backward by recomputation: in one pass for a single chunk (dq, dk, dv in ``qkv.grad_dtype``),
+    """An attention backward by recomputation: in one pass for a single chunk (dq, dk, dv in ``qkv.dtype``),
     else :func:`_grads_by_chunks`."""
     if len(chunks) > 1:
         return _grads_by_chunks(chunks, qkv, mask, window_mask, grad_out, need, chunk_grads)
     start, end = chunks[0]
     grads = _recomputed_grads(start, end, qkv.items(start, end), qkv.batch, mask, window_mask, grad_out,
                               chunk_grads)
-    return [None if g is None else g.to(qkv.grad_dtype) for g in grads[:3]] + grads[3:]
+    return [None if g is None else g.to(qkv.dtype) for g in grads[:3]] + grads[3:]
 
 
 def _grads_by_chunks(chunks: list[tuple[int, int]], qkv: _SavedQKV, mask: Tensor | None,
                      window_mask: Tensor | None, grad_out: Tensor, need: tuple[bool, ...],
                      chunk_grads: ChunkGrads) -> list[Tensor | None]:
     """An attention backward over ``chunks`` of the batch (:func:`_recomputed_grads` each, on that chunk's q, k
-    and v alone). ``dq``, ``dk``, ``dv`` (in ``qkv.grad_dtype``) and a per-item mask's gradient are filled chunk
+    and v alone). ``dq``, ``dk``, ``dv`` (in ``qkv.dtype``) and a per-item mask's gradient are filled chunk
     by chunk; the gradients of a mask broadcast over the batch (Swin's relative position bias) and of the window
     mask are summed over the chunks."""
     per_item_mask = _per_item_mask(mask, qkv.batch, len(qkv.packed[0].shape))
