@@ -52,6 +52,8 @@ from ..ops.norm import (
     rms_style_reproducing,
 )
 from ._base import ActModule, register_act_class
+from .activation import _calls_only_forward
+from .linear import ActConv2dSameMixin, ActConvMixin, ActStandardizedConvMixin
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ __all__ = [
     "infer_rms_style",
     "is_global_response_norm",
     "matching_rms_style",
+    "norm_of_owned",
 ]
 
 
@@ -242,12 +245,35 @@ class ActBatchNormMixin(_ActNormMixin):
     act_norm_context: str = "input"
     act_share_bn_relu: bool = True
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, act_input_owned: bool = False) -> Tensor:
+        """The module's own forward, saving the packed normalized input; with ``act_input_owned``
+        (:func:`norm_of_owned`) the output is written into ``x`` where the op allows it."""
         if not self.act_enabled(x) or not _bn_supported(self, x):
             return super().forward(x)
         running_mean, running_var, eaf = _bn_args(self)
         return act_batch_norm(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
-                              self.act_settings("input"), note_output=self.act_share_bn_relu)
+                              self.act_settings("input"), note_output=self.act_share_bn_relu,
+                              input_owned=act_input_owned)
+
+
+def _output_is_fresh(producer: nn.Module) -> bool:
+    """Whether ``producer(x)`` returns a tensor that nothing else holds: a conv running torch's own forward or a
+    converted one (whose fallback is the original's), with no forward hook that could keep its output."""
+    fresh = isinstance(producer, (ActConvMixin, ActConv2dSameMixin, ActStandardizedConvMixin)) \
+        or type(producer).forward in (nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
+    return fresh and not producer._forward_hooks
+
+
+def norm_of_owned(norm: nn.Module, x: Tensor, producer: nn.Module) -> Tensor:
+    """``norm(x)`` for a caller that owns ``x``, the output of its submodule ``producer`` that the caller never
+    reads again: a converted BatchNorm (:class:`ActBatchNormMixin`) writes its output into ``x``
+    (:func:`act_hf.ops.norm.writes_in_place` says where it can), so a conv's output and the BatchNorm's, the
+    two largest tensors of a ResNet block's forward, are never alive together; the values and gradients are
+    ``norm(x)``'s. A producer whose output may be held elsewhere (:func:`_output_is_fresh`) or a hook that
+    could see ``x`` or the output keeps the out-of-place call."""
+    if isinstance(norm, ActBatchNormMixin) and _output_is_fresh(producer) and _calls_only_forward(norm):
+        return norm(x, act_input_owned=True)
+    return norm(x)
 
 
 class ActBatchNormActMixin(_ActNormMixin):

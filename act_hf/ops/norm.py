@@ -523,6 +523,52 @@ def _bn_forward(x: Tensor, weight, bias, running_mean, running_var, momentum: fl
     return y, mean, invstd
 
 
+def writes_in_place(x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+                    running_var: Tensor | None, eps: float) -> bool:
+    """Whether :func:`_bn_forward_into` gives ``x``'s training-mode BatchNorm the same bits as
+    :func:`_bn_forward`: aten's native kernels are the ones ``torch.batch_norm`` picks (not cuDNN: a bf16 input
+    on CUDA and every CPU input), autocast leaves ``batch_norm`` alone, ``x`` is no view and no leaf that needs a
+    gradient, and the parameters have ``x``'s accumulation dtype (fp32, fp64 for fp64), which is then the
+    statistics' too."""
+    if weight is None or x.dim() < 2 or x._is_view() or (x.is_leaf and x.requires_grad):
+        return False
+    acc = torch.promote_types(x.dtype, torch.float32)
+    if weight.dtype != acc or any(t is not None and t.dtype != acc for t in (bias, running_mean, running_var)):
+        return False
+    if (running_mean is None) != (running_var is None):
+        return False
+    if _autocast_on(x) and _autocast_batch_norm_policy(x.device.type) != "none":
+        return False
+    if bias is None:  # cuDNN's BatchNorm needs a bias
+        return True
+    blank = weight.new_empty(0)  # as defined as a running buffer: cuDNN takes both, or neither in training
+    stats = (blank, blank) if running_mean is None else (running_mean, running_var)
+    return torch._C._select_batch_norm_backend(x, weight, bias, *stats, True, eps) \
+        == torch._C._BatchNormBackend.Native
+
+
+def _bn_statistics(x: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The per-channel ``(mean, invstd)`` of training-mode BatchNorm over ``x``, in ``dtype`` (the accumulation
+    dtype), from aten's own statistics kernels, without the output: one read of ``x``."""
+    if x.is_cuda:
+        return torch.batch_norm_stats(x, eps)
+    c = x.shape[1]
+    scratch = torch.zeros(c, dtype=dtype, device=x.device), torch.ones(c, dtype=dtype, device=x.device)
+    mean, var = torch.ops.aten.batch_norm_update_stats(x, *scratch, 0.0)  # the scratch buffers set the dtype
+    return mean, torch.rsqrt(var + eps)
+
+
+def _bn_forward_into(x: Tensor, weight: Tensor, bias, running_mean, running_var, momentum: float,
+                     eps: float) -> Tensor:
+    """Training-mode BatchNorm written into ``x`` (running stats updated in place) by aten's native kernels, the
+    ones :func:`writes_in_place` confirmed ``torch.batch_norm`` runs: the same statistics and the same bits, the
+    output's per-element formula reading each element before it writes it. Returns ``save_invstd``."""
+    out = weight.new_empty(0), weight.new_empty(0)
+    torch.ops.aten.native_batch_norm.out(x, weight, bias, running_mean, running_var, True, momentum, eps,
+                                         out=x, save_mean=out[0], save_invstd=out[1])
+    return out[1]
+
+
 def _normalizer(mean: Tensor, invstd: Tensor) -> Callable[[Tensor], Tensor]:
     """``x -> (x - mean) * invstd`` per channel (dim 1) in ``x``'s dtype, in one pass and no op on the statistics:
     an inference-mode batch norm with ``invstd`` as its weight, ``mean`` as its running mean and a running variance
@@ -612,13 +658,19 @@ class ActBatchNormFunction(torch.autograd.Function):
     say) the normalized input is kept exact: that tensor is small, and its statistics amplify any error. A bias-only
     gradient saves nothing. With ``note_output`` the output is noted as ``weight * x_norm + bias``
     (:func:`act_hf.derived.note_affine`), so a ReLU and a conv after it can read the packed ``x_norm``.
+    With ``in_place`` (a caller that owns ``x``: nothing reads it after this call; :func:`writes_in_place`
+    holds) the statistics are taken first, ``x_norm`` packed from ``x``, and the output written into ``x``
+    (:func:`_bn_forward_into`), which is returned: a conv's output and BatchNorm's are never alive together.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
                 running_var: Tensor | None, momentum: float, eps: float, settings: OpSettings,
-                note_output: bool = False) -> Tensor:
-        y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
+                note_output: bool = False, in_place: bool = False) -> Tensor:
+        if in_place:
+            mean, invstd = _bn_statistics(x, eps, weight.dtype)  # for packing; the output's are aten's own
+        else:
+            y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.shape = x.shape
         if need_x or need_w:
@@ -631,9 +683,16 @@ class ActBatchNormFunction(torch.autograd.Function):
                                                    lambda start, stop: normalized(x[start:stop]))
                 if note_output:  # noted by act_batch_norm once y has its autograd node (note_pending)
                     ctx.act_affine = (packed, weight, bias, settings.slot)
-            save_context(ctx, packed, invstd, weight)
         else:
+            packed = None
+        if in_place:
+            invstd = _bn_forward_into(x, weight, bias, running_mean, running_var, momentum, eps)
+            ctx.mark_dirty(x)
+            y = x
+        if packed is None:
             save_context(ctx, None, None, None)
+        else:
+            save_context(ctx, packed, invstd, weight)
         return y
 
     @staticmethod
@@ -645,7 +704,7 @@ class ActBatchNormFunction(torch.autograd.Function):
         if packed is None:
             if need_b:
                 grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
-            return grad_x, grad_w, grad_b, None, None, None, None, None, None
+            return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
         mask = [need_x, need_w and weight is not None, need_b and weight is not None]
         if (isinstance(packed, PackedTensor) and grad_out.numel() > BATCH_NORM_CHUNK_ELEMENTS
                 and items_decodable(packed)):
@@ -656,16 +715,20 @@ class ActBatchNormFunction(torch.autograd.Function):
             grad_x, grad_w, grad_b = _bn_backward_from_x_hat(grad_out, x_norm, weight, invstd, mask)
         if grad_b is None and need_b:
             grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def act_batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None,
                    bias: Tensor | None, momentum: float, eps: float, settings: OpSettings, *,
-                   note_output: bool = False) -> Tensor:
+                   note_output: bool = False, input_owned: bool = False) -> Tensor:
     """Training-mode ``F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)`` with a
     quantized saved input (ActNN form). Same argument order as ``F.batch_norm`` minus ``training``; with
-    ``note_output`` a conv after a ReLU after it reads that input (see :mod:`act_hf.derived`)."""
-    y = ActBatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, settings, note_output)
+    ``note_output`` a conv after a ReLU after it reads that input (see :mod:`act_hf.derived`). With
+    ``input_owned`` (the caller's promise that nothing reads ``x`` after this call) the output is written into
+    ``x`` where :func:`writes_in_place` allows, and ``x`` returned."""
+    in_place = input_owned and writes_in_place(x, weight, bias, running_mean, running_var, eps)
+    y = ActBatchNormFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, settings, note_output,
+                                   in_place)
     note_pending(y)
     return y
 

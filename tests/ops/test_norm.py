@@ -727,6 +727,75 @@ def test_batch_norm_backward_decodes_its_normalized_input_a_slice_at_a_time(monk
                  SQNR_MIN_BF16_8 if dtype == torch.bfloat16 else 30)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("x_dtype,bn_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.float64, torch.float64)])
+def test_batch_norm_writes_into_an_input_its_caller_owns(x_dtype, bn_dtype, channels_last, device):
+    """Handed its input to own (a ResNet block's conv output), BatchNorm writes its output into it and returns
+    it: the output is the module's own bit for bit (aten's native kernels, the ones ``torch.batch_norm`` runs for
+    these inputs: on CUDA for bf16 only, cuDNN taking fp32 and fp64, which stay out of place), the running
+    statistics too, and the gradients are the out-of-place path's up to the last rounding of the statistics it
+    packs with (30+ dB from float64's at 8 bits; bf16: 22+)."""
+    torch.manual_seed(23)
+    bn = _randomize(nn.BatchNorm2d(6)).to(device, bn_dtype)
+    act, out_of_place = _act(bn, ActBatchNormMixin), _act(bn, ActBatchNormMixin)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    base = (torch.randn(8, 6, 5, 5, device=device) * 2 + 0.3).to(x_dtype).contiguous(memory_format=layout)
+    g = torch.randn_like(base)
+    for step in range(2):
+        leaf = base.clone().requires_grad_()
+        owned = leaf * 1.0  # a fresh non-leaf tensor, as a conv's output
+        in_place = device == "cpu" or x_dtype == torch.bfloat16
+        assert norm_ops.writes_in_place(owned, act.weight, act.bias, act.running_mean, act.running_var,
+                                        act.eps) == in_place
+        act_hf.manual_seed(step)
+        y = act(owned, act_input_owned=True)
+        assert (y is owned) == in_place and y.is_contiguous(memory_format=layout)
+        with torch.no_grad():
+            expected = bn(base)
+        assert torch.equal(y, expected)
+        assert all(torch.equal(a, b) for a, b in zip(act.buffers(), bn.buffers()))
+        y.backward(g)
+        act_hf.manual_seed(step)
+        y_out, gx, gp = _run(out_of_place, base, g)
+        assert y_out.data_ptr() != base.data_ptr() and torch.equal(y_out, expected)
+        grads = {n: p.grad.cpu() for n, p in act.named_parameters()}
+        for name, grad in grads.items():
+            assert sqnr_db(gp[name].double().cpu(), grad.double()) > 60, name
+        assert sqnr_db(gx.double(), leaf.grad.double()) > 60
+        act.zero_grad()
+        out_of_place.zero_grad()
+    rx, rp = _grads_f64(bn.cpu(), base.cpu(), g.cpu())
+    _check_grads(f"BN in place {x_dtype}/{bn_dtype}", leaf.grad.cpu(), grads, rx, rp, _min_db(x_dtype))
+
+
+def test_batch_norm_keeps_an_input_it_cannot_write_into():
+    """The output is a new tensor where writing into the input would change what the module computes or what
+    autograd needs: a leaf that needs a gradient, a view, no affine weight, parameters of the input's own reduced
+    dtype (a bf16 model: aten's statistics would be bf16) or a running mean without a running variance."""
+    torch.manual_seed(24)
+    bn = _randomize(nn.BatchNorm2d(6))
+    act = _act(bn, ActBatchNormMixin)
+    base = torch.randn(8, 6, 5, 5)
+    stats = (act.running_mean, act.running_var)
+
+    def writes(x, weight=act.weight, bias=act.bias, running=stats):
+        return norm_ops.writes_in_place(x, weight, bias, *running, act.eps)
+
+    owned = base.clone().requires_grad_() * 1.0
+    assert writes(owned) and writes(owned, bias=None) and writes(owned, running=(None, None))
+    assert not writes(base.clone().requires_grad_())
+    assert not writes((base.clone().requires_grad_() * 1.0)[:, :4])
+    assert not writes(owned, weight=None)
+    assert not writes(owned.bfloat16(), weight=act.weight.bfloat16(), bias=act.bias.bfloat16(),
+                      running=(act.running_mean.bfloat16(), act.running_var.bfloat16()))
+    assert not writes(owned, running=(act.running_mean, None))
+    leaf = base.clone().requires_grad_()
+    y = act(leaf, act_input_owned=True)
+    assert y is not leaf and torch.equal(leaf, base)
+
+
 def test_batch_norm_saved_bytes_eval_and_frozen():
     torch.manual_seed(16)
     bn = _randomize(nn.BatchNorm2d(5))
