@@ -532,7 +532,7 @@ def writes_in_place(x: Tensor, weight: Tensor | None, bias: Tensor | None, runni
     statistics' too."""
     if weight is None or x.dim() < 2 or x._is_view() or (x.is_leaf and x.requires_grad):
         return False
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # no dispatched promote_types
     if weight.dtype != acc or any(t is not None and t.dtype != acc for t in (bias, running_mean, running_var)):
         return False
     if (running_mean is None) != (running_var is None):
