@@ -184,8 +184,7 @@ class ContextStore:
         With ``swap`` and ``x`` on a CUDA device, the packed copy is moved to pinned host memory (the returned
         tensor is the host one; :meth:`resolve` brings it back in backward)."""
         swap = swap and x.is_cuda
-        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, bits,
-               group_size, x.device, swap)
+        key = self._key(x, bits, group_size, swap)
         entries = self._entries
         entry = entries.get(key)
         packed = entry.get(x) if entry is not None else None
@@ -216,6 +215,19 @@ class ContextStore:
             self._probe._record(x, key[:5] + key[7:8], slot)
             self._probe._used(packed)
         return packed
+
+    @staticmethod
+    def _key(x: torch.Tensor, bits: int, group_size: int, swap: bool) -> tuple:
+        return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, bits,
+                group_size, x.device, swap)
+
+    def follow_dirty_bump(self, x: torch.Tensor, settings: Any) -> None:
+        """``x`` was packed (:meth:`compress_as` with ``settings``) inside the forward of an autograd Function that
+        wrote into it and marked it dirty: autograd bumps ``x``'s version once as that forward returns, and the
+        copy made at the version before is still ``x``'s, for the ops that read ``x`` next."""
+        entry = self._entries.get(self._key(x, settings.bits, settings.group_size, settings.swap and x.is_cuda))
+        if entry is not None and entry.source() is x and entry.version == x._version - 1:
+            entry.version = x._version
 
     def compress_as(self, x: torch.Tensor, settings: Any) -> PackedTensor:
         """:meth:`compress` with an op's :class:`~act_hf.ops._saving.OpSettings`."""

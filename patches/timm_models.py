@@ -13,8 +13,10 @@ and the ``gamma`` of ``ConvNeXtBlock``) and squeeze-and-excitation (``x * gate``
 input quantized for the scale's gradient, as do the softmax-weighted branch sums of ResNeSt (``SplitAttn``) and
 SK-ResNet (``SelectiveKernel``), which read their inputs from what BatchNorm and the ReLU before them saved.
 MetaFormer's ``StarReLU`` keeps its ReLU output and its output packed (:mod:`act_hf.ops.star_relu`). Stochastic
-depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`). The classifier named by
-``pretrained_cfg["classifier"]`` stays exact.
+depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`). ResNet's ``Bottleneck`` and
+``BasicBlock`` and EfficientNet's ``DepthwiseSeparableConv``, ``InvertedResidual`` and ``EdgeResidual`` (their
+forwards recognised by their code) hand each BatchNorm the conv output it follows to write into
+(:func:`act_hf.nn.norm.norm_of_owned`). The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
 """
 
 from __future__ import annotations
@@ -171,6 +173,89 @@ class ActResNetBasicBlockMixin(ActModule):
 #: :func:`code_fingerprint` of the ``BasicBlock.forward`` that :class:`ActResNetBasicBlockMixin` reproduces (timm
 #: 1.0.x).
 RESNET_BASIC_BLOCK_FORWARD = "24d1455c841b1658"
+
+
+class ActDepthwiseSeparableMixin(ActModule):
+    """timm's ``DepthwiseSeparableConv`` (EfficientNet's and MobileNet's first blocks) with each BatchNorm after a
+    conv written into the conv's output (:func:`norm_of_owned`); timm's forward step for step otherwise, converted
+    only when its ``forward`` is that code (:data:`DEPTHWISE_SEPARABLE_FORWARD`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and _training_with_grad()):
+            return super().forward(x)
+        shortcut = x
+        if self.conv_s2d is not None:
+            x = self.conv_s2d(x)
+            x = norm_of_owned(self.bn_s2d, x, self.conv_s2d)
+        x = self.conv_dw(x)
+        x = norm_of_owned(self.bn1, x, self.conv_dw)
+        x = self.aa(x)
+        x = self.se(x)
+        x = self.conv_pw(x)
+        x = norm_of_owned(self.bn2, x, self.conv_pw)
+        if self.has_skip:
+            x = self.drop_path(x) + shortcut
+        return x
+
+
+#: :func:`code_fingerprint` of the ``DepthwiseSeparableConv.forward`` :class:`ActDepthwiseSeparableMixin`
+#: reproduces (timm 1.0.x).
+DEPTHWISE_SEPARABLE_FORWARD = "609bd8f81cce01d2"
+
+
+class ActInvertedResidualMixin(ActModule):
+    """timm's ``InvertedResidual`` (EfficientNet, MobileNetV2 / V3, MNASNet...) with each BatchNorm after a conv
+    written into the conv's output (:func:`norm_of_owned`): the expansion's output and its BatchNorm's, the widest
+    tensors of the block, are never alive together. timm's forward step for step otherwise, converted only when its
+    ``forward`` is that code (:data:`INVERTED_RESIDUAL_FORWARD`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and _training_with_grad()):
+            return super().forward(x)
+        shortcut = x
+        if self.conv_s2d is not None:
+            x = self.conv_s2d(x)
+            x = norm_of_owned(self.bn_s2d, x, self.conv_s2d)
+        x = self.conv_pw(x)
+        x = norm_of_owned(self.bn1, x, self.conv_pw)
+        x = self.conv_dw(x)
+        x = norm_of_owned(self.bn2, x, self.conv_dw)
+        x = self.aa(x)
+        x = self.se(x)
+        x = self.conv_pwl(x)
+        x = norm_of_owned(self.bn3, x, self.conv_pwl)
+        if self.has_skip:
+            x = self.drop_path(x) + shortcut
+        return x
+
+
+#: :func:`code_fingerprint` of the ``InvertedResidual.forward`` :class:`ActInvertedResidualMixin` reproduces
+#: (timm 1.0.x).
+INVERTED_RESIDUAL_FORWARD = "068ebea3ab570f72"
+
+
+class ActEdgeResidualMixin(ActModule):
+    """timm's ``EdgeResidual`` (EfficientNetV2's and MobileNetV4's fused expansion) as
+    :class:`ActInvertedResidualMixin` runs an inverted residual; converted only when its ``forward`` is the code
+    (:data:`EDGE_RESIDUAL_FORWARD`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and _training_with_grad()):
+            return super().forward(x)
+        shortcut = x
+        x = self.conv_exp(x)
+        x = norm_of_owned(self.bn1, x, self.conv_exp)
+        x = self.aa(x)
+        x = self.se(x)
+        x = self.conv_pwl(x)
+        x = norm_of_owned(self.bn2, x, self.conv_pwl)
+        if self.has_skip:
+            x = self.drop_path(x) + shortcut
+        return x
+
+
+#: :func:`code_fingerprint` of the ``EdgeResidual.forward`` :class:`ActEdgeResidualMixin` reproduces (timm 1.0.x).
+EDGE_RESIDUAL_FORWARD = "239175672d2ade52"
 
 
 class ActMlpMixin(ActModule):
@@ -564,6 +649,12 @@ def timm_rules() -> list[Rule]:
              lambda m: ActResNetBottleneckMixin),
         Rule("norm", lambda m: _is_timm_code(m, "BasicBlock", RESNET_BASIC_BLOCK_FORWARD),
              lambda m: ActResNetBasicBlockMixin),
+        Rule("norm", lambda m: _is_timm_code(m, "DepthwiseSeparableConv", DEPTHWISE_SEPARABLE_FORWARD),
+             lambda m: ActDepthwiseSeparableMixin),
+        Rule("norm", lambda m: _is_timm_code(m, "InvertedResidual", INVERTED_RESIDUAL_FORWARD),
+             lambda m: ActInvertedResidualMixin),
+        Rule("norm", lambda m: _is_timm_code(m, "EdgeResidual", EDGE_RESIDUAL_FORWARD),
+             lambda m: ActEdgeResidualMixin),
         Rule("activation", lambda m: _is_timm_code(m, "Mlp", MLP_FORWARD), lambda m: ActMlpMixin),
         Rule("activation", lambda m: _is_timm_code(m, "SwiGLU", SWIGLU_FORWARD), lambda m: ActSwiGLUMixin),
         Rule("activation", lambda m: _is_timm_code(m, "GluMlp", GLU_MLP_FORWARD), lambda m: ActGluMlpMixin),

@@ -266,12 +266,13 @@ def _output_is_fresh(producer: nn.Module) -> bool:
 
 def norm_of_owned(norm: nn.Module, x: Tensor, producer: nn.Module) -> Tensor:
     """``norm(x)`` for a caller that owns ``x``, the output of its submodule ``producer`` that the caller never
-    reads again: a converted BatchNorm (:class:`ActBatchNormMixin`) writes its output into ``x``
-    (:func:`act_hf.ops.norm.writes_in_place` says where it can), so a conv's output and the BatchNorm's, the
-    two largest tensors of a ResNet block's forward, are never alive together; the values and gradients are
+    reads again: a converted BatchNorm (:class:`ActBatchNormMixin`, :class:`ActBatchNormAct2dMixin`) writes
+    its output into ``x`` (:func:`act_hf.ops.norm.writes_in_place` says where it can), so a conv's output and
+    the BatchNorm's, a block's largest tensors, are never alive together; the values and gradients are
     ``norm(x)``'s. A producer whose output may be held elsewhere (:func:`_output_is_fresh`) or a hook that
     could see ``x`` or the output keeps the out-of-place call."""
-    if isinstance(norm, ActBatchNormMixin) and _output_is_fresh(producer) and _calls_only_forward(norm):
+    if isinstance(norm, (ActBatchNormMixin, ActBatchNormAct2dMixin)) and _output_is_fresh(producer) \
+            and _calls_only_forward(norm):
         return norm(x, act_input_owned=True)
     return norm(x)
 
@@ -330,7 +331,9 @@ class ActBatchNormAct2dMixin(_ActNormMixin):
     act_norm_context: str = "output"
     act_share_bn_relu: bool = True
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, act_input_owned: bool = False) -> Tensor:
+        """The module's own forward, saving a packed context; with ``act_input_owned`` (:func:`norm_of_owned`)
+        BatchNorm's output is written into ``x`` where the op allows it."""
         if not self.act_enabled(x) or not _bn_supported(self, x):
             return super().forward(x)
         if x.ndim != 4:
@@ -344,9 +347,10 @@ class ActBatchNormAct2dMixin(_ActNormMixin):
             return act_batch_norm_act(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
                                       self.act_settings("output"), activation=fused[0], param=fused[1],
                                       gamma_eps=self.act_gamma_eps, cache_guard=True,
-                                      note_output=self.act_share_bn_relu)
+                                      note_output=self.act_share_bn_relu, input_owned=act_input_owned)
         y = act_batch_norm(x, running_mean, running_var, self.weight, self.bias, eaf, self.eps,
-                           self.act_settings("input"), note_output=self.act_share_bn_relu)
+                           self.act_settings("input"), note_output=self.act_share_bn_relu,
+                           input_owned=act_input_owned)
         return self.act(self.drop(y))
 
 

@@ -752,7 +752,9 @@ class ActBatchNormActFunction(torch.autograd.Function):
     0, where the derivative jumps: without the exact sign the 8-bit input gradient was at 14 dB instead of 30+).
     A bias-only gradient saves just the sign bits. With ``note_output`` the output is noted as
     ``dequantize(packed z)`` (:func:`act_hf.derived.note_affine`, no weight, no bias), so a residual add of it
-    (timm's downsample ``BatchNormAct2d``) can be read from that packed copy.
+    (timm's downsample ``BatchNormAct2d``) can be read from that packed copy. With ``in_place`` (a caller that
+    owns ``x``; :func:`writes_in_place` holds) BatchNorm's output is written into ``x``
+    (:func:`_bn_forward_into`), and so is the identity's ``z``.
     Backward inverts the activation (``bn = z`` / ``z / slope`` / ``alpha * log1p(z / alpha)``), takes its
     derivative from ``z`` and recovers ``x_hat = (bn - beta) / gamma``.
 
@@ -765,8 +767,13 @@ class ActBatchNormActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
                 running_var: Tensor | None, momentum: float, eps: float, activation: str, param: float,
-                settings: OpSettings, note_output: bool = False) -> Tensor:
-        y, _, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
+                settings: OpSettings, note_output: bool = False, in_place: bool = False) -> Tensor:
+        if in_place:
+            invstd = _bn_forward_into(x, weight, bias, running_mean, running_var, momentum, eps)
+            ctx.mark_dirty(x)
+            y = x
+        else:
+            y, _, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         z = apply_activation(y, activation, param)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.meta = (x.shape, x.dtype, activation, param)
@@ -797,7 +804,7 @@ class ActBatchNormActFunction(torch.autograd.Function):
             g = torch.where(pos, g, g * param)
         if packed is None:  # bias gradient only
             grad_b = g.float().sum([d for d in range(len(shape)) if d != 1]).to(bias.dtype) if need_b else None
-            return (None, None, grad_b) + (None,) * 8
+            return (None, None, grad_b) + (None,) * 9
         z = dequantize(packed, torch.float32)  # this backward's own tensor: inverted in place into x_hat
         if activation == "leaky_relu":
             z.div_(torch.where(pos, 1.0, param))
@@ -816,14 +823,14 @@ class ActBatchNormActFunction(torch.autograd.Function):
         grad_x = grad_x.to(dtype) if need_x else None
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def act_batch_norm_act(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None,
                        bias: Tensor | None, momentum: float, eps: float, settings: OpSettings, *,
                        activation: str = "identity", param: float = 0.0,
                        gamma_eps: float = DEFAULT_GAMMA_EPS, cache_guard: bool = False,
-                       note_output: bool = False) -> Tensor:
+                       note_output: bool = False, input_owned: bool = False) -> Tensor:
     """Training-mode ``act(F.batch_norm(...))`` saving only the quantized activation output (In-Place ABN).
 
     Args:
@@ -843,6 +850,8 @@ def act_batch_norm_act(x: Tensor, running_mean: Tensor | None, running_var: Tens
         cache_guard: cache the guard per weight version.
         note_output: note the output for residual sharing (:mod:`act_hf.derived`); with the fallback, BatchNorm's
             output.
+        input_owned: the caller's promise that nothing reads ``x`` after this call: BatchNorm's output is then
+            written into it where :func:`writes_in_place` allows.
 
     Returns:
         Exactly ``act(F.batch_norm(x, ...))``.
@@ -853,9 +862,12 @@ def act_batch_norm_act(x: Tensor, running_mean: Tensor | None, running_var: Tens
     check_activation(activation, param)
     if not output_context_safe(weight, gamma_eps=gamma_eps, cache=cache_guard):
         y = act_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, settings,
-                           note_output=note_output)
+                           note_output=note_output, input_owned=input_owned)
         return apply_activation(y, activation, param)
+    in_place = input_owned and writes_in_place(x, weight, bias, running_mean, running_var, eps)
     z = ActBatchNormActFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, activation,
-                                      float(param), settings, note_output)
+                                      float(param), settings, note_output, in_place)
+    if in_place and z is x:  # the identity's output, packed as written: the next op's input
+        store.follow_dirty_bump(z, settings)
     note_pending(z)
     return z
