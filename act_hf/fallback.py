@@ -60,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 from .compress import PackedTensor, dequantize
 from .context import _is_parameter_like, _without_history, store
 from .nn._base import ActModule
+from .nn.activation import keeps_no_tensor
 from .ops._saving import OpSettings
 from .ops.activation import ActivationSpec, act_activation
 from .ops.attention import act_sdpa
@@ -564,6 +565,7 @@ class _HookScopes:
             mode.__enter__()
             self.stack.append((module, mode, _COMPRESSING))
 
+    @keeps_no_tensor
     def enter_shielded(self, module: nn.Module, args) -> None:
         """Before an act_hf module: its own tensors pass through the hooks exact (it keeps its context itself).
         Fed a tensor that is not static, the module also runs without the function mode (:class:`_Paused`): the
@@ -587,6 +589,7 @@ class _HookScopes:
                 and module.training and torch.is_grad_enabled():  # directly under the root
             self._open(self.stack[0][0], (_exact_pack, _exact_unpack), _EXACT)
 
+    @keeps_no_tensor
     def leave(self, module: nn.Module, args, output) -> None:
         while self.stack and self.stack[-1][0] is module:
             scope = self.stack.pop()[1]

@@ -258,6 +258,46 @@ class ActEdgeResidualMixin(ActModule):
 EDGE_RESIDUAL_FORWARD = "239175672d2ade52"
 
 
+class ActConvNormActMixin(ActModule):
+    """timm's ``ConvNormAct`` (the conv + norm + activation unit of RegNet, CSPNet, DarkNet, VoVNet, ByobNet...)
+    with its BatchNorm written into the conv's output (:func:`norm_of_owned`); timm's forward step for step
+    otherwise, converted only when its ``forward`` is that code (:data:`CONV_NORM_ACT_FORWARD`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and _training_with_grad()):
+            return super().forward(x)
+        x = self.conv(x)
+        x = norm_of_owned(self.bn, x, self.conv)
+        aa = getattr(self, "aa", None)
+        if aa is not None:
+            x = self.aa(x)
+        return x
+
+
+#: :func:`code_fingerprint` of the ``ConvNormAct.forward`` :class:`ActConvNormActMixin` reproduces (timm 1.0.x).
+CONV_NORM_ACT_FORWARD = "38e0c4f61f64e381"
+
+
+class ActConvBnActMixin(ActModule):
+    """timm's EfficientNet ``ConvBnAct`` block as :class:`ActConvNormActMixin` runs ``ConvNormAct``; converted only
+    when its ``forward`` is the code (:data:`CONV_BN_ACT_FORWARD`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and _training_with_grad()):
+            return super().forward(x)
+        shortcut = x
+        x = self.conv(x)
+        x = norm_of_owned(self.bn1, x, self.conv)
+        x = self.aa(x)
+        if self.has_skip:
+            x = self.drop_path(x) + shortcut
+        return x
+
+
+#: :func:`code_fingerprint` of the ``ConvBnAct.forward`` :class:`ActConvBnActMixin` reproduces (timm 1.0.x).
+CONV_BN_ACT_FORWARD = "328119bdf3fa676e"
+
+
 class ActMlpMixin(ActModule):
     """timm's ``Mlp`` (ViT, Swin, ConvNeXt's channels-last MLP, ...) with its activation written into ``fc1``'s
     output (:func:`activation_of_owned`): the two hidden-width tensors, the widest of the block's forward, are
@@ -655,6 +695,8 @@ def timm_rules() -> list[Rule]:
              lambda m: ActInvertedResidualMixin),
         Rule("norm", lambda m: _is_timm_code(m, "EdgeResidual", EDGE_RESIDUAL_FORWARD),
              lambda m: ActEdgeResidualMixin),
+        Rule("norm", lambda m: _is_timm_code(m, "ConvNormAct", CONV_NORM_ACT_FORWARD), lambda m: ActConvNormActMixin),
+        Rule("norm", lambda m: _is_timm_code(m, "ConvBnAct", CONV_BN_ACT_FORWARD), lambda m: ActConvBnActMixin),
         Rule("activation", lambda m: _is_timm_code(m, "Mlp", MLP_FORWARD), lambda m: ActMlpMixin),
         Rule("activation", lambda m: _is_timm_code(m, "SwiGLU", SWIGLU_FORWARD), lambda m: ActSwiGLUMixin),
         Rule("activation", lambda m: _is_timm_code(m, "GluMlp", GLU_MLP_FORWARD), lambda m: ActGluMlpMixin),

@@ -149,19 +149,49 @@ class ActActivationMixin(ActModule):
         return super().forward
 
 
+def keeps_no_tensor(hook: Callable) -> Callable:
+    """Mark ``hook``, one of act_hf's own module hooks, as keeping and reading no tensor after the call (the
+    fallback's saved-tensor scopes, :class:`act_hf.fallback._HookScopes`): it does not stop a caller from writing
+    into a module's input or output (:func:`_hooks_could_see`)."""
+    hook.act_hf_keeps_no_tensor = True
+    return hook
+
+
+def foreign_hooks(hooks: dict) -> bool:
+    """Whether a module's dict of forward or forward-pre hooks holds one not marked :func:`keeps_no_tensor`."""
+    return any(not getattr(hook, "act_hf_keeps_no_tensor", False) for hook in hooks.values())
+
+
 def _hooks_could_see(*modules: nn.Module) -> bool:
-    """Whether a module hook (of ``modules``, or a global one) could keep a tensor or read it after the call."""
+    """Whether a module hook (of ``modules``, or a global one) could keep a tensor or read it after the call;
+    act_hf's own scope hooks (:func:`keeps_no_tensor`) do not."""
     return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
-                or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+                or any(foreign_hooks(m._forward_hooks) or foreign_hooks(m._forward_pre_hooks) for m in modules))
+
+
+def _traced() -> bool:
+    return torch.compiler.is_compiling() or torch.jit.is_scripting() or torch._C._get_tracing_state() is not None
+
+
+def _no_backward_hooks(*modules: nn.Module) -> bool:
+    return not (_module._global_backward_hooks or _module._global_backward_pre_hooks
+                or any(m._backward_hooks or m._backward_pre_hooks for m in modules))
 
 
 def _calls_only_forward(*modules: nn.Module) -> bool:
-    """Whether ``m(x)`` is ``m.forward(x)`` for each of ``modules``: no forward hook (:func:`_hooks_could_see`),
-    no backward hook, module or global, no tracing or compiling (which see the call)."""
-    if (_hooks_could_see(*modules) or _module._global_backward_hooks or _module._global_backward_pre_hooks
-            or torch.compiler.is_compiling() or torch.jit.is_scripting() or torch._C._get_tracing_state() is not None):
+    """Whether ``m(x)`` is ``m.forward(x)`` for each of ``modules``: no forward hook at all, module or global
+    (act_hf's own scope hooks must run too), no backward hook, no tracing or compiling (which see the call)."""
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _traced()
+            or any(m._forward_hooks or m._forward_pre_hooks for m in modules)):
         return False
-    return not any(m._backward_hooks or m._backward_pre_hooks for m in modules)
+    return _no_backward_hooks(*modules)
+
+
+def may_write_through(*modules: nn.Module) -> bool:
+    """Whether a caller that owns the tensor it hands to ``m(x)`` (each of ``modules``, called as usual) may let
+    ``m`` write into it: no forward hook that could keep or read ``x`` or the output (:func:`_hooks_could_see`),
+    no backward hook (which wraps inputs and outputs in a Function of its own), no tracing or compiling."""
+    return not _hooks_could_see(*modules) and _no_backward_hooks(*modules) and not _traced()
 
 
 def output_is_owned(act: nn.Module) -> bool:
@@ -179,7 +209,7 @@ def activation_of_owned(act: nn.Module, x: Tensor, producer: nn.Module) -> Tenso
     ``act(x)``'s. Hooks that could keep ``x`` or read it after the call (forward hooks of ``producer``, any
     hook of ``act``, global module hooks) keep the out-of-place call."""
     if isinstance(act, ActActivationMixin) and act.act_inplace_forward() is not None \
-            and not (producer._forward_hooks or _hooks_could_see(act)):
+            and not (foreign_hooks(producer._forward_hooks) or _hooks_could_see(act)):
         return act(x, act_input_owned=True)
     return act(x)
 

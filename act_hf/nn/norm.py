@@ -52,7 +52,7 @@ from ..ops.norm import (
     rms_style_reproducing,
 )
 from ._base import ActModule, register_act_class
-from .activation import _calls_only_forward
+from .activation import foreign_hooks, may_write_through
 from .linear import ActConv2dSameMixin, ActConvMixin, ActStandardizedConvMixin
 
 logger = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def _output_is_fresh(producer: nn.Module) -> bool:
     converted one (whose fallback is the original's), with no forward hook that could keep its output."""
     fresh = isinstance(producer, (ActConvMixin, ActConv2dSameMixin, ActStandardizedConvMixin)) \
         or type(producer).forward in (nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
-    return fresh and not producer._forward_hooks
+    return fresh and not foreign_hooks(producer._forward_hooks)
 
 
 def norm_of_owned(norm: nn.Module, x: Tensor, producer: nn.Module) -> Tensor:
@@ -272,7 +272,7 @@ def norm_of_owned(norm: nn.Module, x: Tensor, producer: nn.Module) -> Tensor:
     ``norm(x)``'s. A producer whose output may be held elsewhere (:func:`_output_is_fresh`) or a hook that
     could see ``x`` or the output keeps the out-of-place call."""
     if isinstance(norm, (ActBatchNormMixin, ActBatchNormAct2dMixin)) and _output_is_fresh(producer) \
-            and _calls_only_forward(norm):
+            and may_write_through(norm):
         return norm(x, act_input_owned=True)
     return norm(x)
 

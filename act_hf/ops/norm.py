@@ -733,12 +733,13 @@ def act_batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor |
     return y
 
 
-def apply_activation(y: Tensor, activation: str, param: float) -> Tensor:
-    """The fused op's activation (``identity``, ``leaky_relu`` or ``elu``) applied to a BatchNorm output."""
+def apply_activation(y: Tensor, activation: str, param: float, inplace: bool = False) -> Tensor:
+    """The fused op's activation (``identity``, ``leaky_relu`` or ``elu``) applied to a BatchNorm output (written
+    into it with ``inplace``: the same kernel, the same bits)."""
     if activation == "leaky_relu":
-        return F.leaky_relu(y, param)
+        return F.leaky_relu(y, param, inplace=inplace)
     if activation == "elu":
-        return F.elu(y, param)
+        return F.elu(y, param, inplace=inplace)
     return y
 
 
@@ -774,7 +775,7 @@ class ActBatchNormActFunction(torch.autograd.Function):
             y = x
         else:
             y, _, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
-        z = apply_activation(y, activation, param)
+        z = apply_activation(y, activation, param, inplace=in_place)  # the sign of z is y's: both activations
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.meta = (x.shape, x.dtype, activation, param)
         # the sign of z, exactly: rounding can flip small z across 0, where the derivative jumps
@@ -867,7 +868,7 @@ def act_batch_norm_act(x: Tensor, running_mean: Tensor | None, running_var: Tens
     in_place = input_owned and writes_in_place(x, weight, bias, running_mean, running_var, eps)
     z = ActBatchNormActFunction.apply(x, weight, bias, running_mean, running_var, momentum, eps, activation,
                                       float(param), settings, note_output, in_place)
-    if in_place and z is x:  # the identity's output, packed as written: the next op's input
+    if in_place:  # its output, packed as written inside the Function: the next op's input
         store.follow_dirty_bump(z, settings)
     note_pending(z)
     return z

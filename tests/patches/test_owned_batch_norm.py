@@ -18,12 +18,14 @@ from tests.utils import assert_grads_match, dispatched, forward_peak, stub_codec
 
 # model -> the block mixins it is built of (ResNets: conv or average-pool downsamples; EfficientNet: SiLU
 # BatchNorms in the input form, the projections' in the fused output form; MobileNetV2: ReLU6, read by the next
-# conv from BatchNorm's packed input; EfficientNetV2: fused expansions)
+# conv from BatchNorm's packed input; EfficientNetV2: fused expansions; RegNet: timm's ConvNormAct)
 MODELS = {"resnet18": {"ActResNetBasicBlockMixin"},
           "resnet26d": {"ActResNetBottleneckMixin"},
           "efficientnet_b0": {"ActDepthwiseSeparableMixin", "ActInvertedResidualMixin"},
           "mobilenetv2_100": {"ActDepthwiseSeparableMixin", "ActInvertedResidualMixin"},
-          "efficientnetv2_rw_t": {"ActEdgeResidualMixin", "ActInvertedResidualMixin"}}
+          "efficientnetv2_rw_t": {"ActConvBnActMixin", "ActEdgeResidualMixin", "ActInvertedResidualMixin"},
+          "mobilenetv3_large_100": {"ActConvBnActMixin", "ActDepthwiseSeparableMixin", "ActInvertedResidualMixin"},
+          "regnetx_002": {"ActConvNormActMixin"}}  # the last two without a family: the fallback's scope hooks
 
 
 def _count_writes(monkeypatch) -> list[int]:
@@ -138,3 +140,41 @@ def test_a_bottleneck_holds_one_conv_output_fewer_on_a_gpu(monkeypatch):
     out_of_place = forward_peak(block, x.detach().clone().requires_grad_())
     handle.remove()
     assert out_of_place - in_place >= 0.9 * output, (in_place, out_of_place, output)
+
+
+def test_the_fallbacks_scope_hooks_let_a_module_write_through_but_not_be_bypassed():
+    """Without a family the fallback hooks act_hf's modules to open and close its saved-tensor scopes; they keep
+    no tensor, so BatchNorm may still write into its conv's output (``may_write_through``), but calling a module's
+    ``forward`` directly would skip them (``_calls_only_forward`` is strict). A user's hook counts."""
+    from act_hf.nn.activation import _calls_only_forward, may_write_through
+
+    model = act_hf.patch(timm.create_model("regnetx_002", num_classes=3), bits=3).train()
+    bn = model.stem.bn
+    assert bn._forward_pre_hooks and bn._forward_hooks
+    assert may_write_through(bn) and not _calls_only_forward(bn)
+    handle = bn.register_forward_hook(lambda mod, args, out: None)
+    assert not may_write_through(bn)
+    handle.remove()
+
+
+@pytest.mark.parametrize("act_layer", [nn.ELU, nn.Identity])
+def test_the_fused_form_writes_its_activation_into_the_conv_output(monkeypatch, act_layer):
+    """timm's ``ConvNormAct`` with an ELU or none: the fused In-Place ABN form writes BatchNorm's output and then
+    the activation's into the conv's output, returns it, and packs it as written; logits and gradients match the
+    unpatched stack's (8 bits), and the next conv reads that packed copy rather than packing its input again."""
+    from timm.layers import ConvNormAct
+
+    torch.manual_seed(3)
+    ref = nn.Sequential(*[ConvNormAct(3 if i == 0 else 8, 8, 3, act_layer=act_layer) for i in range(3)]).train()
+    model = act_hf.patch(copy.deepcopy(ref), bits=8)
+    writes = _count_writes(monkeypatch)
+    x = torch.randn(4, 3, 16, 16)
+    with track_saved(model) as saved:
+        y = model(x)
+    y_ref = ref(x)
+    assert torch.equal(y, y_ref) and writes[0] == 3
+    assert {slot for slot in saved.by_slot if slot.endswith("conv:input")} == {"0.conv:input"}, saved.by_slot
+    g = torch.randn_like(y)  # not y.square().sum(): a BatchNorm output's is its gamma's alone
+    y.backward(g)
+    y_ref.backward(g)
+    assert_grads_match(ref, model, name=act_layer.__name__)
