@@ -14,9 +14,9 @@ input quantized for the scale's gradient, as do the softmax-weighted branch sums
 SK-ResNet (``SelectiveKernel``), which read their inputs from what BatchNorm and the ReLU before them saved.
 MetaFormer's ``StarReLU`` keeps its ReLU output and its output packed (:mod:`act_hf.ops.star_relu`). Stochastic
 depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`). ResNet's ``Bottleneck`` and
-``BasicBlock`` and EfficientNet's ``DepthwiseSeparableConv``, ``InvertedResidual`` and ``EdgeResidual`` (their
-forwards recognised by their code) hand each BatchNorm the conv output it follows to write into
-(:func:`act_hf.nn.norm.norm_of_owned`). The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
+``BasicBlock``, EfficientNet's ``DepthwiseSeparableConv``, ``InvertedResidual``, ``EdgeResidual`` and ``ConvBnAct``,
+and the ``ConvNormAct`` unit (their forwards recognised by their code) hand each BatchNorm the conv output it
+follows to write into (:func:`act_hf.nn.norm.norm_of_owned`). The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
 """
 
 from __future__ import annotations
