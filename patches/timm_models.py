@@ -16,7 +16,8 @@ MetaFormer's ``StarReLU`` keeps its ReLU output and its output packed (:mod:`act
 depth (``DropPath``) notes its output for residual sharing (:mod:`act_hf.derived`). ResNet's ``Bottleneck`` and
 ``BasicBlock``, EfficientNet's ``DepthwiseSeparableConv``, ``InvertedResidual``, ``EdgeResidual`` and ``ConvBnAct``,
 and the ``ConvNormAct`` unit (their forwards recognised by their code) hand each BatchNorm the conv output it
-follows to write into (:func:`act_hf.nn.norm.norm_of_owned`). The classifier named by ``pretrained_cfg["classifier"]`` stays exact.
+follows to write into (:func:`act_hf.nn.norm.norm_of_owned`). The classifier named by
+``pretrained_cfg["classifier"]`` stays exact.
 """
 
 from __future__ import annotations
@@ -107,6 +108,19 @@ def _downsample_owning(downsample: nn.Module, x: Tensor) -> Tensor:
     return x
 
 
+def _resnet_block_end(block: nn.Module, x: Tensor, shortcut: Tensor, act: nn.Module) -> Tensor:
+    """The end of timm's ResNet blocks' forwards after the last BatchNorm: the squeeze-and-excitation, the
+    stochastic depth, the downsample (:func:`_downsample_owning`), the residual add in place and the activation."""
+    if block.se is not None:
+        x = block.se(x)
+    if block.drop_path is not None:
+        x = block.drop_path(x)
+    if block.downsample is not None:
+        shortcut = _downsample_owning(block.downsample, shortcut)
+    x += shortcut
+    return act(x)
+
+
 class ActResNetBottleneckMixin(ActModule):
     """timm's ResNet ``Bottleneck`` (ResNet-50 and deeper, ResNeXt, SE-ResNet, ...) with each BatchNorm after a
     conv writing its output into the conv's (:func:`norm_of_owned`), the downsample's too
@@ -129,14 +143,7 @@ class ActResNetBottleneckMixin(ActModule):
         x = self.aa(x)
         x = self.conv3(x)  # the input's last reference
         x = norm_of_owned(self.bn3, x, self.conv3)
-        if self.se is not None:
-            x = self.se(x)
-        if self.drop_path is not None:
-            x = self.drop_path(x)
-        if self.downsample is not None:
-            shortcut = _downsample_owning(self.downsample, shortcut)
-        x += shortcut
-        return self.act3(x)
+        return _resnet_block_end(self, x, shortcut, self.act3)
 
 
 #: :func:`code_fingerprint` of the ``Bottleneck.forward`` that :class:`ActResNetBottleneckMixin` reproduces (timm
@@ -160,14 +167,7 @@ class ActResNetBasicBlockMixin(ActModule):
         x = self.aa(x)
         x = self.conv2(x)  # the input's last reference
         x = norm_of_owned(self.bn2, x, self.conv2)
-        if self.se is not None:
-            x = self.se(x)
-        if self.drop_path is not None:
-            x = self.drop_path(x)
-        if self.downsample is not None:
-            shortcut = _downsample_owning(self.downsample, shortcut)
-        x += shortcut
-        return self.act2(x)
+        return _resnet_block_end(self, x, shortcut, self.act2)
 
 
 #: :func:`code_fingerprint` of the ``BasicBlock.forward`` that :class:`ActResNetBasicBlockMixin` reproduces (timm
