@@ -755,7 +755,9 @@ class ActBatchNormActFunction(torch.autograd.Function):
     ``dequantize(packed z)`` (:func:`act_hf.derived.note_affine`, no weight, no bias), so a residual add of it
     (timm's downsample ``BatchNormAct2d``) can be read from that packed copy. With ``in_place`` (a caller that
     owns ``x``; :func:`writes_in_place` holds) BatchNorm's output is written into ``x``
-    (:func:`_bn_forward_into`), and so is the identity's ``z``.
+    (:func:`_bn_forward_into`), then the activation's (in place: the same kernel, the same bits), and ``x``
+    returned; the store's copy of it is restamped once autograd has bumped its version
+    (:meth:`~act_hf.context.ContextStore.follow_dirty_bump`, in :func:`act_batch_norm_act`).
     Backward inverts the activation (``bn = z`` / ``z / slope`` / ``alpha * log1p(z / alpha)``), takes its
     derivative from ``z`` and recovers ``x_hat = (bn - beta) / gamma``.
 
