@@ -35,6 +35,12 @@ def _known_rules() -> list[Rule]:
         rules += timm_rules()
     except ImportError:
         pass
+    try:
+        from .torchvision_models import torchvision_rules
+
+        rules += torchvision_rules()
+    except ImportError:
+        pass
     return rules
 
 

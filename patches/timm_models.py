@@ -30,7 +30,7 @@ from act_hf.context import store
 from act_hf.derived import note_scaled
 from act_hf.nn._base import ActModule
 from act_hf.nn.activation import _calls_only_forward, activation_of_owned, output_is_owned
-from act_hf.nn.norm import norm_of_owned
+from act_hf.nn.norm import norm_of_owned, sequential_owning
 from act_hf.ops.linear import act_channel_scale, act_scale
 from act_hf.ops.linear_attention import act_linear_attention
 from act_hf.ops.product import act_product
@@ -95,28 +95,15 @@ def _training_with_grad() -> bool:
     return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
-def _downsample_owning(downsample: nn.Module, x: Tensor) -> Tensor:
-    """``downsample(x)``; for a plain ``nn.Sequential`` called as its ``forward`` alone (timm's ``downsample_conv``
-    and ``downsample_avg``: an optional pool, a conv, a BatchNorm), each module after the first handed its input
-    to own (:func:`norm_of_owned`), as ``Sequential.forward`` never reads it again."""
-    if type(downsample) is not nn.Sequential or not _calls_only_forward(downsample):
-        return downsample(x)
-    producer = None
-    for module in downsample:
-        x = module(x) if producer is None else norm_of_owned(module, x, producer)
-        producer = module
-    return x
-
-
 def _resnet_block_end(block: nn.Module, x: Tensor, shortcut: Tensor, act: nn.Module) -> Tensor:
     """The end of timm's ResNet blocks' forwards after the last BatchNorm: the squeeze-and-excitation, the
-    stochastic depth, the downsample (:func:`_downsample_owning`), the residual add in place and the activation."""
+    stochastic depth, the downsample (:func:`sequential_owning`), the residual add in place and the activation."""
     if block.se is not None:
         x = block.se(x)
     if block.drop_path is not None:
         x = block.drop_path(x)
     if block.downsample is not None:
-        shortcut = _downsample_owning(block.downsample, shortcut)
+        shortcut = sequential_owning(block.downsample, shortcut)
     x += shortcut
     return act(x)
 
@@ -124,10 +111,10 @@ def _resnet_block_end(block: nn.Module, x: Tensor, shortcut: Tensor, act: nn.Mod
 class ActResNetBottleneckMixin(ActModule):
     """timm's ResNet ``Bottleneck`` (ResNet-50 and deeper, ResNeXt, SE-ResNet, ...) with each BatchNorm after a
     conv writing its output into the conv's (:func:`norm_of_owned`), the downsample's too
-    (:func:`_downsample_owning`): at a block's highest point of forward, its last BatchNorm, the block's input,
-    the conv's output and the BatchNorm's were alive at once (resnet50's first stage, bf16: 1.53 MiB a sample
-    each). The rest is timm's forward step for step, bit for bit; the rule converts a block only when its
-    ``forward`` is the code this reproduces (:data:`RESNET_BOTTLENECK_FORWARD`)."""
+    (:func:`sequential_owning`): at a block's highest point of forward, its last BatchNorm, the block's input, the
+    conv's output and the BatchNorm's were alive at once (resnet50's first stage, bf16: 1.53 MiB a sample each).
+    The rest is timm's forward step for step, bit for bit; the rule converts a block only when its ``forward`` is
+    the code this reproduces (:data:`RESNET_BOTTLENECK_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not (self.training and _training_with_grad()):

@@ -52,7 +52,7 @@ from ..ops.norm import (
     rms_style_reproducing,
 )
 from ._base import ActModule, register_act_class
-from .activation import foreign_hooks, may_write_through
+from .activation import _calls_only_forward, foreign_hooks, may_write_through
 from .linear import ActConv2dSameMixin, ActConvMixin, ActStandardizedConvMixin
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ __all__ = [
     "is_global_response_norm",
     "matching_rms_style",
     "norm_of_owned",
+    "sequential_owning",
 ]
 
 
@@ -275,6 +276,19 @@ def norm_of_owned(norm: nn.Module, x: Tensor, producer: nn.Module) -> Tensor:
             and may_write_through(norm):
         return norm(x, act_input_owned=True)
     return norm(x)
+
+
+def sequential_owning(seq: nn.Module, x: Tensor) -> Tensor:
+    """``seq(x)``; for a plain ``nn.Sequential`` called as its ``forward`` alone (a ResNet's conv + BatchNorm
+    downsample, timm's average-pool one), each module after the first handed its input to own
+    (:func:`norm_of_owned`), as ``Sequential.forward`` never reads it again."""
+    if type(seq) is not nn.Sequential or not _calls_only_forward(seq):
+        return seq(x)
+    producer = None
+    for module in seq:
+        x = module(x) if producer is None else norm_of_owned(module, x, producer)
+        producer = module
+    return x
 
 
 class ActBatchNormActMixin(_ActNormMixin):

@@ -1,6 +1,7 @@
-"""timm's ResNet and EfficientNet / MobileNet blocks with each BatchNorm after a conv writing into the conv's output
-(``norm_of_owned``): the same outputs, running statistics, gradients and saved bytes as without, fewer full-size
-tensors in forward, and the out-of-place call wherever a hook could keep or read the conv's output."""
+"""timm's ResNet, EfficientNet / MobileNet and ConvNormAct blocks, and torchvision's ResNet blocks, with each
+BatchNorm after a conv writing into the conv's output (``norm_of_owned``): the same outputs, running statistics,
+gradients and saved bytes as without, fewer full-size tensors in forward, and the out-of-place call wherever a hook
+could keep or read the conv's output."""
 
 from __future__ import annotations
 
@@ -25,7 +26,17 @@ MODELS = {"resnet18": {"ActResNetBasicBlockMixin"},
           "mobilenetv2_100": {"ActDepthwiseSeparableMixin", "ActInvertedResidualMixin"},
           "efficientnetv2_rw_t": {"ActConvBnActMixin", "ActEdgeResidualMixin", "ActInvertedResidualMixin"},
           "mobilenetv3_large_100": {"ActConvBnActMixin", "ActDepthwiseSeparableMixin", "ActInvertedResidualMixin"},
-          "regnetx_002": {"ActConvNormActMixin"}}  # the last two without a family: the fallback's scope hooks
+          "regnetx_002": {"ActConvNormActMixin"},  # this one, MobileNetV3 and torchvision's: the fallback's hooks
+          "torchvision:resnet18": {"ActTorchvisionBasicBlockMixin"},
+          "torchvision:resnet50": {"ActTorchvisionBottleneckMixin"}}
+
+
+def _model(name: str) -> nn.Module:
+    if name.startswith("torchvision:"):
+        import torchvision
+
+        return getattr(torchvision.models, name.split(":")[1])(num_classes=3)
+    return timm.create_model(name, num_classes=3)
 
 
 def _count_writes(monkeypatch) -> list[int]:
@@ -54,7 +65,7 @@ def test_blocks_write_batch_norm_into_the_conv_output(monkeypatch, name, autocas
     (8 bits), and the saved bytes are those of the out-of-place calls (an output the fused In-Place ABN form
     packs as it is written stays the copy the next conv reads)."""
     torch.manual_seed(0)
-    ref = timm.create_model(name, num_classes=3).train()
+    ref = _model(name).train()
     model = act_hf.patch(copy.deepcopy(ref), bits=8)
     norms = _block_norms(model, MODELS[name])
     assert norms >= 8
