@@ -25,6 +25,24 @@ def _compressing(module: nn.Module) -> bool:
     return module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
+def _first_two(block: nn.Module, x: Tensor) -> Tensor:
+    """``bn2(conv2(relu(bn1(conv1(x)))))`` as torchvision's blocks begin, each BatchNorm written into its conv's
+    output (:func:`norm_of_owned`)."""
+    out = block.conv1(x)
+    out = norm_of_owned(block.bn1, out, block.conv1)
+    out = block.relu(out)
+    out = block.conv2(out)
+    return norm_of_owned(block.bn2, out, block.conv2)
+
+
+def _block_end(block: nn.Module, out: Tensor, x: Tensor) -> Tensor:
+    """The shortcut (the downsample's BatchNorm written into its conv's output: :func:`sequential_owning`), the
+    residual add in place and the ReLU, as torchvision's blocks end."""
+    identity = x if block.downsample is None else sequential_owning(block.downsample, x)
+    out += identity
+    return block.relu(out)
+
+
 class ActTorchvisionBottleneckMixin(ActModule):
     """torchvision's ``Bottleneck`` with each BatchNorm after a conv written into the conv's output; torchvision's
     forward step for step otherwise (:data:`BOTTLENECK_FORWARD`)."""
@@ -32,19 +50,10 @@ class ActTorchvisionBottleneckMixin(ActModule):
     def forward(self, x: Tensor) -> Tensor:
         if not _compressing(self):
             return super().forward(x)
-        identity = x
-        out = self.conv1(x)
-        out = norm_of_owned(self.bn1, out, self.conv1)
-        out = self.relu(out)
-        out = self.conv2(out)
-        out = norm_of_owned(self.bn2, out, self.conv2)
-        out = self.relu(out)
+        out = self.relu(_first_two(self, x))
         out = self.conv3(out)
         out = norm_of_owned(self.bn3, out, self.conv3)
-        if self.downsample is not None:
-            identity = sequential_owning(self.downsample, x)
-        out += identity
-        return self.relu(out)
+        return _block_end(self, out, x)
 
 
 #: :func:`code_fingerprint` of the ``Bottleneck.forward`` :class:`ActTorchvisionBottleneckMixin` reproduces
@@ -59,16 +68,7 @@ class ActTorchvisionBasicBlockMixin(ActModule):
     def forward(self, x: Tensor) -> Tensor:
         if not _compressing(self):
             return super().forward(x)
-        identity = x
-        out = self.conv1(x)
-        out = norm_of_owned(self.bn1, out, self.conv1)
-        out = self.relu(out)
-        out = self.conv2(out)
-        out = norm_of_owned(self.bn2, out, self.conv2)
-        if self.downsample is not None:
-            identity = sequential_owning(self.downsample, x)
-        out += identity
-        return self.relu(out)
+        return _block_end(self, _first_two(self, x), x)
 
 
 #: :func:`code_fingerprint` of the ``BasicBlock.forward`` :class:`ActTorchvisionBasicBlockMixin` reproduces
