@@ -162,6 +162,20 @@ class ActResNetBasicBlockMixin(ActModule):
 RESNET_BASIC_BLOCK_FORWARD = "24d1455c841b1658"
 
 
+def _space_to_depth(block: nn.Module, x: Tensor) -> Tensor:
+    """timm's EfficientNet blocks' optional space-to-depth conv and its BatchNorm (written into the conv's
+    output), or ``x``."""
+    if block.conv_s2d is None:
+        return x
+    x = block.conv_s2d(x)
+    return norm_of_owned(block.bn_s2d, x, block.conv_s2d)
+
+
+def _with_skip(block: nn.Module, x: Tensor, shortcut: Tensor) -> Tensor:
+    """timm's EfficientNet blocks' end: ``drop_path(x) + shortcut`` where the block has a skip, else ``x``."""
+    return block.drop_path(x) + shortcut if block.has_skip else x
+
+
 class ActDepthwiseSeparableMixin(ActModule):
     """timm's ``DepthwiseSeparableConv`` (EfficientNet's and MobileNet's first blocks) with each BatchNorm after a
     conv written into the conv's output (:func:`norm_of_owned`); timm's forward step for step otherwise, converted
@@ -171,18 +185,14 @@ class ActDepthwiseSeparableMixin(ActModule):
         if not (self.training and _training_with_grad()):
             return super().forward(x)
         shortcut = x
-        if self.conv_s2d is not None:
-            x = self.conv_s2d(x)
-            x = norm_of_owned(self.bn_s2d, x, self.conv_s2d)
+        x = _space_to_depth(self, x)  # the block's input stays the shortcut
         x = self.conv_dw(x)
         x = norm_of_owned(self.bn1, x, self.conv_dw)
         x = self.aa(x)
         x = self.se(x)
         x = self.conv_pw(x)
         x = norm_of_owned(self.bn2, x, self.conv_pw)
-        if self.has_skip:
-            x = self.drop_path(x) + shortcut
-        return x
+        return _with_skip(self, x, shortcut)
 
 
 #: :func:`code_fingerprint` of the ``DepthwiseSeparableConv.forward`` :class:`ActDepthwiseSeparableMixin`
@@ -200,9 +210,7 @@ class ActInvertedResidualMixin(ActModule):
         if not (self.training and _training_with_grad()):
             return super().forward(x)
         shortcut = x
-        if self.conv_s2d is not None:
-            x = self.conv_s2d(x)
-            x = norm_of_owned(self.bn_s2d, x, self.conv_s2d)
+        x = _space_to_depth(self, x)  # the block's input stays the shortcut
         x = self.conv_pw(x)
         x = norm_of_owned(self.bn1, x, self.conv_pw)
         x = self.conv_dw(x)
@@ -211,9 +219,7 @@ class ActInvertedResidualMixin(ActModule):
         x = self.se(x)
         x = self.conv_pwl(x)
         x = norm_of_owned(self.bn3, x, self.conv_pwl)
-        if self.has_skip:
-            x = self.drop_path(x) + shortcut
-        return x
+        return _with_skip(self, x, shortcut)
 
 
 #: :func:`code_fingerprint` of the ``InvertedResidual.forward`` :class:`ActInvertedResidualMixin` reproduces
@@ -236,9 +242,7 @@ class ActEdgeResidualMixin(ActModule):
         x = self.se(x)
         x = self.conv_pwl(x)
         x = norm_of_owned(self.bn2, x, self.conv_pwl)
-        if self.has_skip:
-            x = self.drop_path(x) + shortcut
-        return x
+        return _with_skip(self, x, shortcut)
 
 
 #: :func:`code_fingerprint` of the ``EdgeResidual.forward`` :class:`ActEdgeResidualMixin` reproduces (timm 1.0.x).
@@ -276,9 +280,7 @@ class ActConvBnActMixin(ActModule):
         x = self.conv(x)
         x = norm_of_owned(self.bn1, x, self.conv)
         x = self.aa(x)
-        if self.has_skip:
-            x = self.drop_path(x) + shortcut
-        return x
+        return _with_skip(self, x, shortcut)
 
 
 #: :func:`code_fingerprint` of the ``ConvBnAct.forward`` :class:`ActConvBnActMixin` reproduces (timm 1.0.x).
