@@ -14,6 +14,11 @@ backward at batch 16 and in forward at 32, and comparing the two peaks mixed two
 between small batches overstates what is done in chunks of a fixed size once the batch is large (attention's
 recomputation in backward).
 
+Each phase's highest point is also placed in the model: every submodule's forward runs inside a profiler range
+named after its path, and the innermost module open at that moment is reported, with the highest point reached
+inside each module (forward), so that a peak is named as "``layer1.2.conv3``'s moment" and not only by the blocks
+alive then.
+
 The same code reads CPU allocations (here) and CUDA ones (on a GPU the caching allocator reports each block it
 hands out and takes back; its reserved-but-free memory, fragmentation, is not counted)::
 
@@ -27,6 +32,7 @@ under ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import subprocess
@@ -86,21 +92,66 @@ def _allocations(prof, device: torch.device) -> tuple[list[tuple], int]:
     return sorted(events, key=lambda e: (e[0], e[1])), backward[0]
 
 
-def peak_sites(events, backward_from_ns: int) -> dict:
+def _module_ranges(prof) -> list[tuple[int, int, str]]:
+    """``(start ns, end ns, module path)`` of the ``module:<path>`` ranges :func:`label_modules` opened."""
+    ranges = []
+
+    def walk(node):
+        if node.name.startswith("module:"):
+            ranges.append((node.start_time_ns, node.end_time_ns, node.name[len("module:"):]))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    return ranges
+
+
+def _innermost(times: list[int], ranges: list[tuple[int, int, str]]) -> list[str | None]:
+    """For each of the ascending ``times``, the path of the innermost range open then (ranges nest or are
+    disjoint, as a module's calls do), or ``None``: one sweep over both."""
+    ranges = sorted(ranges)
+    out, stack, j = [], [], 0
+    for t in times:
+        while True:
+            while stack and stack[-1][1] < t:
+                stack.pop()
+            if j < len(ranges) and ranges[j][0] <= t:
+                stack.append(ranges[j])
+                j += 1
+            else:
+                break
+        out.append(stack[-1][2] if stack else None)
+    return out
+
+
+def peak_sites(events, backward_from_ns: int, ranges: list[tuple[int, int, str]] = ()) -> dict:
     """The running total's peak over ``events`` (bytes above the first event), the phase it fell in, and the
     bytes alive then by :func:`_site`; under ``phases``, the same for the highest point of each phase
     (``forward``: before ``backward_from_ns``), so that two runs can be compared at the same moment of the
-    step even when their overall peaks fall in different phases."""
+    step even when their overall peaks fall in different phases. With the modules' ``ranges``
+    (:func:`_module_ranges`), each phase also names the innermost ``module`` open at its highest point, and
+    ``module_highs`` holds the highest total reached inside each module (as the innermost one)."""
     total = 0
     best = {"forward": (0, -1), "backward": (0, -1)}  # phase -> (peak, index of the event that reached it)
+    modules = _innermost([e[0] for e in events], list(ranges)) if ranges else [None] * len(events)
+    highs: dict[str, int] = {}
     for i, (time_ns, _, size, _, _) in enumerate(events):
         total += size
         phase = "backward" if time_ns >= backward_from_ns else "forward"
         if total > best[phase][0]:
             best[phase] = (total, i)
+        if modules[i] is not None and total > highs.get(modules[i], -1):
+            highs[modules[i]] = total
     phases = {phase: {"peak": peak, "sites": _alive_at(events, at)} for phase, (peak, at) in best.items()}
+    if ranges:
+        for phase, (_, at) in best.items():
+            phases[phase]["module"] = modules[at] if at >= 0 else None
     phase = max(phases, key=lambda p: (phases[p]["peak"], p == "forward"))
-    return {"peak": phases[phase]["peak"], "phase": phase, "sites": phases[phase]["sites"], "phases": phases}
+    out = {"peak": phases[phase]["peak"], "phase": phase, "sites": phases[phase]["sites"], "phases": phases}
+    if ranges:
+        out["module_highs"] = highs
+    return out
 
 
 def _alive_at(events, at: int) -> dict[str, int]:
@@ -117,17 +168,52 @@ def _alive_at(events, at: int) -> dict[str, int]:
     return dict(sites)
 
 
-def profile_peak(forward_loss: Callable[[], torch.Tensor], device: torch.device) -> dict:
-    """:func:`peak_sites` of one ``forward_loss().backward()``, profiled (allocations on ``device`` only)."""
+def label_modules(model: torch.nn.Module) -> Callable[[], None]:
+    """Run each submodule's ``forward`` inside a profiler range ``module:<path>`` (an instance attribute wrapping
+    the bound method, its signature kept); returns the function that takes the wrappers off again."""
+    from torch.profiler import record_function
+
+    wrapped = []
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        inner = module.forward
+
+        def forward(*args, _inner=inner, _name="module:" + path, **kwargs):
+            with record_function(_name):
+                return _inner(*args, **kwargs)
+
+        wrapped.append((module, module.__dict__.get("forward")))
+        module.forward = functools.update_wrapper(forward, inner)
+
+    def undo() -> None:
+        for module, own in wrapped:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+    return undo
+
+
+def profile_peak(forward_loss: Callable[[], torch.Tensor], device: torch.device,
+                 model: torch.nn.Module | None = None) -> dict:
+    """:func:`peak_sites` of one ``forward_loss().backward()``, profiled (allocations on ``device`` only); with
+    ``model``, its modules labelled (:func:`label_modules`) to name where each phase's highest point falls."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True, with_stack=True) as prof:
-        loss = forward_loss()
-        with record_function("act_hf_backward"):
-            loss.backward()
-        del loss
-    return peak_sites(*_allocations(prof, device))
+    undo = label_modules(model) if model is not None else None
+    try:
+        with profile(activities=activities, profile_memory=True, with_stack=True) as prof:
+            loss = forward_loss()
+            with record_function("act_hf_backward"):
+                loss.backward()
+            del loss
+    finally:
+        if undo is not None:
+            undo()
+    return peak_sites(*_allocations(prof, device), _module_ranges(prof) if model is not None else ())
 
 
 def measure(model_name: str, setting: str, batch: int, device: torch.device, dtype: str, seq: int) -> dict:
@@ -153,7 +239,7 @@ def measure(model_name: str, setting: str, batch: int, device: torch.device, dty
             return model(**{k: v[:n] for k, v in inputs.items()}).loss
 
     forward_loss(1).backward()
-    return {"batch": batch} | profile_peak(lambda: forward_loss(batch), device)
+    return {"batch": batch} | profile_peak(lambda: forward_loss(batch), device, model)
 
 
 def _site_rows(runs: list[dict], phase: str, mib: float) -> list[dict]:
@@ -229,6 +315,19 @@ def main(argv: list[str] | None = None) -> int:
              f"{meta['torch']}, act_hf @ {meta['commit']}): the highest point of forward grows by "
              f"{slopes['forward']:.2f} MiB a sample above the step's start, that of backward by "
              f"{slopes['backward']:.2f} (each run's overall peak fell in {runs[0]['phase']} / {runs[1]['phase']}).")]
+    large = runs[1]
+    if "module_highs" in large:
+        where = {p: large["phases"][p].get("module") for p in ("forward", "backward")}
+        said = {p: f"inside `{m}`" if m else "outside every module" for p, m in where.items()}
+        highs = sorted(large["module_highs"].items(), key=lambda kv: -kv[1])[:10]
+        result["modules_at_highest"] = where
+        result["module_highs_mib_per_sample"] = {m: v / 2**20 / b2 for m, v in highs}
+        lines += ["", (f"At batch {b2} the highest point of forward falls {said['forward']}, that of backward "
+                       f"{said['backward']} (the innermost module running then). The highest points reached inside "
+                       "each module (the 10 highest; MiB a sample above the step's start, at that batch):"),
+                  "", "| module | MiB a sample |", "|---|---|"]
+        lines += [f"| `{m}` | {v / 2**20 / b2:.2f} |" for m, v in highs]
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     for p, p_rows in by_phase.items():
         p_shown = p_rows[: args.rows]
         title = (f"Alive at the highest point of {p} ({slopes[p]:.2f} MiB a sample), by site (the {len(p_shown)} "

@@ -606,6 +606,26 @@ def test_peak_sites_replays_allocations_in_order():
     assert memory_at_peak.peak_sites(events + [(5, 5, 200, 4, c)], backward_from_ns=2)["phase"] == "backward"
 
 
+def test_peak_sites_names_the_innermost_module_of_each_highest_point():
+    """Ranges nest (a block and its conv) or follow each other; each event falls in the innermost one open then,
+    and each phase's highest point is named by it, with the highest total reached inside each module."""
+    c = ()
+    events = [(1, 0, 10, 1, c), (3, 1, 20, 2, c), (5, 2, -20, 2, c), (7, 3, 5, 3, c), (9, 4, 40, 4, c)]
+    ranges = [(0, 6, "block"), (2, 4, "block.conv"), (6, 8, "head")]
+    assert memory_at_peak._innermost([1, 3, 5, 7, 9], ranges) == ["block", "block.conv", "block", "head", None]
+    out = memory_at_peak.peak_sites(events, backward_from_ns=9, ranges=ranges)
+    assert out["phases"]["forward"]["module"] == "block.conv" and out["phases"]["backward"]["module"] is None
+    assert out["module_highs"] == {"block": 10, "block.conv": 30, "head": 15}  # each as the innermost one
+
+
+def test_profile_peak_labels_the_modules_and_takes_the_labels_off():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    x = torch.randn(32, 64)
+    out = memory_at_peak.profile_peak(lambda: model(x).square().sum(), torch.device("cpu"), model)
+    assert set(out["module_highs"]) <= {"0", "1", "2"} and out["phases"]["forward"]["module"] in {"0", "1", "2"}
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
 class _SavesABuffer(torch.autograd.Function):
     """Saves a 4 MiB buffer made in forward; backward makes a 2 MiB temporary while it lives."""
 
