@@ -20,7 +20,8 @@
 # ninth); gpt2 and convnext-tiny at batch 32, which no run has measured since the sixth, with what is left.
 # Since 46a31f6 (CPU only): ResNet blocks write each BatchNorm into its conv's output (the cuda-marked tests of
 # that run with the kernel tests), and resnet50's largest batch at 2 bits (5.48x in the sixth run, 6.5x the
-# target) is searched from the target right after the host probe.
+# target) is searched from the target right after the host probe, then memory_at_peak names the module whose
+# moment sets its highest points.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -72,6 +73,12 @@ timeout "$(cap 150)" "$PY" $GT --models resnet50 --settings bits2 --cap 16GiB --
   --no-speed --targets bits2=6.5 --unpatched-max resnet50=374 --out "$W/resnetcap" >"$W/resnetcap.log" 2>&1
 echo "resnetcap exit $?"; cat "$W/resnetcap/gpu_training.md" 2>/dev/null; bundle
 
+part "what is alive at resnet50's 2-bit highest points, and inside which module (batches 64 and 128)"
+mkdir -p "$W/peak_resnet"
+timeout "$(cap 70)" "$PY" benchmarks/memory_at_peak.py --model resnet50 --setting bits2 --device cuda \
+  --batches 64 128 --out "$W/peak_resnet" >"$W/peak_resnet.log" 2>&1
+echo "peak exit $?"; head -n 16 "$W/peak_resnet/memory_at_peak_resnet50_bits2.md" 2>/dev/null; bundle
+
 speed256 swin256 swin-tiny
 
 part "swin-tiny's largest batch under 16 GiB at 2 and 3 bits"
@@ -100,6 +107,7 @@ for name in resnetcap swin256 swincap resnet256 large256 models; do
   cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null
 done
 cp "$W/host/host_overhead.md" "$OUT/host.md" 2>/dev/null
+cp "$W/peak_resnet/memory_at_peak_resnet50_bits2.md" "$OUT/peak_resnet.md" 2>/dev/null
 cp "$W/profile_resnet/profile_resnet50.md" "$OUT/profile_resnet.md" 2>/dev/null
 cp "$W/quant/quantize_throughput.md" "$OUT/quant.md" 2>/dev/null
 cp "$W/tests.log" "$OUT/" 2>/dev/null
