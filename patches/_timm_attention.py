@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
+from act_hf.nn.norm import trains_with_grad
 from act_hf.ops.attention import act_eager_attention, act_sdpa
 from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
 from act_hf.ops.linear import act_linear
@@ -50,10 +51,6 @@ __all__ = ["COSINE_ATTENTION_FORWARDS", "ActTimmAttentionMixin", "ActWindowAtten
 logger = logging.getLogger(__name__)
 
 
-def _compressing(module: nn.Module) -> bool:
-    return module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-
-
 def _heads_first(qkv: Tensor, *, fused: bool) -> Tensor:
     """timm's ``qkv.permute(2, 0, 3, 1, 4)`` of a fused projection's ``(B, N, 3, heads, head_dim)``, a view of one
     dense copy of it (the projection's output, which nothing else holds, is freed), so that q, k and v are each
@@ -71,7 +68,7 @@ class ActTimmAttentionMixin(ActModule):
     """For ``timm.layers.Attention`` (ViT, DeiT, ...): q, k, v saved quantized."""
 
     def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        if not _compressing(self):
+        if not trains_with_grad(self):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, C = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
@@ -103,7 +100,7 @@ class ActWindowAttentionMixin(ActModule):
     """For Swin's ``WindowAttention``: q, k, v saved quantized; relative position bias still learns."""
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        if not _compressing(self):
+        if not trains_with_grad(self):
             return super().forward(x, mask)
         B_, N, C = x.shape
         qkv = _heads_first(self.qkv(x).reshape(B_, N, 3, self.num_heads, -1), fused=self.fused_attn)
@@ -134,7 +131,7 @@ class ActWindowAttentionV2Mixin(ActModule):
     ``F.linear`` that adds the q/v biases saves its input quantized through the ``qkv`` Linear's slot."""
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        if not _compressing(self):
+        if not trains_with_grad(self):
             return super().forward(x, mask)
         B_, N, C = x.shape
         if self.q_bias is None:
@@ -170,7 +167,7 @@ class ActWindowMultiHeadAttentionMixin(ActModule):
     order)."""
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        if not _compressing(self):
+        if not trains_with_grad(self):
             return super().forward(x, mask)
         Bw, L, C = x.shape
         qkv = self.qkv(x).view(Bw, L, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)

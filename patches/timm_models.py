@@ -30,7 +30,7 @@ from act_hf.context import store
 from act_hf.derived import note_scaled
 from act_hf.nn._base import ActModule
 from act_hf.nn.activation import _calls_only_forward, activation_of_owned, output_is_owned
-from act_hf.nn.norm import norm_of_owned, sequential_owning
+from act_hf.nn.norm import norm_of_owned, sequential_owning, trains_with_grad
 from act_hf.ops.linear import act_channel_scale, act_scale
 from act_hf.ops.linear_attention import act_linear_attention
 from act_hf.ops.product import act_product
@@ -91,10 +91,6 @@ def _is_convnext_block(m: nn.Module) -> bool:
     return _is_timm(m, "ConvNeXtBlock") and code_fingerprint(type(m).forward) == CONVNEXT_BLOCK_FORWARD
 
 
-def _training_with_grad() -> bool:
-    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-
-
 def _resnet_block_end(block: nn.Module, x: Tensor, shortcut: Tensor, act: nn.Module) -> Tensor:
     """The end of timm's ResNet blocks' forwards after the last BatchNorm: the squeeze-and-excitation, the
     stochastic depth, the downsample (:func:`sequential_owning`), the residual add in place and the activation."""
@@ -117,7 +113,7 @@ class ActResNetBottleneckMixin(ActModule):
     the code this reproduces (:data:`RESNET_BOTTLENECK_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and _training_with_grad()):
+        if not trains_with_grad(self):
             return super().forward(x)
         shortcut = x
         x = self.conv1(x)  # the input's last reference
@@ -144,7 +140,7 @@ class ActResNetBasicBlockMixin(ActModule):
     only when its ``forward`` is that code (:data:`RESNET_BASIC_BLOCK_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and _training_with_grad()):
+        if not trains_with_grad(self):
             return super().forward(x)
         shortcut = x
         x = self.conv1(x)  # the input's last reference
@@ -182,7 +178,7 @@ class ActDepthwiseSeparableMixin(ActModule):
     only when its ``forward`` is that code (:data:`DEPTHWISE_SEPARABLE_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and _training_with_grad()):
+        if not trains_with_grad(self):
             return super().forward(x)
         shortcut = x
         x = _space_to_depth(self, x)  # the block's input stays the shortcut
@@ -207,7 +203,7 @@ class ActInvertedResidualMixin(ActModule):
     ``forward`` is that code (:data:`INVERTED_RESIDUAL_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and _training_with_grad()):
+        if not trains_with_grad(self):
             return super().forward(x)
         shortcut = x
         x = _space_to_depth(self, x)  # the block's input stays the shortcut
@@ -233,7 +229,7 @@ class ActEdgeResidualMixin(ActModule):
     (:data:`EDGE_RESIDUAL_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and _training_with_grad()):
+        if not trains_with_grad(self):
             return super().forward(x)
         shortcut = x
         x = self.conv_exp(x)
@@ -255,7 +251,7 @@ class ActConvNormActMixin(ActModule):
     otherwise, converted only when its ``forward`` is that code (:data:`CONV_NORM_ACT_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and _training_with_grad()):
+        if not trains_with_grad(self):
             return super().forward(x)
         x = self.conv(x)
         x = norm_of_owned(self.bn, x, self.conv)
@@ -274,7 +270,7 @@ class ActConvBnActMixin(ActModule):
     when its ``forward`` is the code (:data:`CONV_BN_ACT_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not (self.training and _training_with_grad()):
+        if not trains_with_grad(self):
             return super().forward(x)
         shortcut = x
         x = self.conv(x)

@@ -5,11 +5,10 @@ the code the mixin reproduces; everything else in a torchvision model is the gen
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from act_hf.nn._base import ActModule
-from act_hf.nn.norm import norm_of_owned, sequential_owning
+from act_hf.nn.norm import norm_of_owned, sequential_owning, trains_with_grad
 from act_hf.patcher import Rule, code_fingerprint
 
 __all__ = ["torchvision_rules"]
@@ -19,10 +18,6 @@ def _is_torchvision_code(m: nn.Module, name: str, code: str) -> bool:
     """torchvision's class ``name`` with the ``forward`` whose :func:`code_fingerprint` is ``code``."""
     cls = type(m)
     return cls.__name__ == name and cls.__module__.startswith("torchvision.") and code_fingerprint(cls.forward) == code
-
-
-def _compressing(module: nn.Module) -> bool:
-    return module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
 def _first_two(block: nn.Module, x: Tensor) -> Tensor:
@@ -48,7 +43,7 @@ class ActTorchvisionBottleneckMixin(ActModule):
     forward step for step otherwise (:data:`BOTTLENECK_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not _compressing(self):
+        if not trains_with_grad(self):
             return super().forward(x)
         out = self.relu(_first_two(self, x))
         out = self.conv3(out)
@@ -66,7 +61,7 @@ class ActTorchvisionBasicBlockMixin(ActModule):
     (:data:`BASIC_BLOCK_FORWARD`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not _compressing(self):
+        if not trains_with_grad(self):
             return super().forward(x)
         return _block_end(self, _first_two(self, x), x)
 
