@@ -667,11 +667,11 @@ class ActBatchNormFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
                 running_var: Tensor | None, momentum: float, eps: float, settings: OpSettings,
                 note_output: bool = False, in_place: bool = False) -> Tensor:
-        if in_place:
-            mean, invstd = _bn_statistics(x, eps, weight.dtype)  # for packing; the output's are aten's own
-        else:
-            y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not in_place:
+            y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
+        elif need_x or need_w:  # statistics to pack with, read first; the output's are aten's own
+            mean, invstd = _bn_statistics(x, eps, weight.dtype)
         ctx.shape = x.shape
         if need_x or need_w:
             normalized = _normalizer(mean, invstd)
