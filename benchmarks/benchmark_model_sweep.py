@@ -2,14 +2,21 @@
 
 For each model: build it from a small config (random weights, train mode), deep-copy it, ``act_hf.patch`` the
 copy at ``--bits`` (8 by default: every difference left is act_hf's, not the width's), run one forward and
-backward on both with the same seeds, and record whether the losses are bit-equal, the relative error of the
-whole parameter gradient, the worst cosine among parameters carrying >= 1% of the gradient norm, and the
-verdict of the tests' criterion (:func:`tests.utils.assert_grads_match`: each parameter's gradient at cosine
->= 0.999 or within 1e-3 of the whole gradient's norm). Models with an act_hf family are here too when they are
-not in the tests' own cases; a model that fails to build or run is listed with its error.
+backward on both with the same seeds, and record whether the losses are bit-equal, whether the floating buffers
+(BatchNorm's running statistics) are bit-equal after the step, the relative error of the whole parameter
+gradient, the worst cosine among parameters carrying >= 1% of the gradient norm, and the verdict of the tests'
+criterion (:func:`tests.utils.assert_grads_match`: each parameter's gradient at cosine >= 0.999 or within 1e-3 of
+the whole gradient's norm). Models with an act_hf family are here too when they are not in the tests' own cases,
+and convolutional nets of timm and torchvision whose BatchNorms write into their conv's output; a model that fails
+to build or run is listed with its error.
 
-    python benchmarks/benchmark_model_sweep.py                    # every model, 8 bits (about 5 min on 2 cores)
+With ``--autocast`` both steps run under bf16 autocast, and two more errors say how much of the difference is
+bf16's own: the unpatched bf16 step's whole-gradient error against an unpatched fp32 step, and the patched bf16
+step's against the same fp32 step (the tests' criterion, made for fp32, flags bf16's noise on some stems).
+
+    python benchmarks/benchmark_model_sweep.py                    # every model, 8 bits (about 15 min on 2 cores)
     python benchmarks/benchmark_model_sweep.py --models bart cspdarknet53 --bits 4
+    python benchmarks/benchmark_model_sweep.py --autocast --name model_sweep_bf16
 
 Writes ``model_sweep.json`` and ``model_sweep.md`` under ``--out``.
 """
@@ -108,7 +115,9 @@ def _hf_cases() -> dict[str, tuple[Callable, Callable]]:
     }
 
 
-#: timm models by name, with the image size they need (the rest take 64 x 64).
+#: timm models by name, with the image size they need (the rest take 64 x 64): the first rows have no family or
+#: one the tests do not cover; from ``resnet18`` on, nets whose blocks hand each BatchNorm its conv's output
+#: (``act_hf.nn.norm.norm_of_owned``) or that end a block with one, one of each kind of block.
 TIMM_MODELS = {
     "maxvit_nano_rw_256": 256, "coatnet_nano_rw_224": 224, "efficientnet_b0": 64, "resnext26ts": 64,
     "regnety_002": 64, "resnetv2_50x1_bit": 64, "swinv2_cr_tiny_ns_224": 224, "poolformer_s12": 64, "mobilevitv2_050": 64,
@@ -117,6 +126,20 @@ TIMM_MODELS = {
     "mobileone_s0": 64, "hgnetv2_b0": 64, "tiny_vit_5m_224": 224, "rdnet_tiny": 64, "efficientformerv2_s0": 224,
     "inception_next_atto": 64, "mambaout_femto": 64, "starnet_s050": 64, "efficientvit_b0": 128,
     "mobilenetv3_small_050": 128, "hiera_tiny_224": 224, "mobilenetv2_050": 64,
+    "resnet18": 64, "resnet50d": 64, "seresnext26d_32x4d": 64, "resnest14d": 64, "res2net50_14w_8s": 64,
+    "regnetx_002": 64, "regnetz_b16": 64, "dpn48b": 64, "densenet121": 64, "hrnet_w18_small": 64,
+    "selecsls42b": 64, "vgg11_bn": 64, "repvit_m0_9": 64, "mixnet_s": 64, "efficientnetv2_rw_t": 64,
+    "lcnet_050": 64, "mobilenetv4_conv_small": 64, "rexnet_100": 64, "tf_efficientnet_b0": 64, "xception41": 64,
+    "gernet_s": 64, "ese_vovnet19b_dw": 64, "tresnet_m": 64, "mobilenetv3_large_100": 64, "mnasnet_050": 64,
+    "halonet26t": 256, "lambda_resnet26t": 256,
+}
+
+#: torchvision models as ``tv_<name>`` (``torchvision.models.<name>(num_classes=5)``), with their image sizes:
+#: act_hf's rules for torchvision's ResNet blocks (``patches/torchvision_models.py``) and the generic path's others.
+TORCHVISION_MODELS = {
+    "tv_resnet18": 64, "tv_resnet50": 64, "tv_resnext50_32x4d": 64, "tv_mobilenet_v3_small": 64,
+    "tv_efficientnet_b0": 64, "tv_regnet_y_400mf": 64, "tv_densenet121": 64, "tv_shufflenet_v2_x0_5": 64,
+    "tv_mnasnet0_5": 64,
 }
 
 
@@ -130,7 +153,7 @@ def _hf_loss(model, inputs):
 
 def _timm_loss(model, inputs):
     x, labels = inputs
-    return torch.nn.functional.cross_entropy(model(x), labels)
+    return torch.nn.functional.cross_entropy(model(x).float(), labels)  # bf16 logits under autocast
 
 
 def _to(inputs, device: torch.device):
@@ -141,22 +164,51 @@ def _to(inputs, device: torch.device):
     return inputs.to(device) if isinstance(inputs, torch.Tensor) else inputs
 
 
-def measure(name: str, bits: float, device: torch.device | str = "cpu") -> dict:
-    """One model: loss equality, whole-gradient relative error, worst cosine, the tests' verdict. On a GPU the
-    unpatched and patched steps may differ by the kernels' own nondeterminism too (atomics in backward)."""
+def _build(name: str) -> tuple[Callable, Callable, Callable]:
+    """``(build, inputs, loss_of)`` of a sweep model."""
     hf = _hf_cases()
     if name in hf:
         build, make_inputs = hf[name]
-        loss_of = _hf_loss
+        return build, make_inputs, _hf_loss
+    if name in TORCHVISION_MODELS:
+        import torchvision
+
+        size = TORCHVISION_MODELS[name]
+        build = lambda: getattr(torchvision.models, name.removeprefix("tv_"))(num_classes=5)
     else:
         import timm
 
         size = TIMM_MODELS[name]
         build = lambda: timm.create_model(name, pretrained=False, num_classes=5)
-        make_inputs = lambda: (torch.randn(2, 3, size, size), torch.tensor([0, 3]))
-        loss_of = _timm_loss
+    return build, lambda: (torch.randn(2, 3, size, size), torch.tensor([0, 3])), _timm_loss
+
+
+def _step(model, loss_of, inputs, autocast: bool, device: torch.device | str) -> torch.Tensor:
+    """One forward and backward (``torch.manual_seed(2)`` first: dropout, layer drop and masking draw alike)."""
+    torch.manual_seed(2)
+    with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=autocast):
+        loss = loss_of(model, inputs)
+    loss.backward()
+    return loss
+
+
+def _grads(model) -> list[torch.Tensor | None]:
+    return [p.grad for p in model.parameters()]
+
+
+def _whole_error(got: list[torch.Tensor | None], exact: list[torch.Tensor | None]) -> float:
+    pairs = [(a, b) for a, b in zip(got, exact) if a is not None and b is not None]
+    return relative_error([a for a, _ in pairs], [b for _, b in pairs])
+
+
+def measure(name: str, bits: float, device: torch.device | str = "cpu", autocast: bool = False) -> dict:
+    """One model: loss and buffer equality, whole-gradient relative error, worst cosine, the tests' verdict; with
+    ``autocast``, under bf16 autocast, and the two errors against an unpatched fp32 step (module docstring). On a
+    GPU the unpatched and patched steps may differ by the kernels' own nondeterminism too (atomics in backward)."""
+    build, make_inputs, loss_of = _build(name)
     torch.manual_seed(0)
     ref = build().to(device).train()
+    fp32 = copy.deepcopy(ref) if autocast else None
     model = copy.deepcopy(ref)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -164,61 +216,68 @@ def measure(name: str, bits: float, device: torch.device | str = "cpu") -> dict:
     family = not any("has no family" in str(w.message) for w in caught)
     torch.manual_seed(1)
     inputs = _to(make_inputs(), device)
-    losses = []
     act_hf.manual_seed(0)  # act_hf's rounding draws: the same figures on every run
-    for m in (ref, model):
-        torch.manual_seed(2)  # dropout, layer drop, masking draw the same in both
-        loss = loss_of(m, inputs)
-        loss.backward()
-        losses.append(loss)
-    pairs = [(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters())
-             if a.grad is not None and b.grad is not None]
-    error = relative_error([b for _, b in pairs], [a for a, _ in pairs])
+    losses = [_step(m, loss_of, inputs, autocast, device) for m in (ref, model)]
+    buffers = [(a, b) for a, b in zip(ref.buffers(), model.buffers()) if a.is_floating_point()]
+    error = _whole_error(_grads(model), _grads(ref))
+    floor = {}
+    if fp32 is not None:
+        _step(fp32, loss_of, inputs, False, device)
+        floor = {"unpatched_bf16_vs_fp32": _whole_error(_grads(ref), _grads(fp32)),
+                 "patched_bf16_vs_fp32": _whole_error(_grads(model), _grads(fp32))}
     try:
         worst = assert_grads_match(ref, model, name=name)
         verdict = "pass"
     except AssertionError as e:
         worst, verdict = float("nan"), f"outside: {e}"
     return {"model": name, "family": family, "adaptive": getattr(model, "act_hf_allocator", None) is not None,
-            "loss_equal": bool(torch.equal(*losses)), "relative_error": error,
-            "worst_cosine": worst, "verdict": verdict}
+            "loss_equal": bool(torch.equal(*losses)), "buffers_equal": all(torch.equal(a, b) for a, b in buffers),
+            "relative_error": error, "worst_cosine": worst, "verdict": verdict, **floor}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = [*_hf_cases(), *TIMM_MODELS]
+    names = [*_hf_cases(), *TIMM_MODELS, *TORCHVISION_MODELS]
     p.add_argument("--models", nargs="+", default=names, choices=names, metavar="MODEL",
                    help=f"models to check (default: all): {', '.join(names)}")
     p.add_argument("--bits", type=lambda b: int(b) if float(b).is_integer() else float(b), default=8,
                    help="a whole number is a fixed width; a fraction is an adaptive budget (default 8)")
     p.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="cpu (default) or cuda")
+    p.add_argument("--autocast", action="store_true",
+                   help="both steps under bf16 autocast, with bf16's own error beside act_hf's (module docstring)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default="model_sweep", help="file name of the results, without extension")
     args = p.parse_args(argv)
     rows = []
     for name in args.models:
         try:
-            rows.append(measure(name, args.bits, args.device))
+            rows.append(measure(name, args.bits, args.device, args.autocast))
         except Exception as e:  # noqa: BLE001 -- a model that cannot be built or run is a result too
             traceback.print_exc(limit=2)
             rows.append({"model": name, "verdict": f"error: {type(e).__name__}: {str(e)[:200]}"})
         r = rows[-1]
         print(f"{name}: {r['verdict'][:160]}" + (f" (relative error {r['relative_error']:.4f})"
                                                   if "relative_error" in r else ""), flush=True)
-    meta = _meta(args.device) | {"threads": torch.get_num_threads(), "bits": args.bits}
+    meta = _meta(args.device) | {"threads": torch.get_num_threads(), "bits": args.bits, "autocast": args.autocast}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    precision = "both under bf16 autocast" if args.autocast else "fp32"
     lines = [(f"{meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, timm {meta['timm']}; "
-              f"act_hf.patch(bits={args.bits:g}) against the unpatched model, one step, tiny random-init configs"), "",
-             "| model | act_hf family | loss bit-equal | gradient relative error | worst cosine | tests' criterion |",
-             "|---|---|---|---|---|---|"]
+              f"act_hf.patch(bits={args.bits:g}) against the unpatched model, one step, tiny random-init configs, "
+              f"{precision}"), "",
+             "| model | act_hf family | loss bit-equal | buffers bit-equal | gradient relative error | worst cosine | "
+             "tests' criterion |" + (" unpatched bf16 vs fp32 | act_hf bf16 vs fp32 |" if args.autocast else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if args.autocast else "")]
     for r in rows:
         if "relative_error" not in r:
-            lines.append(f"| {r['model']} | | | | | {r['verdict']} |")
+            lines.append(f"| {r['model']} | | | | | | {r['verdict']} |" + (" | |" if args.autocast else ""))
             continue
         verdict = r["verdict"].replace("|", "/").replace("\n", " ")
-        lines.append(f"| {r['model']} | {'yes' if r['family'] else 'no (fallback)'} | {r['loss_equal']} | "
-                     f"{r['relative_error']:.4f} | {r['worst_cosine']:.5f} | {verdict} |")
+        line = (f"| {r['model']} | {'yes' if r['family'] else 'no (fallback)'} | {r['loss_equal']} | "
+                f"{r['buffers_equal']} | {r['relative_error']:.4f} | {r['worst_cosine']:.5f} | {verdict} |")
+        if args.autocast:
+            line += f" {r['unpatched_bf16_vs_fp32']:.4f} | {r['patched_bf16_vs_fp32']:.4f} |"
+        lines.append(line)
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, args.bits, args.out / f"{args.name}.png")

@@ -580,6 +580,7 @@ def test_model_sweep_checks_a_text_and_an_image_model(tmp_path):
     rows = model_sweep.main(["--models", "electra", "regnety_002", "--out", str(tmp_path), "--name", "sweep"])
     assert [r["model"] for r in rows] == ["electra", "regnety_002"]
     assert all(r["loss_equal"] and r["verdict"] == "pass" and r["relative_error"] < 0.05 for r in rows), rows
+    assert all(r["buffers_equal"] for r in rows), rows  # RegNet's BatchNorm statistics, bit for bit
     assert [r["family"] for r in rows] == [True, False]  # ELECTRA: the BERT family; RegNet: the fallback
     assert not any(r["adaptive"] for r in rows)  # --bits 8 is a fixed width, not an adaptive budget of 8
     saved = json.loads((tmp_path / "sweep.json").read_text())
@@ -588,6 +589,16 @@ def test_model_sweep_checks_a_text_and_an_image_model(tmp_path):
     assert (tmp_path / "sweep.png").stat().st_size > 0 and saved["meta"]["timm"] and saved["meta"]["commit"]
     with pytest.raises(SystemExit):
         model_sweep.main(["--models", "no-such-model"])
+
+
+def test_model_sweep_under_autocast_sets_bf16s_own_error_beside_act_hfs(tmp_path):
+    """Under bf16 autocast both steps run in bf16, and the errors of both against an fp32 step are of one size:
+    what the unpatched bf16 step itself differs by (torchvision's ResNet: its blocks write BatchNorm in place)."""
+    (row,) = model_sweep.main(["--models", "tv_resnet18", "--autocast", "--out", str(tmp_path), "--name", "bf16"])
+    assert row["loss_equal"] and row["buffers_equal"] and row["verdict"] == "pass", row
+    floor, ours = row["unpatched_bf16_vs_fp32"], row["patched_bf16_vs_fp32"]
+    assert 0 < floor and 0.5 * floor < ours < 2 * floor, row
+    assert "| act_hf bf16 vs fp32 |" in (tmp_path / "bf16.md").read_text()
 
 
 memory_at_peak = _load("memory_at_peak")
