@@ -14,7 +14,7 @@ With ``--autocast`` both steps run under bf16 autocast, and two more errors say 
 bf16's own: the unpatched bf16 step's whole-gradient error against an unpatched fp32 step, and the patched bf16
 step's against the same fp32 step (the tests' criterion, made for fp32, flags bf16's noise on some stems).
 
-    python benchmarks/benchmark_model_sweep.py                    # every model, 8 bits (about 15 min on 2 cores)
+    python benchmarks/benchmark_model_sweep.py                    # every model, 8 bits (about 10 min on 2 cores)
     python benchmarks/benchmark_model_sweep.py --models bart cspdarknet53 --bits 4
     python benchmarks/benchmark_model_sweep.py --autocast --name model_sweep_bf16
 
