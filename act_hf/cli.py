@@ -73,11 +73,13 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser(
         "estimate", help="project training memory and the largest batch under a memory cap, with and without act_hf",
-        description="Build MODEL with random weights (a folder with config.json, a timm model name, or a hub id), "
+        description="Build MODEL with random weights (a folder with config.json, a timm model name, "
+        "torchvision:NAME for a torchvision classification model, or a hub id), "
         "measure saved activations unpatched and patched at --bits, and project peak training memory (params + "
         "grads + optimizer states + saved activations + transients). The projection is a model of memory "
         "calibrated against measured saved bytes, not a measured peak.")
-    p.add_argument("model", help="HF model folder (with config.json), timm model name, or HF hub id (config only)")
+    p.add_argument("model", help="HF model folder (with config.json), timm model name, torchvision:NAME (e.g. "
+                                 "torchvision:resnet50), or HF hub id (config only)")
     p.add_argument("--batch", type=int, required=True, help="batch size to project for")
     p.add_argument("--seq", type=int, default=128, help="sequence length for text models (default 128)")
     p.add_argument("--bits", type=_bits_arg, default=3, metavar="{1..8 | budget}",

@@ -502,16 +502,41 @@ def _build_timm(name: str, img_size: int | None) -> _Built:
     return _Built(model, name, "timm", "image", img_size=img_size or default[-1], channels=default[0])
 
 
+#: The prefix of a torchvision model name for :func:`build_model` (``torchvision:resnet50``): no hub id or timm name
+#: holds a colon.
+TORCHVISION_PREFIX = "torchvision:"
+
+
+def _build_torchvision(name: str, img_size: int | None) -> _Built:
+    """``torchvision.models.get_model(name, weights=None)``, fed images of its weights' crop size (299 for
+    Inception v3; 224 for most, and for a model without published weights)."""
+    import torchvision
+
+    models = torchvision.models
+    if name not in models.list_models(module=models):
+        known = ", ".join(sorted(models.list_models(module=models))[:12])
+        raise ActHFValueError(f"model: torchvision has no classification model {name!r} (torchvision "
+                              f"{torchvision.__version__}: {known}, ...; see torchvision.models.list_models())")
+    model = models.get_model(name, weights=None)
+    try:
+        crop = int(models.get_model_weights(name).DEFAULT.transforms().crop_size[0])
+    except (ValueError, AttributeError, IndexError):
+        crop = 224
+    return _Built(model, TORCHVISION_PREFIX + name, "module", "image", img_size=img_size or crop, channels=3)
+
+
 def build_model(model_or_name: nn.Module | str | os.PathLike, *, task: str | None = None,
                 img_size: int | None = None, local_files_only: bool = False) -> _Built:
-    """Build a model with random weights from a local HF folder, a timm model name, or a hub id.
+    """Build a model with random weights from a local HF folder, a timm model name, a torchvision classification
+    model (``torchvision:NAME``), or a hub id.
 
-    Order: an ``nn.Module`` is used as is; a folder must hold a ``config.json``; a name ``timm.is_model``
-    knows is built with ``timm.create_model(name, pretrained=False)``; anything else goes to
-    ``AutoConfig.from_pretrained`` (the hub; fails offline with a clear error).
+    Order: an ``nn.Module`` is used as is; a folder must hold a ``config.json``; ``torchvision:NAME`` is
+    ``torchvision.models.get_model(NAME, weights=None)``; a name ``timm.is_model`` knows is built with
+    ``timm.create_model(name, pretrained=False)``; anything else goes to ``AutoConfig.from_pretrained`` (the hub;
+    fails offline with a clear error).
 
     Args:
-        model_or_name: the model, folder, timm name or hub id.
+        model_or_name: the model, folder, timm name, ``torchvision:NAME`` or hub id.
         task: a :data:`TASKS` key to override detection (HF models only).
         img_size: image side for vision models (default: the model's own, 224 for most).
         local_files_only: do not contact the hub.
@@ -549,6 +574,10 @@ def build_model(model_or_name: nn.Module | str | os.PathLike, *, task: str | Non
     if os.path.exists(name):
         raise ActHFValueError(f"model: {name!r} is a file; give a Hugging Face model folder (with config.json), "
                               "a timm model name or a hub id")
+    if name.startswith(TORCHVISION_PREFIX):
+        if task is not None and task != "image-classification":
+            raise ActHFValueError(f"task: {name!r} is a torchvision image model; --task {task} does not apply")
+        return _build_torchvision(name.removeprefix(TORCHVISION_PREFIX), img_size)
     import timm
 
     if timm.is_model(name):
@@ -560,9 +589,9 @@ def build_model(model_or_name: nn.Module | str | os.PathLike, *, task: str | Non
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ActHFValueError(
-            f"model: unknown model {name!r}: not a local folder with a config.json, not a timm model name, and its "
-            f"config could not be loaded from the Hugging Face hub ({type(e).__name__}: {first}). Offline? Pass a "
-            "folder holding the model's config.json."
+            f"model: unknown model {name!r}: not a local folder with a config.json, not a timm model name (nor "
+            f"{TORCHVISION_PREFIX}NAME), and its config could not be loaded from the Hugging Face hub "
+            f"({type(e).__name__}: {first}). Offline? Pass a folder holding the model's config.json."
         ) from e
     return _build_hf(config, name, task, img_size)
 
@@ -771,8 +800,8 @@ def estimate(model_or_name: nn.Module | str | os.PathLike, *, batch: int, seq: i
     memory calibrated against measured saved bytes, not a measured peak.
 
     Args:
-        model_or_name: an ``nn.Module``, a folder with a ``config.json``, a timm model name, or a hub id
-            (config only; random weights).
+        model_or_name: an ``nn.Module``, a folder with a ``config.json``, a timm model name,
+            ``torchvision:NAME``, or a hub id (config only; random weights).
         batch: the batch size to project for.
         seq: sequence length (text models; ignored for images).
         bits: act_hf bits: an int 1..8, or a float average budget in [1, 8] (e.g. 2.5): the adaptive allocator

@@ -11,11 +11,12 @@ import torch
 import act_hf
 from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.cli import main
-from act_hf.estimate import Estimate, checkpointed_layers, estimate, parse_size, saved_with_checkpointing
+from act_hf.estimate import Estimate, build_model, checkpointed_layers, estimate, parse_size, saved_with_checkpointing
 from act_hf.ops.loss import CHUNK_BYTES
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
+torchvision = pytest.importorskip("torchvision")
 
 BERT = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
         "intermediate_size": 128, "max_position_embeddings": 64}
@@ -178,6 +179,31 @@ def test_api_timm_name_matches_direct_measurement():
     assert est.saved_act_hf == pytest.approx(_saved(act_hf.patch(copy.deepcopy(model), bits=3), forward, 12), rel=0.05)
 
 
+def test_api_torchvision_name_matches_direct_measurement():
+    est = estimate("torchvision:resnet18", batch=12, bits=3, img_size=64, gpu_mem="512MiB", device="cpu",
+                   max_calib_batch=16)
+    assert est.model == "torchvision:resnet18" and est.task == "module" and est.img_size == 64
+    _check_fields(est)
+
+    model = torchvision.models.resnet18()
+    x = torch.randn(12, 3, 64, 64)
+
+    def forward(m, b):
+        return torch.nn.functional.cross_entropy(m(x).float(), torch.zeros(b, dtype=torch.long))
+
+    assert est.saved_baseline == pytest.approx(_saved(model, forward, 12), rel=0.05)
+    assert est.saved_act_hf == pytest.approx(_saved(act_hf.patch(copy.deepcopy(model), bits=3), forward, 12), rel=0.05)
+
+
+def test_torchvision_models_take_their_weights_crop_size_and_unknown_names_say_where_to_look():
+    assert build_model("torchvision:inception_v3").img_size == 299  # its weights' crop, not 224
+    assert build_model("torchvision:inception_v3", img_size=320).img_size == 320
+    with pytest.raises(ValueError, match=r"torchvision has no classification model 'resnet5'.*list_models"):
+        build_model("torchvision:resnet5")
+    with pytest.raises(ValueError, match="task"):
+        build_model("torchvision:resnet18", task="causal-lm")
+
+
 @pytest.mark.parametrize("checkpoint_bits", [None, 8])
 def test_checkpointing_projects_am2_against_the_uncheckpointed_baseline(bert_dir, bert_est, checkpoint_bits):
     """With checkpointing the act_hf column is AM2 (forward + one recomputed layer's context) of the patched,
@@ -292,6 +318,7 @@ def test_cli_unknown_model(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "unknown model 'no-such-org/no-such-model-xyz'" in err and "timm" in err and "config.json" in err
+    assert "torchvision:NAME" in err
 
 
 def test_api_errors(tmp_path, bert_dir):
