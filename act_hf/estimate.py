@@ -573,7 +573,7 @@ def build_model(model_or_name: nn.Module | str | os.PathLike, *, task: str | Non
         return _build_hf(AutoConfig.from_pretrained(name), name, task, img_size)
     if os.path.exists(name):
         raise ActHFValueError(f"model: {name!r} is a file; give a Hugging Face model folder (with config.json), "
-                              "a timm model name or a hub id")
+                              f"a timm model name, {TORCHVISION_PREFIX}NAME or a hub id")
     if name.startswith(TORCHVISION_PREFIX):
         if task is not None and task != "image-classification":
             raise ActHFValueError(f"task: {name!r} is a torchvision image model; --task {task} does not apply")
