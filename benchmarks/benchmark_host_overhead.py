@@ -29,6 +29,10 @@ which hidden states are channel scaled, as in every real model.
                                                                          # a timm model instead (96 px images)
     python benchmarks/benchmark_host_overhead.py --stub-codec --timm swin_tiny_patch4_window7_224 --image-size 224 \
         --batch 8 --steps 1 --attention-chunk-elements 524288     # swin-tiny's attention chunks of batch 256
+    python benchmarks/benchmark_host_overhead.py --stub-codec --settings unpatched bits3 bits3:linear \
+        bits3:attention bits3:norm bits3:dropout bits3:activation      # what each kind of module adds alone
+
+A setting ``bitsN:KIND[+KIND...]`` patches only those kinds (``ActConfig.kinds``, of ``act_hf.config.ACT_KINDS``).
 
 Writes ``host_overhead.json`` and ``host_overhead.md`` under ``--out``.
 """
@@ -47,6 +51,7 @@ import torch
 
 import act_hf
 from act_hf.compress import reference
+from act_hf.config import ACT_KINDS
 from act_hf.ops import attention
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -105,6 +110,26 @@ STUBS = {"quantize_pack_chunked": _stub_quantize_pack, "quantize_pack_normalized
          "pack_bits_chunked": _stub_pack_bits, "unpack_bits_chunked": _stub_unpack_bits,
          "fewbit_encode_pack_chunked": _stub_fewbit_encode_pack, "fewbit_grad_chunked": _stub_fewbit_grad,
          "channel_shifts": _stub_channel_shifts}
+
+
+def parse_setting(name: str) -> tuple[int, tuple[str, ...] | None]:
+    """``bitsN`` -> ``(N, None)``; ``bitsN:KIND+KIND`` -> ``(N, (KIND, KIND))``, those kinds alone patched.
+
+    Raises:
+        ValueError: ``name`` is neither, N is outside 1..8, or a kind is not one of ``act_hf.config.ACT_KINDS``.
+    """
+    width, _, kinds = name.partition(":")
+    digits = width.removeprefix("bits")
+    if not width.startswith("bits") or not digits.isdigit() or not 1 <= int(digits) <= 8 or (_ and not kinds):
+        raise ValueError(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8), "
+                         f"bitsN:KIND[+KIND...] (KIND one of {', '.join(ACT_KINDS)})")
+    if not kinds:
+        return int(digits), None
+    unknown = [k for k in kinds.split("+") if k not in ACT_KINDS]
+    if unknown:
+        raise ValueError(f"--settings: {name!r} names unknown kinds {unknown}; allowed: "
+                         f"{', '.join(ACT_KINDS)}")
+    return int(digits), tuple(kinds.split("+"))
 
 
 def act_functions() -> list[type]:
@@ -271,7 +296,8 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
     if setting != "unpatched":
         with warnings.catch_warnings():  # the fallback models': "act_hf has no family for ..."
             warnings.simplefilter("ignore", act_hf.ActHFWarning)
-            act_hf.patch(model, bits=int(setting.removeprefix("bits")))
+            bits, kinds = parse_setting(setting)
+            act_hf.patch(model, bits=bits, **({} if kinds is None else {"kinds": kinds}))
 
     def step() -> None:
         with torch.autocast(device, torch.bfloat16, enabled=autocast):
@@ -309,7 +335,7 @@ def measure(setting: str, layers: int, steps: int, batch: int, seq: int, repeats
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", nargs="+", default=["unpatched", "bits3"],
-                        help="unpatched and/or bitsN (N 1..8)")
+                        help="unpatched and/or bitsN (N 1..8), or bitsN:KIND[+KIND...] to patch those kinds alone")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
@@ -335,8 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     for name in args.settings:
-        if name != "unpatched" and not (name.startswith("bits") and name[4:].isdigit() and 1 <= int(name[4:]) <= 8):
-            parser.error(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8)")
+        if name != "unpatched":
+            try:
+                parse_setting(name)
+            except ValueError as e:
+                parser.error(str(e))
     if min(args.layers, args.steps, args.batch, args.seq, args.image_size) < 1 or args.hidden < 2 or args.hidden % 2:
         parser.error("--layers, --steps, --batch, --seq and --image-size must be >= 1, --hidden even and >= 2")
     if args.timm and args.hf_fallback:

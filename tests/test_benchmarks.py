@@ -313,6 +313,21 @@ def test_profile_step_sorts_kernels_into_families():
     assert family("aten::mm") == "aten::mm"
 
 
+def test_host_overhead_patches_one_kind_alone_when_a_setting_names_it(tmp_path):
+    host_overhead = _load("benchmark_host_overhead")
+    assert host_overhead.parse_setting("bits3") == (3, None)
+    assert host_overhead.parse_setting("bits2:linear+dropout") == (2, ("linear", "dropout"))
+    for bad in ("bits9", "bits3:", "bits3:linears", "int3"):
+        with pytest.raises(ValueError, match="--settings"):
+            host_overhead.parse_setting(bad)
+    assert host_overhead.main(["--stub-codec", "--layers", "1", "--steps", "1", "--settings", "bits3:linear",
+                               "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
+    assert row["setting"] == "bits3:linear" and {o["op"].split(".")[0] for o in row["by_op"]} == {"ActLinearFunction"}
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--settings", "bits3:convs", "--out", str(tmp_path)])
+
+
 def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     from act_hf.compress import reference
 
