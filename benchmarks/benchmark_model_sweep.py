@@ -116,8 +116,8 @@ def _hf_cases() -> dict[str, tuple[Callable, Callable]]:
 
 
 #: timm models by name, with the image size they need (the rest take 64 x 64): the first rows have no family or
-#: one the tests do not cover; from ``resnet18`` on, nets whose blocks hand each BatchNorm its conv's output
-#: (``act_hf.nn.norm.norm_of_owned``) or that end a block with one, one of each kind of block.
+#: one the tests do not cover; from ``resnet18`` on, BatchNorm nets of many kinds of block, many of them blocks that
+#: hand each BatchNorm its conv's output to write into (``act_hf.nn.norm.norm_of_owned``).
 TIMM_MODELS = {
     "maxvit_nano_rw_256": 256, "coatnet_nano_rw_224": 224, "efficientnet_b0": 64, "resnext26ts": 64,
     "regnety_002": 64, "resnetv2_50x1_bit": 64, "swinv2_cr_tiny_ns_224": 224, "poolformer_s12": 64, "mobilevitv2_050": 64,
