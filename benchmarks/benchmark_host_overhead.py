@@ -118,9 +118,9 @@ def parse_setting(name: str) -> tuple[int, tuple[str, ...] | None]:
     Raises:
         ValueError: ``name`` is neither, N is outside 1..8, or a kind is not one of ``act_hf.config.ACT_KINDS``.
     """
-    width, _, kinds = name.partition(":")
+    width, colon, kinds = name.partition(":")
     digits = width.removeprefix("bits")
-    if not width.startswith("bits") or not digits.isdigit() or not 1 <= int(digits) <= 8 or (_ and not kinds):
+    if not width.startswith("bits") or not digits.isdigit() or not 1 <= int(digits) <= 8 or (colon and not kinds):
         raise ValueError(f"--settings: unknown setting {name!r}; allowed: unpatched, bitsN (N 1..8), "
                          f"bitsN:KIND[+KIND...] (KIND one of {', '.join(ACT_KINDS)})")
     if not kinds:
