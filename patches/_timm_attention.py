@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from act_hf.nn._base import ActModule
-from act_hf.nn.norm import trains_with_grad
+from act_hf.nn._base import ActModule, trains_with_grad
 from act_hf.ops.attention import act_eager_attention, act_sdpa
 from act_hf.ops.cosine_attention import act_cosine_attention, swin_v2_scale_and_bias
 from act_hf.ops.linear import act_linear

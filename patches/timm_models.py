@@ -28,9 +28,9 @@ from torch import Tensor, nn
 
 from act_hf.context import store
 from act_hf.derived import note_scaled
-from act_hf.nn._base import ActModule
+from act_hf.nn._base import ActModule, trains_with_grad
 from act_hf.nn.activation import _calls_only_forward, activation_of_owned, output_is_owned
-from act_hf.nn.norm import norm_of_owned, sequential_owning, trains_with_grad
+from act_hf.nn.norm import norm_of_owned, sequential_owning
 from act_hf.ops.linear import act_channel_scale, act_scale
 from act_hf.ops.linear_attention import act_linear_attention
 from act_hf.ops.product import act_product

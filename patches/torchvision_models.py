@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from act_hf.nn._base import ActModule
-from act_hf.nn.norm import norm_of_owned, sequential_owning, trains_with_grad
+from act_hf.nn._base import ActModule, trains_with_grad
+from act_hf.nn.norm import norm_of_owned, sequential_owning
 from act_hf.patcher import Rule, code_fingerprint
 
 __all__ = ["torchvision_rules"]

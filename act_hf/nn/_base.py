@@ -13,9 +13,17 @@ from torch import nn
 from ..context import store
 from ..ops._saving import OpSettings
 
-__all__ = ["ActModule", "act_class_for", "convert", "register_act_class", "revert"]
+__all__ = ["ActModule", "act_class_for", "convert", "register_act_class", "revert", "trains_with_grad"]
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
+
+
+def trains_with_grad(module: nn.Module) -> bool:
+    """Whether ``module`` runs a training forward that autograd records, the first condition of
+    :meth:`ActModule.act_enabled`: where a converted block runs act_hf's forward (hands its BatchNorms their conv
+    outputs, :func:`act_hf.nn.norm.norm_of_owned`; timm's attention modules their compressed attention); elsewhere
+    it runs its original one."""
+    return module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
 class ActModule:
@@ -92,7 +100,7 @@ class ActModule:
 
     def act_enabled(self, *inputs: torch.Tensor | None) -> bool:
         """Compress only when training with autograd recording something this module must save for."""
-        if not self.training or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        if not trains_with_grad(self):
             return False
         if any(t is not None and t.requires_grad for t in inputs):
             return True

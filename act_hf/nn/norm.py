@@ -75,7 +75,6 @@ __all__ = [
     "matching_rms_style",
     "norm_of_owned",
     "sequential_owning",
-    "trains_with_grad",
 ]
 
 
@@ -277,13 +276,6 @@ def norm_of_owned(norm: nn.Module, x: Tensor, producer: nn.Module) -> Tensor:
             and may_write_through(norm):
         return norm(x, act_input_owned=True)
     return norm(x)
-
-
-def trains_with_grad(module: nn.Module) -> bool:
-    """Whether ``module`` runs a training forward that autograd records: where a converted block runs act_hf's
-    forward (hands its BatchNorms their conv outputs, :func:`norm_of_owned`; timm's attention modules their
-    compressed attention); elsewhere it runs its original one."""
-    return module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
 def sequential_owning(seq: nn.Module, x: Tensor) -> Tensor:
