@@ -52,7 +52,7 @@ part "the kernel tests"
 timeout "$(cap 60)" "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py -p no:cacheprovider -rfEs \
   tests/ops/test_attention.py::test_written_out_attention_backward_gives_autograds_gradients \
   tests/ops/test_attention.py::test_written_out_attention_backward_runs_half_gemms_in_half \
-  tests/ops/test_norm.py::test_batch_norm_writes_into_an_input_its_caller_owns tests/patches/test_resnet_block.py \
+  tests/ops/test_norm.py::test_batch_norm_writes_into_an_input_its_caller_owns tests/patches/test_owned_batch_norm.py \
   >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
 
