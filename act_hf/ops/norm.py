@@ -547,11 +547,17 @@ def writes_in_place(x: Tensor, weight: Tensor | None, bias: Tensor | None, runni
         == torch._C._BatchNormBackend.Native
 
 
-def _bn_statistics(x: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _bn_statistics(x: Tensor, eps: float, dtype: torch.dtype, running_mean: Tensor | None = None,
+                   running_var: Tensor | None = None, momentum: float = 0.0) -> tuple[Tensor, Tensor]:
     """The per-channel ``(mean, invstd)`` of training-mode BatchNorm over ``x``, in ``dtype`` (the accumulation
-    dtype), from aten's own statistics kernels, without the output: one read of ``x``."""
+    dtype), from aten's own statistics kernels, without the output: one read of ``x``. On CUDA they are
+    ``native_batch_norm``'s, bit for bit, and the running statistics are updated as it updates them
+    (``batch_norm_update_stats`` runs its statistics kernel and its update; ``invstd`` is its ``rsqrt(var + eps)``),
+    so that :func:`_bn_forward_into` writes the output from them without reading ``x`` twice more. On the CPU the
+    running statistics are left alone: :func:`_bn_forward_into` takes its own statistics and updates them."""
     if x.is_cuda:
-        return torch.batch_norm_stats(x, eps)
+        mean, var = torch.ops.aten.batch_norm_update_stats(x, running_mean, running_var, momentum)
+        return mean, torch.rsqrt(var + eps)
     c = x.shape[1]
     scratch = torch.zeros(c, dtype=dtype, device=x.device), torch.ones(c, dtype=dtype, device=x.device)
     mean, var = torch.ops.aten.batch_norm_update_stats(x, *scratch, 0.0)  # the scratch buffers set the dtype
@@ -559,10 +565,15 @@ def _bn_statistics(x: Tensor, eps: float, dtype: torch.dtype) -> tuple[Tensor, T
 
 
 def _bn_forward_into(x: Tensor, weight: Tensor, bias, running_mean, running_var, momentum: float,
-                     eps: float) -> Tensor:
+                     eps: float, statistics: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Training-mode BatchNorm written into ``x`` (running stats updated in place) by aten's native kernels, the
     ones :func:`writes_in_place` confirmed ``torch.batch_norm`` runs: the same statistics and the same bits, the
-    output's per-element formula reading each element before it writes it. Returns ``save_invstd``."""
+    output's per-element formula reading each element before it writes it. Returns ``save_invstd``. With
+    ``statistics`` (CUDA only: :func:`_bn_statistics`'s, which updated the running statistics) only the output is
+    written, by the elementwise kernel ``native_batch_norm`` ends with (``batch_norm_elemt``)."""
+    if statistics is not None:
+        torch.batch_norm_elemt(x, weight, bias, *statistics, eps, out=x)
+        return statistics[1]
     out = weight.new_empty(0), weight.new_empty(0)
     torch.ops.aten.native_batch_norm.out(x, weight, bias, running_mean, running_var, True, momentum, eps,
                                          out=x, save_mean=out[0], save_invstd=out[1])
@@ -610,29 +621,48 @@ def _bn_backward_by_items(grad_out: Tensor, packed: PackedTensor, weight: Tensor
                           ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """:func:`_bn_backward_from_x_hat` with the normalized input decoded a slice of the batch (``chunks``) at a
     time (:func:`~act_hf.compress.dequantize_items`): first the per-channel sums of ``grad_out`` and of
-    ``grad_out * x_hat`` (the bias and weight gradients), in fp32, then each slice's input gradient
-    ``weight * invstd * (grad_out - mean(grad_out) - x_hat * mean(grad_out * x_hat))``, computed in fp32 (fp64
-    for fp64) as aten computes it and laid into one tensor of ``grad_out``'s dtype and layout."""
+    ``grad_out * x_hat`` (the bias and weight gradients), in fp32 (fp64 for fp64), then each slice's input gradient
+    ``weight * invstd * (grad_out - mean(grad_out) - x_hat * mean(grad_out * x_hat))``, laid into one tensor of
+    ``grad_out``'s dtype and layout. On CUDA each slice is decoded in the gradient's dtype and runs aten's two
+    kernels that ``native_batch_norm_backward`` splits into for SyncBatchNorm (``batch_norm_backward_reduce`` for
+    the sums, ``batch_norm_backward_elemt`` for the input gradient; both accumulate in fp32 inside); elsewhere
+    (aten has them for CUDA alone) the slice is decoded in fp32 and the formula runs as fp32 ops."""
     c, n = grad_out.shape[1], grad_out.numel() // max(grad_out.shape[1], 1)
     acc = torch.promote_types(grad_out.dtype, torch.float32)
-    dims = [0, *range(2, grad_out.dim())]
-    channel = (1, c) + (1,) * (grad_out.dim() - 2)
+    scale = invstd.to(acc) if weight is None else invstd.to(acc) * weight.to(acc)
     sum_dy = torch.zeros(c, dtype=acc, device=grad_out.device)
     sum_dy_xhat = torch.zeros_like(sum_dy)
-    for start, stop in chunks:
-        g = grad_out[start:stop]
-        sum_dy += g.sum(dims, dtype=acc)
-        sum_dy_xhat += dequantize_items(packed, start, stop, acc).mul_(g).sum(dims)
-    grad_x = None
-    if mask[0]:
-        scale = invstd.to(acc) if weight is None else invstd.to(acc) * weight.to(acc)
-        mean_dy, mean_dy_xhat = (sum_dy / n).view(channel), (sum_dy_xhat / n).view(channel)
-        grad_x = torch.empty_like(grad_out)
+    grad_x = torch.empty_like(grad_out) if mask[0] else None
+    if grad_out.is_cuda:
+        zeros, ones = zeros_and_ones((c,), scale)  # x_hat's statistics: mean 0, invstd 1
         for start, stop in chunks:
-            part = dequantize_items(packed, start, stop, acc).mul_(mean_dy_xhat).neg_()
-            part.add_(grad_out[start:stop]).sub_(mean_dy).mul_(scale.view(channel))
-            grad_x[start:stop] = part
-            del part
+            x_hat = dequantize_items(packed, start, stop, grad_out.dtype)
+            dy, dy_xhat, _, _ = torch.batch_norm_backward_reduce(grad_out[start:stop], x_hat, zeros, ones, scale,
+                                                                 True, False, False)
+            sum_dy += dy
+            sum_dy_xhat += dy_xhat
+            del x_hat  # one slice decoded at a time
+        if grad_x is not None:
+            count = torch.full((1,), n, dtype=torch.int32, device=grad_out.device)
+            for start, stop in chunks:
+                x_hat = dequantize_items(packed, start, stop, grad_out.dtype)
+                grad_x[start:stop] = torch.batch_norm_backward_elemt(grad_out[start:stop], x_hat, zeros, ones,
+                                                                     scale, sum_dy, sum_dy_xhat, count)
+                del x_hat
+    else:
+        dims = [0, *range(2, grad_out.dim())]
+        channel = (1, c) + (1,) * (grad_out.dim() - 2)
+        for start, stop in chunks:
+            g = grad_out[start:stop]
+            sum_dy += g.sum(dims, dtype=acc)
+            sum_dy_xhat += dequantize_items(packed, start, stop, acc).mul_(g).sum(dims)
+        if grad_x is not None:
+            mean_dy, mean_dy_xhat = (sum_dy / n).view(channel), (sum_dy_xhat / n).view(channel)
+            for start, stop in chunks:
+                part = dequantize_items(packed, start, stop, acc).mul_(mean_dy_xhat).neg_()
+                part.add_(grad_out[start:stop]).sub_(mean_dy).mul_(scale.view(channel))
+                grad_x[start:stop] = part
+                del part
     with_params = weight is not None
     return (grad_x, sum_dy_xhat if mask[1] and with_params else None, sum_dy if mask[2] and with_params else None)
 
@@ -660,7 +690,8 @@ class ActBatchNormFunction(torch.autograd.Function):
     (:func:`act_hf.derived.note_affine`), so a ReLU and a conv after it can read the packed ``x_norm``.
     With ``in_place`` (a caller that owns ``x``: nothing reads it after this call; :func:`writes_in_place`
     holds) the statistics are taken first, ``x_norm`` packed from ``x``, and the output written into ``x``
-    (:func:`_bn_forward_into`), which is returned: a conv's output and BatchNorm's are never alive together.
+    (:func:`_bn_forward_into`; on CUDA from those statistics, so that ``x`` is read for them once, as the
+    unpatched module reads it), which is returned: a conv's output and BatchNorm's are never alive together.
     """
 
     @staticmethod
@@ -670,8 +701,8 @@ class ActBatchNormFunction(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not in_place:
             y, mean, invstd = _bn_forward(x, weight, bias, running_mean, running_var, momentum, eps)
-        elif need_x or need_w:  # statistics to pack with, read first; the output's are aten's own
-            mean, invstd = _bn_statistics(x, eps, weight.dtype)
+        elif need_x or need_w:  # statistics to pack with, read first (on CUDA also the output's)
+            mean, invstd = _bn_statistics(x, eps, weight.dtype, running_mean, running_var, momentum)
         ctx.shape = x.shape
         if need_x or need_w:
             normalized = _normalizer(mean, invstd)
@@ -686,7 +717,8 @@ class ActBatchNormFunction(torch.autograd.Function):
         else:
             packed = None
         if in_place:
-            invstd = _bn_forward_into(x, weight, bias, running_mean, running_var, momentum, eps)
+            statistics = (mean, invstd) if x.is_cuda and (need_x or need_w) else None
+            invstd = _bn_forward_into(x, weight, bias, running_mean, running_var, momentum, eps, statistics)
             ctx.mark_dirty(x)
             y = x
         if packed is None:

@@ -696,7 +696,8 @@ def test_batch_norm_backward_decodes_its_normalized_input_a_slice_at_a_time(monk
     """Past ``BATCH_NORM_CHUNK_ELEMENTS`` BatchNorm's backward decodes its normalized input a slice of the batch at a
     time, twice (the sums, then the input gradient), and never whole; its gradients are the whole decode's up to
     rounding (sums in another order, one rounding of the input gradient from fp32, or fp64 for fp64), the input
-    gradient in the gradient's layout, 30+ dB from float64's at 8 bits."""
+    gradient in the gradient's layout, 30+ dB from float64's at 8 bits. On CUDA each slice runs aten's own
+    BatchNorm backward kernels, the reduction and the elementwise one, and no other op over the slice."""
     from act_hf.ops import norm as norm_ops
 
     torch.manual_seed(20)
@@ -712,12 +713,19 @@ def test_batch_norm_backward_decodes_its_normalized_input_a_slice_at_a_time(monk
         act_hf.manual_seed(0)
         xx = x.clone(memory_format=torch.preserve_format).requires_grad_()
         y = act(xx)
-        decoded = [out[0].numel() for func, out in dispatched(functools.partial(y.backward, g))
-                   if func is torch.ops.act_hf.unpack_dequantize.default]
+        ops = dispatched(functools.partial(y.backward, g))
+        decoded = [out[0].numel() for func, out in ops if func is torch.ops.act_hf.unpack_dequantize.default]
         runs.append((decoded, xx.grad, {n: p.grad for n, p in act.named_parameters()}))
         act.zero_grad()
     (decoded_whole, gx_whole, gp_whole), (decoded_sliced, gx_sliced, gp_sliced) = runs
     assert decoded_whole == [x.numel()] and decoded_sliced == [x.numel() // 3] * 6
+    if device == "cuda":  # the sliced run's ops that write a slice-sized tensor, views aside; the reductions
+        names = [func.overloadpacket.__name__ for func, _ in ops]
+        slice_ops = [func.overloadpacket.__name__ for func, out in ops if not func.is_view
+                     and any(isinstance(t, torch.Tensor) and t.numel() == x.numel() // 3 for t in out)]
+        assert slice_ops == ["unpack_dequantize"] * 3 \
+            + ["unpack_dequantize", "batch_norm_backward_elemt", "copy_"] * 3, slice_ops
+        assert names.count("batch_norm_backward_reduce") == 3, names
     assert gx_sliced.dtype == dtype and gx_sliced.stride() == gx_whole.stride()
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(gx_sliced, gx_whole, rtol=tol, atol=tol * gx_whole.abs().max().item())
@@ -768,6 +776,36 @@ def test_batch_norm_writes_into_an_input_its_caller_owns(x_dtype, bn_dtype, chan
         out_of_place.zero_grad()
     rx, rp = _grads_f64(bn.cpu(), base.cpu(), g.cpu())
     _check_grads(f"BN in place {x_dtype}/{bn_dtype}", leaf.grad.cpu(), grads, rx, rp, _min_db(x_dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_batch_norm_in_place_on_cuda_takes_its_statistics_once(bias, channels_last):
+    """On CUDA, BatchNorm writing into an input it owns reads it once for the statistics, as the module does:
+    aten's ``batch_norm_update_stats`` (``native_batch_norm``'s statistics kernel and running-statistics update)
+    gives the statistics the packing uses, and ``batch_norm_elemt`` (its elementwise kernel) writes the output
+    from them: no second statistics pass. The output and the running statistics stay the module's bit for bit
+    (over steps in :func:`test_batch_norm_writes_into_an_input_its_caller_owns`); here for a bias-free BatchNorm
+    too, whose backend choice differs."""
+    torch.manual_seed(24)
+    bn = _randomize(nn.BatchNorm2d(6)).cuda()
+    if not bias:
+        bn.bias = None
+    act = _act(bn, ActBatchNormMixin)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    base = (torch.randn(8, 6, 5, 5, device="cuda") * 2 + 0.3).bfloat16().contiguous(memory_format=layout)
+    owned = base.clone().requires_grad_() * 1.0
+    out: list[torch.Tensor] = []
+    names = [func.overloadpacket.__name__
+             for func, _ in dispatched(lambda: out.append(act(owned, act_input_owned=True)))]
+    assert out[0] is owned
+    assert names.count("batch_norm_update_stats") == 1 and names.count("batch_norm_elemt") == 1, names
+    assert not {"native_batch_norm", "batch_norm_stats", "_batch_norm_impl_index"} & set(names), names
+    with torch.no_grad():
+        expected = bn(base)
+    assert torch.equal(out[0], expected)
+    assert all(torch.equal(a, b) for a, b in zip(act.buffers(), bn.buffers()))
 
 
 def test_batch_norm_keeps_an_input_it_cannot_write_into():
