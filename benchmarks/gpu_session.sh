@@ -3,10 +3,10 @@
 # Run from the repository root on the GPU machine (no pip there: the tree runs from PYTHONPATH=.):
 #
 #   bash benchmarks/gpu_session.sh all          # one call of at most ~9.5 minutes for a short lease (budget
-#                                               # ACT_HF_GPU_BUDGET_S): what the ninth run left open
-#                                               # (gpu_one_call.sh): the kernel tests, the host probe, swin-tiny
-#                                               # at batch 256 and its largest batches under 16 GiB with larger
-#                                               # attention chunks, bert-large at 256, gpt2 and convnext-tiny at 32
+#                                               # ACT_HF_GPU_BUDGET_S): what the tenth run left open
+#                                               # (gpu_one_call.sh): the build, the kernel and BatchNorm CUDA tests,
+#                                               # resnet50 at batch 256 and under the profiler, bert-large at 256,
+#                                               # resnet50's and swin-tiny's largest 2-bit batches under 16 GiB
 #   bash benchmarks/gpu_session.sh build-test   # compile the extension, the cuda-marked tests, kernel throughput
 #   bash benchmarks/gpu_session.sh memory       # saved-memory table on the GPU (all models, adaptive 2.5 included)
 #   bash benchmarks/gpu_session.sh targets      # bert-large, swin-tiny, resnet50: speed, peak, largest batch < 16 GiB
