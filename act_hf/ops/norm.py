@@ -58,6 +58,7 @@ from ..compress import (
     dequantize,
     dequantize_inverse_affine,
     dequantize_items,
+    dequantize_mapped,
     dequantize_with_factors,
     unpack_mask,
 )
@@ -182,6 +183,20 @@ def _undo_affine_(y: Tensor, weight: Tensor | None, bias: Tensor | None, factors
     if mult is None:
         return y.sub_(shift.reshape(view))
     return torch.addcmul(shift.neg().reshape(view), y, mult.reshape(view), out=y)
+
+
+def _inverse_affine(weight: Tensor | None, bias: Tensor | None, channels: int,
+                    like: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 ``(mult, shift)`` of one value per channel, on ``like``'s device, with ``y * mult + shift = (y - bias) /
+    weight`` as :func:`_undo_affine_` computes it (``mult = 1 / weight``, ``shift = -(bias / weight)``; a missing
+    ``weight`` or ``bias`` counts as 1 or 0): the map :func:`~act_hf.compress.dequantize_mapped` applies as it
+    decodes."""
+    zeros, ones = zeros_and_ones((channels,), like, torch.float32)
+    w = None if weight is None else weight.float().reshape(channels)
+    b = None if bias is None else bias.float().reshape(channels)
+    mult = ones if w is None else w.reciprocal()
+    shift = zeros if b is None else (b if w is None else b / w).neg()
+    return mult, shift
 
 
 def _rms_input_grad_(g: Tensor, x_hat: Tensor, rstd: Tensor, w_eff: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -840,17 +855,21 @@ class ActBatchNormActFunction(torch.autograd.Function):
         if packed is None:  # bias gradient only
             grad_b = g.float().sum([d for d in range(len(shape)) if d != 1]).to(bias.dtype) if need_b else None
             return (None, None, grad_b) + (None,) * 9
-        z = dequantize(packed, torch.float32)  # this backward's own tensor: inverted in place into x_hat
-        if activation == "leaky_relu":
-            z.div_(torch.where(pos, 1.0, param))
-        elif activation == "elu":
-            z = torch.where(pos, z.clamp_min(0), z.clamp_max(0))
-            g = torch.where(pos, g, g * (z + param).clamp_min(0).to(g.dtype))
-            z = torch.where(pos, z, param * torch.log1p((z / param).clamp_min(-1 + 1e-6)))
-        _undo_affine_(z, None if weight is None else weight.float(), None if bias is None else bias.float(),
-                      view=stats)
-        x_hat = z.to(g.dtype)
-        del z
+        if activation == "identity" and packed.spec.memory_order is None:
+            # x_hat = z * (1 / gamma) - beta / gamma, decoded, mapped and rounded to g's dtype in one pass
+            x_hat = dequantize_mapped(packed, *_inverse_affine(weight, bias, c, g), dtype=g.dtype)
+        else:
+            z = dequantize(packed, torch.float32)  # this backward's own tensor: inverted in place into x_hat
+            if activation == "leaky_relu":
+                z.div_(torch.where(pos, 1.0, param))
+            elif activation == "elu":
+                z = torch.where(pos, z.clamp_min(0), z.clamp_max(0))
+                g = torch.where(pos, g, g * (z + param).clamp_min(0).to(g.dtype))
+                z = torch.where(pos, z, param * torch.log1p((z / param).clamp_min(-1 + 1e-6)))
+            _undo_affine_(z, None if weight is None else weight.float(), None if bias is None else bias.float(),
+                          view=stats)
+            x_hat = z.to(g.dtype)
+            del z
         grad_x, grad_w, grad_b = _bn_backward_from_x_hat(g, x_hat, weight, invstd,
                                                          [need_x, need_w, need_b and weight is not None])
         if grad_b is None and need_b:
