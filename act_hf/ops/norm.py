@@ -568,8 +568,8 @@ def _bn_statistics(x: Tensor, eps: float, dtype: torch.dtype, running_mean: Tens
     dtype), from aten's own statistics kernels, without the output: one read of ``x``. On CUDA they are
     ``native_batch_norm``'s, bit for bit, and the running statistics are updated as it updates them
     (``batch_norm_update_stats`` runs its statistics kernel and its update; ``invstd`` is its ``rsqrt(var + eps)``),
-    so that :func:`_bn_forward_into` writes the output from them without reading ``x`` twice more. On the CPU the
-    running statistics are left alone: :func:`_bn_forward_into` takes its own statistics and updates them."""
+    so that :func:`_bn_forward_into` writes the output from them, with no second statistics pass over ``x``. On the
+    CPU the running statistics are left alone: :func:`_bn_forward_into` takes its own statistics and updates them."""
     if x.is_cuda:
         mean, var = torch.ops.aten.batch_norm_update_stats(x, running_mean, running_var, momentum)
         return mean, torch.rsqrt(var + eps)
