@@ -4,7 +4,8 @@
 # little. Called by `gpu_session.sh all`; results under $1 (the files a device call returns are few: the tables and
 # logs are bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
-# Order, after the tenth run (H200, 86c0a3e; README "Tenth GPU run"): the build and the kernel tests, with
+# Order, after the tenth run (H200, 86c0a3e; README "Tenth GPU run"): the build (119 s in the tenth; its CUDA sources
+# are split since, to compile in parallel: build.log's time says what that saved) and the kernel tests, with
 # BatchNorm's CUDA paths since the tenth (the in-place forward's one statistics pass, batch_norm_update_stats and
 # batch_norm_elemt; the sliced backward on aten's batch_norm_backward_reduce and batch_norm_backward_elemt), never
 # run on a GPU yet; resnet50 at equal batch 256 (0.592x in the tenth) and its step under the profiler at batch 128
@@ -36,8 +37,9 @@ speed256() {
 }
 
 part build
+b0=$SECONDS
 timeout 150 "$PY" -m act_hf.cli build-ext >"$W/build.log" 2>&1
-echo "build exit $?"; tail -n 3 "$W/build.log"
+echo "build exit $? in $((SECONDS - b0)) s" | tee -a "$W/build.log"; tail -n 3 "$W/build.log"
 
 part "the kernel tests, BatchNorm's and the ResNet block's CUDA tests"
 timeout "$(cap 75)" "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py tests/ops/test_norm.py \
