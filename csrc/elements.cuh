@@ -2,6 +2,8 @@
 // to and from fp32, and an octet of eight elements loaded as fp32.
 #pragma once
 
+#include <cuda_runtime.h>  // uint4
+
 #include <cstdint>
 
 namespace act_hf {
