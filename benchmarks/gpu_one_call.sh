@@ -12,8 +12,10 @@
 # (the tenth's profile put 6.2 ms of the 29.0 ms added at batch 128 in the second statistics pass and about 10 ms
 # in the sliced backward's fp32 ops: both changed since); bert-large at equal batch 256 (the tenth's 3-bit trial
 # was cut; 0.784x in the ninth); resnet50's largest batch under 16 GiB at 2 bits with expandable segments (the
-# tenth searched without them by mistake: 1336 fit with 10.36 GB allocated and 14.89 GB held); then swin-tiny's at
-# 2 bits, with expandable segments, while time is left.
+# tenth searched without them by mistake: 1336 fit with 10.36 GB allocated and 14.89 GB held); what is alive at
+# resnet50's 2-bit highest points, at batches 384 and 512, past which every tensor a convolution or BatchNorm slices
+# is sliced at both (the tenth's 64 and 128 sliced some at 128 alone, so its per-sample slopes mixed two regimes);
+# then swin-tiny's largest batch at 2 bits, with expandable segments, while time is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -67,6 +69,12 @@ timeout "$(cap 150)" "$PY" $GT --models resnet50 --settings bits2 --cap 16GiB --
   --out "$W/resnetcap" >"$W/resnetcap.log" 2>&1
 echo "resnetcap exit $?"; cat "$W/resnetcap/gpu_training.md" 2>/dev/null; bundle
 
+part "what is alive at resnet50's 2-bit highest points, batches 384 and 512 (every tensor sliced alike at both)"
+mkdir -p "$W/peak_resnet"
+timeout "$(cap 90)" "$PY" benchmarks/memory_at_peak.py --model resnet50 --setting bits2 --device cuda \
+  --batches 384 512 --out "$W/peak_resnet" >"$W/peak_resnet.log" 2>&1
+echo "peak exit $?"; head -n 3 "$W/peak_resnet/memory_at_peak_resnet50_bits2.md" 2>/dev/null; bundle
+
 part "swin-tiny's largest batch under 16 GiB at 2 bits (6.5x of 233 is 1515), expandable segments"
 mkdir -p "$W/swincap"
 timeout "$(cap $(( $(left) - 5 )))" "$PY" $GT --models swin-tiny --settings bits2 --cap 16GiB --resolution 0.03 \
@@ -78,5 +86,6 @@ for name in resnet256 large256 resnetcap swincap; do
   cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null
 done
 cp "$W/profile_resnet/profile_resnet50.md" "$OUT/profile_resnet.md" 2>/dev/null
+cp "$W/peak_resnet/memory_at_peak_resnet50_bits2.md" "$OUT/peak_resnet.md" 2>/dev/null
 cp "$W/tests.log" "$OUT/" 2>/dev/null
 part done
