@@ -27,7 +27,7 @@ What the projection is, and is not:
       checkpointing and 4-bit layer inputs (H200), and by 4.8 MiB for swin-tiny at 3 bits (H100): 2.8, 2.7 and
       2.1 times their largest activations (1.00 and 2.30 MiB), where 5% of the unpatched activations is 6.7,
       6.7 and 3.0 MiB (it had projected swin-tiny's largest batch at 1.6x what fit). The H100 run at fffea77
-      (expandable segments; README, "Third GPU run") measured the largest batches 0-5% above the 3-bit
+      (expandable segments; measurement log, "Third GPU run") measured the largest batches 0-5% above the 3-bit
       projections and 1-8% below the 2-bit ones, but 17% below the projection with checkpointing and 4-bit layer
       inputs (1702 fit where 1987 was projected): there the recomputed layer's transients came to about 4.5
       times bert-large's largest activation (6.87 MiB a sample at the peak against 2.38 of AM2). With
@@ -48,8 +48,8 @@ What the projection is, and is not:
       its margin. On the CPU (``benchmarks/memory_at_peak.py``, bf16, batches 16 and 32 or 8 and 16) the step's
       peak grew 14.86 MiB a sample at 3 bits for the llama-style config of the benchmarks and 19.26 for GPT-2,
       100.70 and 150.96 unpatched; this projects 15.85 and 20.76, 104.70 and 156.26 (before: 45.38 and 67.96,
-      73.45 and 107.17). On an H200 (README, "Seventh GPU run") llama-style's largest batches under 16 GiB were
-      136 unpatched and 941 at 3 bits against 131 and 852 projected.
+      73.45 and 107.17). On an H200 (measurement log, "Seventh GPU run") llama-style's largest batches under
+      16 GiB were 136 unpatched and 941 at 3 bits against 131 and 852 projected.
 
     Not included: the CUDA context and cuBLAS/cuDNN handles (about 0.3-0.6 GiB outside PyTorch's allocator;
     give ``gpu_mem`` as the memory PyTorch may allocate, not the card's nominal size), the caching allocator's

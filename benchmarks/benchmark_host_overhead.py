@@ -1,6 +1,7 @@
 """Host (Python and dispatch) overhead of a patched training step, measurable without a GPU.
 
-On the H200 a patched bert-large step at batch 32 was bound by host work, not by the GPU (README, "First GPU run").
+On the H200 a patched bert-large step at batch 32 was bound by host work, not by the GPU (measurement log,
+``benchmarks/results/README.md``, "First GPU run").
 This benchmark isolates that work on any machine: a tiny BERT (hidden 32, batch 8 x seq 16, one thread), so that
 the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec`` the codec's
 CPU implementations (quantize+pack, also of a BatchNorm's normalized input, unpack+dequantize, its affine form and its

@@ -4,18 +4,19 @@
 # little. Called by `gpu_session.sh all`; results under $1 (the files a device call returns are few: the tables and
 # logs are bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
-# Order, after the tenth run (H200, 86c0a3e; README "Tenth GPU run"): the build (119 s in the tenth; its CUDA sources
-# are split since, to compile in parallel: build.log's time says what that saved) and the kernel tests, with
-# BatchNorm's CUDA paths since the tenth (the in-place forward's one statistics pass, batch_norm_update_stats and
-# batch_norm_elemt; the sliced backward on aten's batch_norm_backward_reduce and batch_norm_backward_elemt), never
-# run on a GPU yet; resnet50 at equal batch 256 (0.592x in the tenth) and its step under the profiler at batch 128
-# (the tenth's profile put 6.2 ms of the 29.0 ms added at batch 128 in the second statistics pass and about 10 ms
-# in the sliced backward's fp32 ops: both changed since); bert-large at equal batch 256 (the tenth's 3-bit trial
-# was cut; 0.784x in the ninth); resnet50's largest batch under 16 GiB at 2 bits with expandable segments (the
-# tenth searched without them by mistake: 1336 fit with 10.36 GB allocated and 14.89 GB held); what is alive at
-# resnet50's 2-bit highest points, at batches 384 and 512, past which every tensor a convolution or BatchNorm slices
-# is sliced at both (the tenth's 64 and 128 sliced some at 128 alone, so its per-sample slopes mixed two regimes);
-# then swin-tiny's largest batch at 2 bits, with expandable segments, while time is left.
+# Order, after the tenth run (H200, 86c0a3e; benchmarks/results/README.md, "Tenth GPU run"): the build (119 s in the
+# tenth; its CUDA sources are split since, to compile in parallel: build.log's time says what that saved) and the
+# kernel tests, with BatchNorm's CUDA paths since the tenth (the in-place forward's one statistics pass,
+# batch_norm_update_stats and batch_norm_elemt; the sliced backward on aten's batch_norm_backward_reduce and
+# batch_norm_backward_elemt), never run on a GPU yet; resnet50 at equal batch 256 (0.592x in the tenth) and its step
+# under the profiler at batch 128 (the tenth's profile put 6.2 ms of the 29.0 ms added at batch 128 in the second
+# statistics pass and about 10 ms in the sliced backward's fp32 ops: both changed since); bert-large at equal batch
+# 256 (the tenth's 3-bit trial was cut; 0.784x in the ninth); resnet50's largest batch under 16 GiB at 2 bits with
+# expandable segments (the tenth searched without them by mistake: 1336 fit with 10.36 GB allocated and 14.89 GB
+# held); what is alive at resnet50's 2-bit highest points, at batches 384 and 512, past which every tensor a
+# convolution or BatchNorm slices is sliced at both (the tenth's 64 and 128 sliced some at 128 alone, so its
+# per-sample slopes mixed two regimes); then swin-tiny's largest batch at 2 bits, with expandable segments, while
+# time is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu

@@ -29,7 +29,7 @@ namespace {
 // kEncodeOctets<B> octets a thread (those at kThreads apart), all loaded before any is encoded. The octets' work is
 // fewbit_octets.cuh's. Up to kUnrolledEncodeBits bits each thread copies the bounds into registers, which the
 // unrolled comparisons of encode_values index by constants. Four octets a thread ran 24% faster than one at 4 bits
-// on the H200 (15 comparisons a value), as fast at 3 bits and 11% slower at 2 (README, "Eighth GPU run").
+// on the H200 (15 comparisons a value), as fast at 3 bits and 11% slower at 2 (measurement log, "Eighth GPU run").
 template <int B>
 constexpr int kEncodeOctets = B >= 4 ? 4 : 1;
 

@@ -180,9 +180,9 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, 
 #: recomputation runs over chunks of the batch, so that its scores, probabilities and their gradients (several
 #: fp32 copies of the matrix) stay bounded instead of growing with the batch. Each chunk costs the host launches
 #: (eager attention: about 8 forward, 17 backward): at 2^22, swin-tiny's 3-bit step at batch 256 ran 144 chunks a
-#: way (9 images a chunk in stage 1) and was bound by host work on the H200 (README, "Ninth GPU run"); 2^25 makes
-#: 20 (at most 72 images; 64 at stage 1 of a batch of 256, the chunks of one size), whose matrices, at most 3 fp32
-#: copies of 33.6 M elements alive at once in eager attention's written-out backward
+#: way (9 images a chunk in stage 1) and was bound by host work on the H200 (measurement log, "Ninth GPU run");
+#: 2^25 makes 20 (at most 72 images; 64 at stage 1 of a batch of 256, the chunks of one size), whose matrices,
+#: at most 3 fp32 copies of 33.6 M elements alive at once in eager attention's written-out backward
 #: (:func:`math_attention_grads`), stay near 400 MB
 RECOMPUTE_CHUNK_ELEMENTS = 1 << 25
 
