@@ -3,11 +3,26 @@ how one with operands of another dtype runs in a single pass."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
-__all__ = ["by_items", "chunk_elements", "even_spans", "in_place", "row_spans", "scaled_as", "spans"]
+from .errors import ActHFValueError
+
+__all__ = ["SLICING_MODES", "by_items", "chunk_elements", "device_headroom", "even_spans", "has_room", "in_place",
+           "room_for", "row_spans", "scaled_as", "sliced_unless_room", "slicing_mode", "spans"]
+
+_T = TypeVar("_T")
+
+#: ``ACT_HF_SLICING``'s values: when a convolution, BatchNorm's backward or attention's recomputation, past its
+#: threshold of elements, works on slices of the batch (:func:`sliced_unless_room`). ``auto`` (the default): on a
+#: CUDA device only when the whole batch's temporaries would not fit twice over in what the process may still
+#: allocate (:func:`has_room`), elsewhere always; ``always``: past the thresholds whatever the room (what a memory
+#: measurement of a large batch's regime wants on a device with room to spare); ``never``: the whole batch at once
+#: while it fits, the slices only after an out-of-memory error.
+SLICING_MODES = ("auto", "always", "never")
 
 
 def chunk_elements(device: torch.device) -> int:
@@ -79,3 +94,57 @@ def by_items(chunks: list[tuple[int, int]], batch: int, make: Callable[[int, int
             out = torch.empty_permuted((batch, *part.shape[1:]), (0, *inner), dtype=part.dtype, device=part.device)
         out[start:end] = part
     return out
+
+
+def slicing_mode() -> str:
+    """``ACT_HF_SLICING`` (one of :data:`SLICING_MODES`; ``auto`` when unset), read at each call."""
+    mode = os.environ.get("ACT_HF_SLICING", "auto") or "auto"
+    if mode not in SLICING_MODES:
+        raise ActHFValueError(f"ACT_HF_SLICING must be one of {', '.join(SLICING_MODES)}, got {mode!r}")
+    return mode
+
+
+def room_for(nbytes: int, allocated: int, reserved: int, free: int, limit: int) -> bool:
+    """Whether temporaries of ``nbytes`` fit twice over (the estimates are a model, not a measurement) in what a
+    process holding ``allocated`` bytes of ``reserved`` may still allocate: ``limit`` (its share of the device)
+    less ``allocated``, and no more than the device's ``free`` bytes plus the process's cached ones."""
+    return 2 * nbytes <= min(limit - allocated, free + reserved - allocated)
+
+
+def device_headroom(device: torch.device) -> tuple[int, int, int, int] | None:
+    """``(allocated, reserved, free, limit)`` of this process on a CUDA ``device`` for :func:`room_for`: the
+    caching allocator's counters, the driver's free bytes, and the per-process memory fraction
+    (``torch.cuda.set_per_process_memory_fraction``) of the device's total; ``None`` on other devices."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    fraction = torch.cuda.get_per_process_memory_fraction(index) \
+        if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    return (torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index), free, int(fraction * total))
+
+
+def has_room(device: torch.device, nbytes: int) -> bool:
+    """Whether an op may run on the whole batch at once, its temporaries estimated at ``nbytes``
+    (:data:`SLICING_MODES`): ``never`` always, ``always`` never, ``auto`` when :func:`room_for` says so on a CUDA
+    device."""
+    mode = slicing_mode()
+    if mode != "auto":
+        return mode == "never"
+    counters = device_headroom(device)
+    return counters is not None and room_for(nbytes, *counters)
+
+
+def sliced_unless_room(chunks: list[tuple[int, int]], batch: int, device: torch.device, whole_bytes: int,
+                       run: Callable[[list[tuple[int, int]]], _T]) -> _T:
+    """``run(chunks)``, the op over slices of the batch, or ``run([(0, batch)])``, the whole batch at once, when
+    the device has room for the whole batch's temporaries, estimated at ``whole_bytes`` (:func:`has_room`): the
+    slices bound an op's memory at a large batch, at the price of more launches, copies into one output and, in
+    BatchNorm's backward, a second decode; where memory is not short they buy nothing. An out-of-memory error of
+    the whole batch (an estimate that fell short) runs the slices after all."""
+    if len(chunks) > 1 and has_room(device, whole_bytes):
+        try:
+            return run([(0, batch)])
+        except torch.OutOfMemoryError:
+            pass  # the allocator has released its cached blocks; the slices need less
+    return run(chunks)

@@ -1,4 +1,5 @@
-"""act_hf._chunks: slices of elementwise passes, and in-place ops of mixed dtypes by slices on the CPU."""
+"""act_hf._chunks: slices of elementwise passes, in-place ops of mixed dtypes by slices on the CPU, and when an op
+works on slices of the batch (``ACT_HF_SLICING``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ import torch
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-from act_hf._chunks import by_items, chunk_elements, even_spans, in_place, row_spans, spans
+from act_hf._chunks import (
+    by_items,
+    chunk_elements,
+    device_headroom,
+    even_spans,
+    has_room,
+    in_place,
+    room_for,
+    row_spans,
+    sliced_unless_room,
+    slicing_mode,
+    spans,
+)
+from act_hf.errors import ActHFValueError
 
 
 def test_spans_cover_the_range_and_rows_hold_about_the_asked_elements():
@@ -85,3 +99,74 @@ def test_by_items_lays_the_slices_into_one_tensor_of_the_first_slices_layout(lay
     whole = by_items([(0, 7)], 7, make)
     sliced = by_items([(0, 3), (3, 6), (6, 7)], 7, make)
     assert torch.equal(sliced, whole) and sliced.stride() == whole.stride() == x.stride()
+
+
+def test_room_for_takes_the_tighter_of_the_process_share_and_the_device():
+    """Temporaries fit when twice their bytes fit both in the process's share less what it holds, and in the
+    device's free bytes plus the process's cached ones."""
+    gib = 1 << 30
+    assert room_for(4 * gib, allocated=2 * gib, reserved=3 * gib, free=20 * gib, limit=16 * gib)
+    assert not room_for(8 * gib, allocated=2 * gib, reserved=3 * gib, free=20 * gib, limit=16 * gib)  # the share
+    assert not room_for(4 * gib, allocated=2 * gib, reserved=3 * gib, free=6 * gib, limit=80 * gib)  # the device
+    assert room_for(3 * gib, allocated=2 * gib, reserved=3 * gib, free=6 * gib, limit=80 * gib)  # 6 + 1 cached
+
+
+def test_slicing_mode_reads_act_hf_slicing_and_names_the_allowed_values(monkeypatch):
+    monkeypatch.delenv("ACT_HF_SLICING", raising=False)
+    assert slicing_mode() == "auto"
+    cpu = torch.device("cpu")
+    assert device_headroom(cpu) is None and not has_room(cpu, 1)  # auto: no room accounting off CUDA
+    for mode, room in (("always", False), ("never", True), ("auto", False)):
+        monkeypatch.setenv("ACT_HF_SLICING", mode)
+        assert slicing_mode() == mode and has_room(cpu, 1) is room
+    monkeypatch.setenv("ACT_HF_SLICING", "sometimes")
+    with pytest.raises(ActHFValueError, match=r"ACT_HF_SLICING must be one of auto, always, never, got 'sometimes'"):
+        slicing_mode()
+
+
+def test_sliced_unless_room_runs_the_whole_batch_where_it_fits_and_the_slices_after_an_out_of_memory(monkeypatch):
+    chunks = [(0, 3), (3, 6), (6, 8)]
+    asked = []
+
+    def run(spans):
+        asked.append(spans)
+        return len(spans)
+
+    monkeypatch.setenv("ACT_HF_SLICING", "always")
+    assert sliced_unless_room(chunks, 8, torch.device("cpu"), 1, run) == 3 and asked == [chunks]
+    monkeypatch.setenv("ACT_HF_SLICING", "never")
+    asked.clear()
+    assert sliced_unless_room(chunks, 8, torch.device("cpu"), 1, run) == 1 and asked == [[(0, 8)]]
+    asked.clear()
+    assert sliced_unless_room([(0, 8)], 8, torch.device("cpu"), 1, run) == 1 and asked == [[(0, 8)]]  # one call
+
+    def short_of_memory(spans):
+        asked.append(spans)
+        if len(spans) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (the whole batch)")
+        return len(spans)
+
+    asked.clear()
+    assert sliced_unless_room(chunks, 8, torch.device("cpu"), 1, short_of_memory) == 3
+    assert asked == [[(0, 8)], chunks]
+
+
+@pytest.mark.cuda
+def test_cuda_room_follows_the_allocator_and_the_process_share(monkeypatch):
+    """On CUDA ``auto`` weighs the caching allocator's counters, the driver's free bytes and the per-process
+    memory fraction: a tensor held counts against the room, and a smaller share leaves less of it."""
+    monkeypatch.setenv("ACT_HF_SLICING", "auto")
+    device = torch.device("cuda")
+    allocated, reserved, free, limit = device_headroom(device)
+    assert 0 <= allocated <= reserved and 0 < free <= limit
+    assert has_room(device, 1 << 20) and not has_room(device, limit)
+    held = torch.empty(1 << 26, dtype=torch.uint8, device=device)
+    assert device_headroom(device)[0] >= allocated + held.numel()
+    share = torch.cuda.get_per_process_memory_fraction(device)
+    torch.cuda.set_per_process_memory_fraction(0.05, device)
+    try:
+        small = device_headroom(device)[3]
+        assert small <= 0.051 * torch.cuda.get_device_properties(device).total_memory
+        assert not has_room(device, small // 2)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(share, device)
