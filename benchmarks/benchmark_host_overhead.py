@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -376,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_chunk_elements is not None and args.attention_chunk_elements < 1:
         parser.error(f"--attention-chunk-elements must be >= 1, got {args.attention_chunk_elements}")
     torch.set_num_threads(1)
-    chunk_elements = attention.RECOMPUTE_CHUNK_ELEMENTS
+    chunk_elements, slicing = attention.RECOMPUTE_CHUNK_ELEMENTS, os.environ.get("ACT_HF_SLICING")
     if args.attention_chunk_elements is not None:
         attention.RECOMPUTE_CHUNK_ELEMENTS = args.attention_chunk_elements
+        os.environ["ACT_HF_SLICING"] = "always"  # the chunks, whatever room a GPU has
     saved = {name: getattr(reference, name) for name in STUBS}
     if args.stub_codec:
         for name, stub in STUBS.items():
@@ -392,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, kernel in saved.items():
             setattr(reference, name, kernel)
         attention.RECOMPUTE_CHUNK_ELEMENTS = chunk_elements
+        if slicing is None:
+            os.environ.pop("ACT_HF_SLICING", None)
+        else:
+            os.environ["ACT_HF_SLICING"] = slicing
     base = next((r["ms_per_step"] for r in rows if r["setting"] == "unpatched"), None)
     for r in rows:
         r["vs_unpatched"] = None if base is None else r["ms_per_step"] / base

@@ -8,12 +8,14 @@
 # tenth; its CUDA sources are split since, to compile in parallel: build.log's time says what that saved) and the
 # kernel tests, with BatchNorm's CUDA paths since the tenth (the in-place forward's one statistics pass,
 # batch_norm_update_stats and batch_norm_elemt; the sliced backward on aten's batch_norm_backward_reduce and
-# batch_norm_backward_elemt), never run on a GPU yet; resnet50 at equal batch 256 (0.592x in the tenth) and its step
-# under the profiler at batch 128 (the tenth's profile put 6.2 ms of the 29.0 ms added at batch 128 in the second
-# statistics pass and about 10 ms in the sliced backward's fp32 ops: both changed since); bert-large at equal batch
-# 256 (the tenth's 3-bit trial was cut; 0.784x in the ninth); resnet50's largest batch under 16 GiB at 2 bits with
-# expandable segments (the tenth searched without them by mistake: 1336 fit with 10.36 GB allocated and 14.89 GB
-# held); what is alive at resnet50's 2-bit highest points, at batches 384 and 512, past which every tensor a
+# batch_norm_backward_elemt), never run on a GPU yet, and ACT_HF_SLICING's test; resnet50 at equal batch 256 (0.592x
+# in the tenth, its stage-1 and -2 convolutions and BatchNorms sliced; since, the ops past their thresholds run whole
+# where the GPU has room, ACT_HF_SLICING=auto) and its step under the profiler at batch 128 (the tenth's profile put
+# 6.2 ms of the 29.0 ms added at batch 128 in the second statistics pass and about 10 ms in the sliced backward's
+# fp32 ops: both changed since); bert-large at equal batch 256 (the tenth's 3-bit trial was cut; 0.784x in the
+# ninth); resnet50's largest batch under 16 GiB at 2 bits with expandable segments (the tenth searched without them
+# by mistake: 1336 fit with 10.36 GB allocated and 14.89 GB held); what is alive at resnet50's 2-bit highest points,
+# at batches 384 and 512 (sliced as near a cap: memory_at_peak.py's --slicing always), past which every tensor a
 # convolution or BatchNorm slices is sliced at both (the tenth's 64 and 128 sliced some at 128 alone, so its
 # per-sample slopes mixed two regimes); then swin-tiny's largest batch at 2 bits, with expandable segments, while
 # time is left.
@@ -44,9 +46,9 @@ b0=$SECONDS
 timeout 150 "$PY" -m act_hf.cli build-ext >"$W/build.log" 2>&1
 echo "build exit $? in $((SECONDS - b0)) s" | tee -a "$W/build.log"; tail -n 3 "$W/build.log"
 
-part "the kernel tests, BatchNorm's and the ResNet block's CUDA tests"
+part "the kernel tests, BatchNorm's, the ResNet block's and ACT_HF_SLICING's CUDA tests"
 timeout "$(cap 75)" "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py tests/ops/test_norm.py \
-  tests/patches/test_owned_batch_norm.py -p no:cacheprovider -rfEs >"$W/tests.log" 2>&1
+  tests/patches/test_owned_batch_norm.py tests/test_chunks.py -p no:cacheprovider -rfEs >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
 
 speed256 resnet256 resnet50

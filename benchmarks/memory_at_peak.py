@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 import act_hf
+from act_hf._chunks import SLICING_MODES
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_checkpoint_memory import parse_setting
@@ -266,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="act_hf's CONV_CHUNK_ELEMENTS and BATCH_NORM_CHUNK_ELEMENTS for this run (a convolution "
                              "or a BatchNorm backward past it works on slices of the batch): to see at small batches "
                              "what a large batch gets")
+    parser.add_argument("--slicing", choices=SLICING_MODES, default="always",
+                        help="ACT_HF_SLICING for the run (default always: ops past their thresholds work on slices "
+                             "of the batch however much room the device has, as they do near a memory cap; auto, "
+                             "act_hf's default, runs them whole where a GPU has room for it)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: measure this batch, print JSON
     args = parser.parse_args(argv)
@@ -274,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= b1 < b2:
         parser.error(f"--batches: two sizes with 1 <= B1 < B2, got {b1} {b2}")
     device = torch.device(args.device)
+    os.environ["ACT_HF_SLICING"] = args.slicing  # read by act_hf at each op; the batches' subprocesses inherit it
     if args.slice_elements is not None:
         from act_hf.ops import linear as linear_ops
         from act_hf.ops import norm as norm_ops
@@ -302,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     by_phase = {p: _site_rows(runs, p, mib) for p in (phase, "backward" if phase == "forward" else "forward")}
     rows = by_phase[phase]
     meta = _meta(device) | {"model": args.model, "setting": args.setting, "batches": [b1, b2], "dtype": args.dtype,
-                            "seq": args.seq, "slice_elements": args.slice_elements}
+                            "seq": args.seq, "slice_elements": args.slice_elements, "slicing": args.slicing}
     result = {"meta": meta, "peak_mib_per_sample": slopes[phase], "phase": phase,
               "phase_peaks_mib_per_sample": slopes, "overall_peak_phases": [run["phase"] for run in runs],
               "peaks": [run["peak"] for run in runs], "sites": rows, "sites_by_phase": by_phase}
@@ -310,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / f"memory_at_peak_{args.model}_{args.setting}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     shown = rows[: args.rows]
-    sliced = "" if args.slice_elements is None else f", slices past {args.slice_elements} elements"
+    sliced = (f", slicing {args.slicing}" if args.slice_elements is None
+              else f", slicing {args.slicing} past {args.slice_elements} elements")
     lines = [(f"{args.model}, {args.setting}{sliced}, {args.dtype}, batches {b1} and {b2} on {meta['device']} (torch "
              f"{meta['torch']}, act_hf @ {meta['commit']}): the highest point of forward grows by "
              f"{slopes['forward']:.2f} MiB a sample above the step's start, that of backward by "

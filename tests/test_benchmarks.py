@@ -7,6 +7,7 @@ CPU so that a broken script is caught before a GPU session is spent on it.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -383,12 +384,14 @@ def test_host_overhead_runs_attention_in_the_chunks_asked_for(tmp_path, monkeypa
 
     host_overhead = _load("benchmark_host_overhead")
     default, seen = attention.RECOMPUTE_CHUNK_ELEMENTS, []
+    monkeypatch.setenv("ACT_HF_SLICING", "auto")
     measure = host_overhead.measure
-    monkeypatch.setattr(host_overhead, "measure",
-                        lambda *a, **k: seen.append(attention.RECOMPUTE_CHUNK_ELEMENTS) or measure(*a, **k))
+    monkeypatch.setattr(host_overhead, "measure", lambda *a, **k: seen.append(
+        (attention.RECOMPUTE_CHUNK_ELEMENTS, os.environ["ACT_HF_SLICING"])) or measure(*a, **k))
     assert host_overhead.main(["--stub-codec", "--layers", "1", "--steps", "1", "--attention-chunk-elements",
                                "4096", "--out", str(tmp_path)]) == 0
-    assert seen == [4096, 4096] and attention.RECOMPUTE_CHUNK_ELEMENTS == default
+    assert seen == [(4096, "always")] * 2  # the chunks whatever room a GPU would have
+    assert attention.RECOMPUTE_CHUNK_ELEMENTS == default and os.environ["ACT_HF_SLICING"] == "auto"
     assert json.loads((tmp_path / "host_overhead.json").read_text())["meta"]["attention_chunk_elements"] == 4096
     assert "attention recomputed in chunks of 4096 matrix elements" in (tmp_path / "host_overhead.md").read_text()
     with pytest.raises(SystemExit):
@@ -684,6 +687,8 @@ def test_memory_at_peak_sites_and_arguments():
         memory_at_peak.main(["--batches", "4", "2"])
     with pytest.raises(SystemExit, match="--settings"):
         memory_at_peak.main(["--setting", "bits9"])
+    with pytest.raises(SystemExit):  # ACT_HF_SLICING's values alone
+        memory_at_peak.main(["--slicing", "sometimes"])
 
 
 def test_memory_at_peak_measures_a_checkpointed_step(monkeypatch):

@@ -46,7 +46,9 @@ which materialises the ``S x S`` scores of one layer at a time, as it does in th
 layer's attention matrix passes ``RECOMPUTE_CHUNK_ELEMENTS``, the recomputation runs over chunks of the batch
 (eager attention always; SDPA when a mask gets a gradient or Swin's window mask is summed, without dropout),
 so the eager path's fp32 scores and probabilities, a mask's gradient and their like stay bounded as the batch
-grows. SDPA's fused kernels build no such tensor otherwise, and more calls would only add host time.
+grows, unless the device has room for the whole batch's (``ACT_HF_SLICING``,
+:func:`~act_hf._chunks.sliced_unless_room`). SDPA's fused kernels build no such tensor otherwise, and more calls would
+only add host time.
 
 Dropout and the RNG
 -------------------
@@ -75,7 +77,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .._chunks import by_items, even_spans
+from .._chunks import by_items, even_spans, sliced_unless_room
 from ..compress import PackedTensor, dequantize_items, pack_bits, unpack_mask
 from ..context import store
 from ..errors import ActHFTypeError, ActHFValueError
@@ -183,7 +185,8 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, masks: tuple[Tensor | None, 
 #: way (9 images a chunk in stage 1) and was bound by host work on the H200 (measurement log, "Ninth GPU run");
 #: 2^25 makes 20 (at most 72 images; 64 at stage 1 of a batch of 256, the chunks of one size), whose matrices,
 #: at most 3 fp32 copies of 33.6 M elements alive at once in eager attention's written-out backward
-#: (:func:`math_attention_grads`), stay near 400 MB
+#: (:func:`math_attention_grads`), stay near 400 MB. Where the device has room for the whole batch's matrices, the
+#: batch runs at once (:func:`~act_hf._chunks.sliced_unless_room`).
 RECOMPUTE_CHUNK_ELEMENTS = 1 << 25
 
 
@@ -192,6 +195,13 @@ def _batch_chunks(batch: int, per_item: int, period: int) -> list[tuple[int, int
     per_item`` items but at least ``period`` (Swin's windows of one image stay together), a multiple of it: as
     few as that allows, of one size as near as whole images allow (:func:`~act_hf._chunks.even_spans`)."""
     return list(even_spans(batch, RECOMPUTE_CHUNK_ELEMENTS // max(per_item, 1), period))
+
+
+def _whole_matrices_bytes(batch: int, per_item: int) -> int:
+    """The temporaries of an attention over the whole batch, ``per_item`` elements of attention matrix a batch item,
+    as :func:`~act_hf._chunks.sliced_unless_room` weighs them: four fp32 copies of the matrices (the scores, the
+    probabilities and their gradients)."""
+    return 16 * batch * per_item
 
 
 class _SavedQKV:
@@ -387,10 +397,13 @@ class ActSDPAFunction(torch.autograd.Function):
         # over chunks of the batch past RECOMPUTE_CHUNK_ELEMENTS when backward builds a full (B, H, L, S) tensor
         # (a mask's gradient, Swin's summed window mask); not with dropout, whose mask is drawn for the whole shape
         chunked = replay is None and (need[3] or window_mask is not None)
-        chunks = _batch_chunks(qkv.batch, pq.shape[1] * pq.shape[-2] * pk.shape[-2],
-                               1 if window_mask is None else window_mask.shape[0]) if chunked else [(0, qkv.batch)]
+        per_item = pq.shape[1] * pq.shape[-2] * pk.shape[-2]
+        chunks = _batch_chunks(qkv.batch, per_item, 1 if window_mask is None else window_mask.shape[0]) \
+            if chunked else [(0, qkv.batch)]
         wanted = (*need[:4], False)  # q, k, v, the mask; never the window mask here
-        grads = _attention_grads(chunks, qkv, mask, window_mask, grad_out, wanted, autograd_grads(recompute, wanted))
+        grads = sliced_unless_room(chunks, qkv.batch, qkv.device, _whole_matrices_bytes(qkv.batch, per_item),
+                                   lambda spans: _attention_grads(spans, qkv, mask, window_mask, grad_out, wanted,
+                                                                  autograd_grads(recompute, wanted)))
         return (*grads[:4], None, None, None, None, None, None, None)
 
 
@@ -406,8 +419,10 @@ def _windowed_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, wi
         return _sdpa_as_unpatched(q, k, v, attn_mask, is_causal, scale, enable_gqa)
     batch = q.shape[0]
     chunks = [(0, batch)]
+    matrix_per_item = math.prod(q.shape[1:-1]) * k.shape[-2]
     if k.shape[0] == v.shape[0] == batch:  # k, v broadcast over the batch are not sliced: one call
-        chunks = _batch_chunks(batch, math.prod(q.shape[1:-1]) * k.shape[-2], window_mask.shape[0])
+        chunks = _batch_chunks(batch, matrix_per_item, window_mask.shape[0])
+    whole_bytes = _whole_matrices_bytes(batch, matrix_per_item)
     per_item = _per_item_mask(attn_mask, batch, q.dim())
 
     def attend(start: int, end: int) -> Tensor:
@@ -416,7 +431,7 @@ def _windowed_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, wi
         return _sdpa_as_unpatched(*(_items(t, start, end, batch) for t in (q, k, v)), mask, is_causal, scale,
                                   enable_gqa)
 
-    return by_items(chunks, batch, attend)
+    return sliced_unless_room(chunks, batch, q.device, whole_bytes, lambda spans: by_items(spans, batch, attend))
 
 
 def _items(t: Tensor, start: int, end: int, batch: int) -> Tensor:
@@ -645,14 +660,17 @@ class ActEagerAttentionFunction(torch.autograd.Function):
         if not need_weights and not dropped and k.shape[0] == v.shape[0] == batch:
             chunks = _batch_chunks(batch, math.prod(ctx.keep_shape[1:]),
                                    1 if window_mask is None else window_mask.shape[0])
-        if len(chunks) == 1:
-            out, w = _eager_attention(q, k_full, v_full, attn_mask, window_mask, *options)
-        else:
-            per_item = _per_item_mask(attn_mask, batch, q.dim())
-            w = None
-            out = by_items(chunks, batch, lambda start, end: _eager_attention(
-                q[start:end], k_full[start:end], v_full[start:end], attn_mask[start:end] if per_item else attn_mask,
-                window_mask, *options)[0])
+
+        def attend(spans: list[tuple[int, int]]) -> tuple[Tensor, Tensor | None]:
+            if len(spans) == 1:
+                return _eager_attention(q, k_full, v_full, attn_mask, window_mask, *options)
+            sliced_mask = _per_item_mask(attn_mask, batch, q.dim())
+            return by_items(spans, batch, lambda start, end: _eager_attention(
+                q[start:end], k_full[start:end], v_full[start:end], attn_mask[start:end] if sliced_mask else attn_mask,
+                window_mask, *options)[0]), None
+
+        out, w = sliced_unless_room(chunks, batch, q.device,
+                                    _whole_matrices_bytes(batch, math.prod(ctx.keep_shape[1:])), attend)
         if w is not None:
             ctx.keep_shape = w.shape
         keep_payload = pack_keep_mask(w, settings) if dropped else None
@@ -689,9 +707,12 @@ class ActEagerAttentionFunction(torch.autograd.Function):
             return math_attention_grads(qc, kc, vc, m, None if keep is None else keep[start:end], dropout_p, scaling,
                                         e, n_rep, g, need[:5])
 
-        chunks = _batch_chunks(qkv.batch, math.prod(ctx.keep_shape[1:]), 1 if extra is None else extra.shape[0])
-        return (*_attention_grads(chunks, qkv, mask, extra, grad_out, need[:5], chunk_grads),
-                None, None, None, None, None, None, None, None)
+        per_item = math.prod(ctx.keep_shape[1:])
+        chunks = _batch_chunks(qkv.batch, per_item, 1 if extra is None else extra.shape[0])
+        grads = sliced_unless_room(chunks, qkv.batch, qkv.device, _whole_matrices_bytes(qkv.batch, per_item),
+                                   lambda spans: _attention_grads(spans, qkv, mask, extra, grad_out, need[:5],
+                                                                  chunk_grads))
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _per_item_mask(mask: Tensor | None, batch: int, ndim: int) -> bool:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunks import by_items, even_spans, in_place, scaled_as
+from .._chunks import by_items, even_spans, in_place, scaled_as, sliced_unless_room
 from .._constants import zero_scalar
 from ..compress import PackedTensor, dequantize, dequantize_items, dequantize_with_factors
 from ..context import store
@@ -141,7 +141,9 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 #: in the weight and input gradients' passes and (off ``WHOLE_FORWARD_DEVICES``) the forward. Their working memory
 #: grows with the batch: on the H200 resnet50's highest points at 2 bits held, per sample, a forward
 #: convolution's 3.05 MiB (its output and cuDNN's allocations beside it) and a weight gradient's decoded input
-#: (1.53 MiB) beside 2.34 MiB that ``convolution_backward`` allocated, of 7.8 MiB in all. At or below it, one call.
+#: (1.53 MiB) beside 2.34 MiB that ``convolution_backward`` allocated, of 7.8 MiB in all. At or below it, one call;
+#: above it too when the device has room for the whole batch's temporaries (``ACT_HF_SLICING``,
+#: :func:`~act_hf._chunks.sliced_unless_room`).
 CONV_CHUNK_ELEMENTS = 1 << 26
 
 #: Devices whose forward convolution runs whole at any batch: the CPU's oneDNN can round a slice of the batch
@@ -150,28 +152,46 @@ CONV_CHUNK_ELEMENTS = 1 << 26
 WHOLE_FORWARD_DEVICES = ("cpu",)
 
 
+def _conv_item_elements(padded_shape, weight_shape, stride, padding, dilation) -> int:
+    """The larger of a convolution's input and output elements a batch item (at least 1), for an ``(N, C, *)``
+    input of ``padded_shape``."""
+    out_size = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+                for n, k, s, p, d in zip(padded_shape[2:], weight_shape[2:], stride, padding, dilation)]
+    return max(math.prod(padded_shape[1:]), weight_shape[0] * math.prod(out_size), 1)
+
+
 def _conv_item_spans(padded_shape, weight_shape, stride, padding, dilation) -> list[tuple[int, int]]:
     """Batch slices of a convolution over an ``(N, C, *)`` input of ``padded_shape`` whose input and output each
     hold at most ``CONV_CHUNK_ELEMENTS`` elements a slice (at least one item); one slice for a smaller batch."""
-    out_size = [(n + 2 * p - d * (k - 1) - 1) // s + 1
-                for n, k, s, p, d in zip(padded_shape[2:], weight_shape[2:], stride, padding, dilation)]
-    per_item = max(math.prod(padded_shape[1:]), weight_shape[0] * math.prod(out_size), 1)
+    per_item = _conv_item_elements(padded_shape, weight_shape, stride, padding, dilation)
     if padded_shape[0] * per_item <= CONV_CHUNK_ELEMENTS:
         return [(0, padded_shape[0])]
     return list(even_spans(padded_shape[0], max(1, CONV_CHUNK_ELEMENTS // per_item)))
+
+
+def _whole_conv_bytes(padded_shape, weight_shape, itemsize: int, stride, padding, dilation) -> int:
+    """The temporaries of a convolution pass over the whole batch, as :func:`~act_hf._chunks.sliced_unless_room`
+    weighs them: three times the larger of its input and output (the tensor it makes, cuDNN's buffers beside it,
+    which on the H200 came to about as much, and the decoded input of a weight gradient), ``itemsize`` bytes an
+    element."""
+    return 3 * padded_shape[0] * _conv_item_elements(padded_shape, weight_shape, stride, padding, dilation) * itemsize
 
 
 def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple[int, ...], padding: tuple[int, ...],
                   dilation: tuple[int, ...], groups: int) -> Tensor:
     """``F.convNd(x, weight, ...)`` (autocast as usual) on a batched ``x``; on a device not in
     ``WHOLE_FORWARD_DEVICES``, over slices of a batch whose input or output passes ``CONV_CHUNK_ELEMENTS``, laid
-    into one output in the layout the whole call gives."""
+    into one output in the layout the whole call gives, unless the device has room for the whole batch's
+    temporaries (:func:`~act_hf._chunks.sliced_unless_room`)."""
     conv = _CONV[len(stride)]
     if x.device.type in WHOLE_FORWARD_DEVICES:
         return conv(x, weight, bias, stride, padding, dilation, groups)
     chunks = _conv_item_spans(x.shape, weight.shape, stride, padding, dilation)
-    return by_items(chunks, x.shape[0], lambda start, stop: conv(
-        x if len(chunks) == 1 else x[start:stop], weight, bias, stride, padding, dilation, groups))
+    return sliced_unless_room(chunks, x.shape[0], x.device, _whole_conv_bytes(x.shape, weight.shape, x.element_size(),
+                                                                               stride, padding, dilation),
+                              lambda spans: by_items(spans, x.shape[0], lambda start, stop: conv(
+                                  x if len(spans) == 1 else x[start:stop], weight, bias, stride, padding, dilation,
+                                  groups)))
 
 
 def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | AffineSum | None, grad_out: Tensor, padded_shape,
@@ -225,20 +245,23 @@ def _conv_backward(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | Aff
     layer that is one of the few full-size tensors its backward peak is made of. Past ``CONV_CHUNK_ELEMENTS``
     each pass works on a slice of the batch at a time (:func:`_conv_param_grads`; the input gradient's slices
     laid into one tensor: the CPU's oneDNN makes the stand-in whole and several input-sized temporaries beside
-    it)."""
+    it), unless the device has room for the whole batch's (:func:`~act_hf._chunks.sliced_unless_room`)."""
     stride, padding, dilation, groups, pad = conv_args
     args = (list(stride), list(padding), list(dilation), False, [0] * len(stride), groups)
     need_x, need_w, need_b = need
     grad_x = grad_w = grad_b = None
     chunks = _conv_item_spans(padded_shape, weight.shape, stride, padding, dilation)
+    batch, device = padded_shape[0], grad_out.device
+    whole = _whole_conv_bytes(padded_shape, weight.shape, grad_out.element_size(), stride, padding, dilation)
     if need_w or need_b:
-        grad_w, grad_b = _conv_param_grads(grad_out, saved, weight, bias_shape, args, padded_shape, pad, need_w,
-                                           need_b, chunks)
+        grad_w, grad_b = sliced_unless_room(chunks, batch, device, whole, lambda spans: _conv_param_grads(
+            grad_out, saved, weight, bias_shape, args, padded_shape, pad, need_w, need_b, spans))
     if need_x:
-        grad_x = by_items(chunks, padded_shape[0], lambda start, stop: torch.ops.aten.convolution_backward(
-            grad_out if len(chunks) == 1 else grad_out[start:stop],
-            _conv_input(None, grad_out, (stop - start, *padded_shape[1:])), weight, None, *args,
-            [True, False, False])[0])
+        grad_x = sliced_unless_room(chunks, batch, device, whole, lambda spans: by_items(
+            spans, batch, lambda start, stop: torch.ops.aten.convolution_backward(
+                grad_out if len(spans) == 1 else grad_out[start:stop],
+                _conv_input(None, grad_out, (stop - start, *padded_shape[1:])), weight, None, *args,
+                [True, False, False])[0]))
         if pad is not None:
             grad_x = _unpad(grad_x, pad, input_shape)
     return grad_x, grad_w, grad_b

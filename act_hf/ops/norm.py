@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunks import in_place, row_spans, scaled_as
+from .._chunks import in_place, row_spans, scaled_as, sliced_unless_room
 from .._constants import zeros_and_ones
 from ..compress import (
     PackedTensor,
@@ -627,7 +627,8 @@ def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | No
 
 #: Past this many input elements, BatchNorm's backward decodes its normalized input a slice of the batch at a time,
 #: twice (for the per-channel sums, then for the input gradient; :func:`_bn_backward_by_items`), and never whole: at
-#: resnet50's stage 1 the decoded input is one of the input-sized tensors its backward's highest point holds.
+#: resnet50's stage 1 the decoded input is one of the input-sized tensors its backward's highest point holds. Whole
+#: all the same when the device has room for it (``ACT_HF_SLICING``, :func:`~act_hf._chunks.sliced_unless_room`).
 BATCH_NORM_CHUNK_ELEMENTS = 1 << 26
 
 
@@ -684,6 +685,13 @@ def _bn_backward_by_items(grad_out: Tensor, packed: PackedTensor, weight: Tensor
 
 #: Below this many values per channel, BatchNorm keeps its (small) normalized input exact.
 MIN_VALUES_PER_CHANNEL = 32
+
+
+def _bn_backward_whole(grad_out: Tensor, packed: PackedTensor | Tensor, weight: Tensor | None, invstd: Tensor,
+                       mask: list[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`_bn_backward_from_x_hat` with the normalized input decoded whole, in the gradient's dtype."""
+    x_norm = packed.to(grad_out.dtype) if isinstance(packed, Tensor) else dequantize(packed, grad_out.dtype)
+    return _bn_backward_from_x_hat(grad_out, x_norm, weight, invstd, mask)
 
 
 class ActBatchNormFunction(torch.autograd.Function):
@@ -753,13 +761,14 @@ class ActBatchNormFunction(torch.autograd.Function):
                 grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
             return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
         mask = [need_x, need_w and weight is not None, need_b and weight is not None]
-        if (isinstance(packed, PackedTensor) and grad_out.numel() > BATCH_NORM_CHUNK_ELEMENTS
-                and items_decodable(packed)):
-            chunks = list(row_spans(grad_out, BATCH_NORM_CHUNK_ELEMENTS))
-            grad_x, grad_w, grad_b = _bn_backward_by_items(grad_out, packed, weight, invstd, mask, chunks)
-        else:
-            x_norm = packed.to(grad_out.dtype) if isinstance(packed, Tensor) else dequantize(packed, grad_out.dtype)
-            grad_x, grad_w, grad_b = _bn_backward_from_x_hat(grad_out, x_norm, weight, invstd, mask)
+        sliceable = (isinstance(packed, PackedTensor) and grad_out.numel() > BATCH_NORM_CHUNK_ELEMENTS
+                     and items_decodable(packed))
+        chunks = list(row_spans(grad_out, BATCH_NORM_CHUNK_ELEMENTS)) if sliceable else [(0, shape[0])]
+        # whole: the decoded input, the input gradient and aten's temporaries beside them
+        grad_x, grad_w, grad_b = sliced_unless_room(
+            chunks, shape[0], grad_out.device, 3 * grad_out.numel() * grad_out.element_size(),
+            lambda spans: _bn_backward_by_items(grad_out, packed, weight, invstd, mask, spans) if len(spans) > 1
+            else _bn_backward_whole(grad_out, packed, weight, invstd, mask))
         if grad_b is None and need_b:
             grad_b = grad_out.reshape(shape[0], shape[1], -1).float().sum((0, 2))
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None

@@ -581,7 +581,8 @@ def test_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, op
     """Past ``RECOMPUTE_CHUNK_ELEMENTS`` the backward recomputes attention chunk by chunk over the batch (whole
     images' windows together): the same gradients as one pass, a broadcast bias's summed over the chunks, a
     per-item mask's and eager attention's keep mask sliced with the batch. SDPA with dropout stays one call (its
-    mask is drawn for the whole shape). float64, so only summation order may differ."""
+    mask is drawn for the whole shape). float64, so only summation order may differ. Where the device has room
+    for the whole batch (``ACT_HF_SLICING=never``) it is one pass again, bit for bit."""
     from act_hf.ops import attention
 
     images, windows, n, d = 5, 4, 9, 8
@@ -615,6 +616,7 @@ def test_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, op
 
     out, one_pass, _ = run()
     chunks, decoded = [], []
+    monkeypatch.setenv("ACT_HF_SLICING", "always")  # the slices, whatever room a GPU has
     monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", 2 * windows * 4 * n * n)  # two images a chunk
     monkeypatch.setattr(attention, "_grads_by_chunks", lambda c, *a: chunks.append(c) or _grads_by_chunks(c, *a))
     monkeypatch.setattr(attention, "dequantize_items",
@@ -630,6 +632,14 @@ def test_backward_over_batch_chunks_gives_the_one_pass_gradients(monkeypatch, op
     assert torch.equal(out, chunked_out)
     for a, b in zip(one_pass, chunked):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    monkeypatch.setenv("ACT_HF_SLICING", "never")  # room for the whole batch: one pass past the threshold too
+    chunks.clear()
+    decoded.clear()
+    room_out, room, _ = run()
+    assert chunks == [] and decoded == [(0, 20)] * 3
+    assert torch.equal(room_out, out)
+    for a, b in zip(one_pass, room):
+        assert torch.equal(b, a)
 
 
 @pytest.mark.parametrize("case", ["swin_bias_and_shift", "per_item_mask", "dropout"])
@@ -669,6 +679,7 @@ def test_eager_forward_without_weights_runs_over_batch_chunks(monkeypatch, case,
 
     out, _, weights, largest = run(True)
     assert weights is not None and weights.shape == (images * windows, heads, n, n) and largest >= matrices
+    monkeypatch.setenv("ACT_HF_SLICING", "always")  # the slices, whatever room a GPU has
     monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", 2 * windows * heads * n * n)  # two images a chunk
     same_out, same_grads, weights, largest = run(True)
     assert weights is not None and largest >= matrices
@@ -704,6 +715,7 @@ def test_sdpa_with_a_window_mask_runs_over_batch_chunks(monkeypatch, dtype):
         grads = torch.autograd.grad(got[0], (q, k, v, bias), grad_out.to(got[0].dtype))
         return got[0], grads, max(t.numel() for _, outs in ops for t in outs if isinstance(t, torch.Tensor))
 
+    monkeypatch.setenv("ACT_HF_SLICING", "always")  # the slices, whatever room a GPU has
     monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", 2 * windows * heads * n * n)  # two images a chunk
     with monkeypatch.context() as whole:
         whole.setattr(attention, "_windowed_sdpa", _sdpa_whole)
@@ -934,6 +946,7 @@ def test_timm_fused_qkv_is_copied_once(monkeypatch, name, fused, chunks):
     tokens = 49 if name == "swin" else 17
     x = torch.randn(16 if name == "swin" else 4, tokens, module.qkv.in_features, requires_grad=True)
     args = (torch.zeros(4, 49, 49),) if name == "swin" else ()  # Swin's shift mask: 4 windows an image
+    monkeypatch.setenv("ACT_HF_SLICING", "always")  # the slices, whatever room a GPU has
     monkeypatch.setattr(attention, "RECOMPUTE_CHUNK_ELEMENTS", x.shape[0] * module.num_heads * tokens**2 // chunks)
 
     def copies(forward) -> tuple[list[int], int]:

@@ -297,6 +297,7 @@ def test_conv_past_the_chunk_size_runs_a_slice_of_the_batch_at_a_time(monkeypatc
             return func(*args, **(kwargs or {}))
 
     runs = []
+    monkeypatch.setenv("ACT_HF_SLICING", "always")  # the slices, whatever room a GPU has
     for chunk in (linear_ops.CONV_CHUNK_ELEMENTS, 1):
         monkeypatch.setattr(linear_ops, "CONV_CHUNK_ELEMENTS", chunk)
         act_hf.manual_seed(0)
@@ -335,6 +336,7 @@ def test_conv_slices_on_the_gpu_under_autocast_give_the_whole_calls_values(monke
     x = torch.randn(6, 16, 20, 20, device="cuda")
     g = torch.randn(6, 32, 20, 20, device="cuda")
     runs = []
+    monkeypatch.setenv("ACT_HF_SLICING", "always")  # the slices, whatever room a GPU has
     for chunk in (linear_ops.CONV_CHUNK_ELEMENTS, 16 * 20 * 20 * 2):  # slices of 1 item (the output's 32 channels)
         monkeypatch.setattr(linear_ops, "CONV_CHUNK_ELEMENTS", chunk)
         act_hf.manual_seed(0)
@@ -346,6 +348,33 @@ def test_conv_slices_on_the_gpu_under_autocast_give_the_whole_calls_values(monke
         act.zero_grad()
     for whole, sliced in zip(*runs):
         torch.testing.assert_close(sliced, whole, rtol=2e-2, atol=2e-2 * whole.abs().max().item())
+
+
+def test_a_conv_past_the_chunk_size_runs_whole_where_the_device_has_room(monkeypatch):
+    """Where the device has room for the whole batch (``ACT_HF_SLICING=never``: room whatever the device), a conv
+    past ``CONV_CHUNK_ELEMENTS`` makes one call a pass, forward (where it would be sliced) and backward, and its
+    output and gradients are those of a batch below the threshold, bit for bit."""
+    from act_hf.ops import linear as linear_ops
+
+    monkeypatch.setattr(linear_ops, "WHOLE_FORWARD_DEVICES", ())
+    torch.manual_seed(0)
+    act = convert(nn.Conv2d(4, 6, 3, padding=1), ActConvMixin, bits=4)
+    x = torch.randn(5, 4, 8, 8)
+    runs = []
+    for chunk, mode in ((linear_ops.CONV_CHUNK_ELEMENTS, "always"), (1, "never")):
+        monkeypatch.setattr(linear_ops, "CONV_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setenv("ACT_HF_SLICING", mode)
+        act_hf.manual_seed(0)
+        xa = x.clone().requires_grad_()
+        ops = dispatched(lambda xa=xa: act(xa).backward(torch.ones(5, 6, 8, 8)))
+        convs = [func for func, _ in ops if func in (torch.ops.aten.convolution.default,
+                                                     torch.ops.aten.convolution_backward.default)]
+        runs.append((convs, xa.grad, act.weight.grad.clone(), act.bias.grad.clone()))
+        act.zero_grad()
+    (convs_small, *grads_small), (convs_room, *grads_room) = runs
+    assert convs_room == convs_small and len(convs_room) == 3  # forward, weight gradient, input gradient
+    for small, room in zip(grads_small, grads_room):
+        assert torch.equal(room, small)
 
 
 def test_an_unbatched_conv_input_convolves_as_a_batch_of_one():

@@ -689,6 +689,32 @@ def test_batch_norm_packs_a_channels_last_normalized_input_slice_by_slice(monkey
     _check_grads("BN by slices", x.grad, {n: p.grad for n, p in act.named_parameters()}, *_grads_f64(bn, x, g), 30)
 
 
+def test_batch_norm_backward_past_the_chunk_size_decodes_whole_where_the_device_has_room(monkeypatch):
+    """Where the device has room (``ACT_HF_SLICING=never``: room whatever the device), BatchNorm's backward past
+    ``BATCH_NORM_CHUNK_ELEMENTS`` decodes its normalized input once, whole, and its gradients are those below the
+    threshold, bit for bit."""
+    from act_hf.ops import norm as norm_ops
+
+    torch.manual_seed(20)
+    act = _act(_randomize(nn.BatchNorm2d(8)), ActBatchNormMixin, bits=8)
+    x, g = torch.randn(6, 8, 8, 8) * 2 + 0.3, torch.randn(6, 8, 8, 8)
+    runs = []
+    for chunk, mode in ((norm_ops.BATCH_NORM_CHUNK_ELEMENTS, "always"), (2 * 8 * 8 * 8, "never")):
+        monkeypatch.setattr(norm_ops, "BATCH_NORM_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setenv("ACT_HF_SLICING", mode)
+        act_hf.manual_seed(0)
+        xx = x.clone().requires_grad_()
+        y = act(xx)
+        ops = dispatched(functools.partial(y.backward, g))
+        decoded = [out[0].numel() for func, out in ops if func is torch.ops.act_hf.unpack_dequantize.default]
+        runs.append((decoded, xx.grad, act.weight.grad.clone(), act.bias.grad.clone()))
+        act.zero_grad()
+    (decoded_small, *grads_small), (decoded_room, *grads_room) = runs
+    assert decoded_room == decoded_small == [x.numel()]
+    for small, room in zip(grads_small, grads_room):
+        assert torch.equal(room, small)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -709,6 +735,7 @@ def test_batch_norm_backward_decodes_its_normalized_input_a_slice_at_a_time(monk
     if channels_last:
         x, g = (t.contiguous(memory_format=torch.channels_last) for t in (x, g))
     runs = []
+    monkeypatch.setenv("ACT_HF_SLICING", "always")  # the slices, whatever room a GPU has
     for chunk in (norm_ops.BATCH_NORM_CHUNK_ELEMENTS, 2 * 8 * 8 * 8):  # slices of 2 items
         monkeypatch.setattr(norm_ops, "BATCH_NORM_CHUNK_ELEMENTS", chunk)
         act_hf.manual_seed(0)
