@@ -32,6 +32,8 @@ which hidden states are channel scaled, as in every real model.
         --batch 8 --steps 1 --attention-chunk-elements 524288     # swin-tiny's attention chunks of batch 256
     python benchmarks/benchmark_host_overhead.py --stub-codec --settings unpatched bits3 bits3:linear \
         bits3:attention bits3:norm bits3:dropout bits3:activation      # what each kind of module adds alone
+    python benchmarks/benchmark_host_overhead.py --timm resnet50 --image-size 224 --batch 8 --steps 1 \
+        --slice-elements 2097152 --slicing never     # batch 256's slices on a GPU (always) or the whole batch
 
 A setting ``bitsN:KIND[+KIND...]`` patches only those kinds (``ActConfig.kinds``, of ``act_hf.config.ACT_KINDS``).
 
@@ -52,9 +54,12 @@ from pathlib import Path
 import torch
 
 import act_hf
+from act_hf._chunks import SLICING_MODES
 from act_hf.compress import reference
 from act_hf.config import ACT_KINDS
 from act_hf.ops import attention
+from act_hf.ops import linear as linear_ops
+from act_hf.ops import norm as norm_ops
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_saved_memory import _meta, pyplot
@@ -360,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="act_hf.ops.attention.RECOMPUTE_CHUNK_ELEMENTS for the run: a small batch then runs "
                              "the attention chunks a large one does on a GPU (swin-tiny at batch 8 with 524288: "
                              "batch 256's 38 chunks a way)")
+    parser.add_argument("--slice-elements", type=int, metavar="N",
+                        help="act_hf's CONV_CHUNK_ELEMENTS and BATCH_NORM_CHUNK_ELEMENTS for the run, the forward "
+                             "convolutions sliced on the CPU too: a small batch then runs the slices a large one does "
+                             "on a GPU (resnet50 at batch 8 with 2097152: batch 256's)")
+    parser.add_argument("--slicing", choices=SLICING_MODES,
+                        help="ACT_HF_SLICING for the run (default: always with --slice-elements or "
+                             "--attention-chunk-elements, else as set)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     for name in args.settings:
@@ -374,13 +386,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--timm and --hf-fallback: one model at a time")
     if args.device == "cuda" and (args.stub_codec or not torch.cuda.is_available()):
         parser.error("--device cuda: needs a GPU, and runs the CUDA kernels (no --stub-codec)")
-    if args.attention_chunk_elements is not None and args.attention_chunk_elements < 1:
-        parser.error(f"--attention-chunk-elements must be >= 1, got {args.attention_chunk_elements}")
+    for name in ("attention_chunk_elements", "slice_elements"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     chunk_elements, slicing = attention.RECOMPUTE_CHUNK_ELEMENTS, os.environ.get("ACT_HF_SLICING")
+    slices = (linear_ops.CONV_CHUNK_ELEMENTS, norm_ops.BATCH_NORM_CHUNK_ELEMENTS, linear_ops.WHOLE_FORWARD_DEVICES)
     if args.attention_chunk_elements is not None:
         attention.RECOMPUTE_CHUNK_ELEMENTS = args.attention_chunk_elements
-        os.environ["ACT_HF_SLICING"] = "always"  # the chunks, whatever room a GPU has
+    if args.slice_elements is not None:
+        linear_ops.CONV_CHUNK_ELEMENTS = norm_ops.BATCH_NORM_CHUNK_ELEMENTS = args.slice_elements
+        linear_ops.WHOLE_FORWARD_DEVICES = ()
+    if args.slicing is None and (args.attention_chunk_elements or args.slice_elements):
+        args.slicing = "always"  # the slices, whatever room a GPU has
+    if args.slicing is not None:
+        os.environ["ACT_HF_SLICING"] = args.slicing
     saved = {name: getattr(reference, name) for name in STUBS}
     if args.stub_codec:
         for name, stub in STUBS.items():
@@ -394,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, kernel in saved.items():
             setattr(reference, name, kernel)
         attention.RECOMPUTE_CHUNK_ELEMENTS = chunk_elements
+        linear_ops.CONV_CHUNK_ELEMENTS, norm_ops.BATCH_NORM_CHUNK_ELEMENTS, linear_ops.WHOLE_FORWARD_DEVICES = slices
         if slicing is None:
             os.environ.pop("ACT_HF_SLICING", None)
         else:
@@ -406,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                                          "hf_fallback": args.hf_fallback,
                                          "image_size": args.image_size, "stub_codec": args.stub_codec,
                                          "autocast": not args.fp32,
-                                         "attention_chunk_elements": args.attention_chunk_elements or chunk_elements}
+                                         "attention_chunk_elements": args.attention_chunk_elements or chunk_elements,
+                                         "slice_elements": args.slice_elements or slices[0],
+                                         "slicing": args.slicing or slicing or "auto"}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     model = (f"timm {args.timm} ({args.image_size} px images, batch {args.batch})" if args.timm else
@@ -415,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
              f"Tiny BERT ({args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq})")
     if args.attention_chunk_elements is not None:
         model += f", attention recomputed in chunks of {args.attention_chunk_elements} matrix elements"
+    if args.slice_elements is not None:
+        model += f", convolutions and BatchNorm's backward sliced past {args.slice_elements} elements"
+    if args.slicing is not None:
+        model += f", ACT_HF_SLICING={args.slicing}"
     codec = ("stubbed (host work only)" if args.stub_codec else "CUDA kernels" if args.device == "cuda"
              else "real (CPU reference)")
     lines = [(f"{model}, {'fp32' if args.fp32 else 'bf16 autocast'}, one thread, best of 3 x {args.steps} steps; "

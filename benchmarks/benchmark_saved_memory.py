@@ -22,6 +22,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -181,6 +182,7 @@ def _meta(device) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__, "transformers": transformers.__version__, "timm": timm.__version__,
         "act_hf": act_hf.__version__, "commit": commit, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "act_hf_slicing": os.environ.get("ACT_HF_SLICING") or "auto",  # when ops slice the batch (README, Ops)
     }
 
 

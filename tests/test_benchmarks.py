@@ -376,6 +376,34 @@ def test_host_overhead_times_both_settings_and_puts_the_codec_back(tmp_path):
     assert (tmp_path / "host_overhead.md").read_text().startswith("timm resnet18 (32 px images, batch 2)")
 
 
+def test_host_overhead_slices_a_small_batch_as_a_large_one_and_runs_it_whole_with_room(tmp_path, monkeypatch):
+    """``--slice-elements``: convolutions (forward too) and BatchNorm's backward run in the slices a large batch gets
+    on a GPU, more device ops than the whole batch's, which ``--slicing never`` (room for it) runs instead; the
+    modules' constants and ``ACT_HF_SLICING`` are put back after, and both are recorded."""
+    from act_hf.ops import linear as linear_ops
+    from act_hf.ops import norm as norm_ops
+
+    host_overhead = _load("benchmark_host_overhead")
+    monkeypatch.setenv("ACT_HF_SLICING", "auto")
+    before = (linear_ops.CONV_CHUNK_ELEMENTS, norm_ops.BATCH_NORM_CHUNK_ELEMENTS, linear_ops.WHOLE_FORWARD_DEVICES)
+    ops = {}
+    for mode in ("always", "never"):
+        out = tmp_path / mode
+        assert host_overhead.main(["--stub-codec", "--timm", "resnet18", "--image-size", "32", "--batch", "2",
+                                   "--steps", "1", "--settings", "bits3", "--slice-elements", "20000", "--slicing",
+                                   mode, "--out", str(out)]) == 0
+        result = json.loads((out / "host_overhead.json").read_text())
+        assert result["meta"]["slice_elements"] == 20000 and result["meta"]["slicing"] == mode
+        assert f"sliced past 20000 elements, ACT_HF_SLICING={mode}" in (out / "host_overhead.md").read_text()
+        ops[mode] = result["rows"][0]["ops_by_name"]
+    assert ops["always"]["convolution"] > ops["never"]["convolution"] == 20  # resnet18's 20 convolutions, once each
+    assert ops["always"]["convolution_backward"] > ops["never"]["convolution_backward"]
+    assert before == (linear_ops.CONV_CHUNK_ELEMENTS, norm_ops.BATCH_NORM_CHUNK_ELEMENTS,
+                      linear_ops.WHOLE_FORWARD_DEVICES) and os.environ["ACT_HF_SLICING"] == "auto"
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--slice-elements", "0"])
+
+
 def test_host_overhead_runs_attention_in_the_chunks_asked_for(tmp_path, monkeypatch):
     """``--attention-chunk-elements``: the steps measured recompute attention in chunks of that many matrix
     elements (a small batch runs the chunks a large one does), recorded in the results; the module's constant is
