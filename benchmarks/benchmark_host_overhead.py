@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "autocast": not args.fp32,
                                          "attention_chunk_elements": args.attention_chunk_elements or chunk_elements,
                                          "slice_elements": args.slice_elements or slices[0],
-                                         "slicing": args.slicing or slicing or "auto"}
+                                         "act_hf_slicing": args.slicing or slicing or "auto"}  # the run's
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     model = (f"timm {args.timm} ({args.image_size} px images, batch {args.batch})" if args.timm else

@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     by_phase = {p: _site_rows(runs, p, mib) for p in (phase, "backward" if phase == "forward" else "forward")}
     rows = by_phase[phase]
     meta = _meta(device) | {"model": args.model, "setting": args.setting, "batches": [b1, b2], "dtype": args.dtype,
-                            "seq": args.seq, "slice_elements": args.slice_elements, "slicing": args.slicing}
+                            "seq": args.seq, "slice_elements": args.slice_elements}
     result = {"meta": meta, "peak_mib_per_sample": slopes[phase], "phase": phase,
               "phase_peaks_mib_per_sample": slopes, "overall_peak_phases": [run["phase"] for run in runs],
               "peaks": [run["peak"] for run in runs], "sites": rows, "sites_by_phase": by_phase}

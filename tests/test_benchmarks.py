@@ -393,7 +393,7 @@ def test_host_overhead_slices_a_small_batch_as_a_large_one_and_runs_it_whole_wit
                                    "--steps", "1", "--settings", "bits3", "--slice-elements", "20000", "--slicing",
                                    mode, "--out", str(out)]) == 0
         result = json.loads((out / "host_overhead.json").read_text())
-        assert result["meta"]["slice_elements"] == 20000 and result["meta"]["slicing"] == mode
+        assert result["meta"]["slice_elements"] == 20000 and result["meta"]["act_hf_slicing"] == mode
         assert f"sliced past 20000 elements, ACT_HF_SLICING={mode}" in (out / "host_overhead.md").read_text()
         ops[mode] = result["rows"][0]["ops_by_name"]
     assert ops["always"]["convolution"] > ops["never"]["convolution"] == 20  # resnet18's 20 convolutions, once each
