@@ -158,10 +158,12 @@ def test_cuda_room_follows_the_allocator_and_the_process_share(monkeypatch):
     monkeypatch.setenv("ACT_HF_SLICING", "auto")
     device = torch.device("cuda")
     allocated, reserved, free, limit = device_headroom(device)
-    assert 0 <= allocated <= reserved and 0 < free <= limit
+    assert 0 <= allocated <= reserved and free > 0 and limit > allocated
     assert has_room(device, 1 << 20) and not has_room(device, limit)
     held = torch.empty(1 << 26, dtype=torch.uint8, device=device)
     assert device_headroom(device)[0] >= allocated + held.numel()
+    if not hasattr(torch.cuda, "get_per_process_memory_fraction"):  # torch < 2.9: the device's total is the limit
+        return
     share = torch.cuda.get_per_process_memory_fraction(device)
     torch.cuda.set_per_process_memory_fraction(0.05, device)
     try:
