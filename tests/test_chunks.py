@@ -162,7 +162,7 @@ def test_cuda_room_follows_the_allocator_and_the_process_share(monkeypatch):
     assert has_room(device, 1 << 20) and not has_room(device, limit)
     held = torch.empty(1 << 26, dtype=torch.uint8, device=device)
     assert device_headroom(device)[0] >= allocated + held.numel()
-    if not hasattr(torch.cuda, "get_per_process_memory_fraction"):  # torch < 2.9: the device's total is the limit
+    if not hasattr(torch.cuda, "get_per_process_memory_fraction"):  # an older torch: the device's total is the limit
         return
     share = torch.cuda.get_per_process_memory_fraction(device)
     torch.cuda.set_per_process_memory_fraction(0.05, device)
