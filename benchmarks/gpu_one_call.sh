@@ -17,8 +17,8 @@
 # by mistake: 1336 fit with 10.36 GB allocated and 14.89 GB held); what is alive at resnet50's 2-bit highest points,
 # at batches 384 and 512 (sliced as near a cap: memory_at_peak.py's --slicing always), past which every tensor a
 # convolution or BatchNorm slices is sliced at both (the tenth's 64 and 128 sliced some at 128 alone, so its
-# per-sample slopes mixed two regimes); then swin-tiny's largest batch at 2 bits, with expandable segments, while
-# time is left.
+# per-sample slopes mixed two regimes); resnet50 at 256 again with ACT_HF_SLICING=always, to isolate what running
+# ops whole saves; then swin-tiny's largest batch at 2 bits, with expandable segments, while time is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -78,6 +78,12 @@ timeout "$(cap 90)" "$PY" benchmarks/memory_at_peak.py --model resnet50 --settin
   --batches 384 512 --out "$W/peak_resnet" >"$W/peak_resnet.log" 2>&1
 echo "peak exit $?"; head -n 3 "$W/peak_resnet/memory_at_peak_resnet50_bits2.md" 2>/dev/null; bundle
 
+part "resnet50 at equal batch 256 at 3 bits with ACT_HF_SLICING=always (the tenth run's slices), against auto above"
+mkdir -p "$W/resnet256always"
+ACT_HF_SLICING=always timeout "$(cap 60)" "$PY" $GT --models resnet50 --settings bits3 --no-search --no-curve \
+  --batch 256 --steps 5 --warmup 2 --out "$W/resnet256always" >"$W/resnet256always.log" 2>&1
+echo "resnet256always exit $?"; cat "$W/resnet256always/gpu_training.md" 2>/dev/null; bundle
+
 part "swin-tiny's largest batch under 16 GiB at 2 bits (6.5x of 233 is 1515), expandable segments"
 mkdir -p "$W/swincap"
 timeout "$(cap $(( $(left) - 5 )))" "$PY" $GT --models swin-tiny --settings bits2 --cap 16GiB --resolution 0.03 \
@@ -85,7 +91,7 @@ timeout "$(cap $(( $(left) - 5 )))" "$PY" $GT --models swin-tiny --settings bits
   --out "$W/swincap" >"$W/swincap.log" 2>&1
 echo "swincap exit $?"; cat "$W/swincap/gpu_training.md" 2>/dev/null; bundle
 
-for name in resnet256 large256 resnetcap swincap; do
+for name in resnet256 large256 resnetcap resnet256always swincap; do
   cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null
 done
 cp "$W/profile_resnet/profile_resnet50.md" "$OUT/profile_resnet.md" 2>/dev/null
