@@ -136,6 +136,7 @@ def act_linear(x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSetti
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 #: The most elements the input or the output of one convolution call holds: a larger batch runs a slice at a time,
 #: in the weight and input gradients' passes and (off ``WHOLE_FORWARD_DEVICES``) the forward. Their working memory
@@ -198,7 +199,8 @@ def _conv_input(packed: PackedTensor | RectifiedAffine | AffineTerm | AffineSum 
                 pad: tuple[int, ...] | None = None, items: Items = None) -> Tensor:
     """What ``convolution_backward`` reads as the input: the saved input's values (its batch ``items`` alone,
     if given) in the gradient's dtype, padded with ``pad`` (``F.pad``'s form) where the op padded it, or, when
-    only the input gradient is wanted, a zero-stride stand-in of ``padded_shape`` (only its shape is read)."""
+    the weight's gradient is not wanted (a bias's alone), a zero-stride stand-in of ``padded_shape`` (only its
+    shape is read)."""
     if packed is None:
         return zero_scalar(grad_out).expand(padded_shape)
     values = input_values(packed, grad_out.dtype, items)
@@ -238,14 +240,13 @@ def _conv_backward(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | Aff
                    weight: Tensor, bias_shape: list[int] | None, conv_args: tuple, padded_shape, input_shape,
                    need: tuple[bool, bool, bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(grad_x, grad_w, grad_b)`` of a convolution (``weight`` in the gradient's dtype; ``need``: which are
-    wanted, the bias's only with a ``bias_shape``) in two passes of ``convolution_backward``: the weight and bias
-    gradients from the saved input's values, which are freed then, and the input gradient from the weight alone,
-    the input a zero-stride stand-in of its shape (as ``torch.nn.grad.conv2d_input`` passes it). One call would
-    hold the decoded input and the input gradient, each as large as the input, at once: at a network's widest
-    layer that is one of the few full-size tensors its backward peak is made of. Past ``CONV_CHUNK_ELEMENTS``
-    each pass works on a slice of the batch at a time (:func:`_conv_param_grads`; the input gradient's slices
-    laid into one tensor: the CPU's oneDNN makes the stand-in whole and several input-sized temporaries beside
-    it), unless the device has room for the whole batch's (:func:`~act_hf._chunks.sliced_unless_room`)."""
+    wanted, the bias's only with a ``bias_shape``) in two passes: ``convolution_backward`` of the weight and bias
+    gradients from the saved input's values, which are freed then, and the input gradient from the weight alone
+    (:func:`_conv_input_grad`). One call would hold the decoded input and the input gradient, each as large as the
+    input, at once: at a network's widest layer that is one of the few full-size tensors its backward peak is made
+    of. Past ``CONV_CHUNK_ELEMENTS`` each pass works on a slice of the batch at a time (:func:`_conv_param_grads`;
+    the input gradient's slices laid into one tensor), unless the device has room for the whole batch's
+    (:func:`~act_hf._chunks.sliced_unless_room`)."""
     stride, padding, dilation, groups, pad = conv_args
     args = (list(stride), list(padding), list(dilation), False, [0] * len(stride), groups)
     need_x, need_w, need_b = need
@@ -258,13 +259,29 @@ def _conv_backward(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | Aff
             grad_out, saved, weight, bias_shape, args, padded_shape, pad, need_w, need_b, spans))
     if need_x:
         grad_x = sliced_unless_room(chunks, batch, device, whole, lambda spans: by_items(
-            spans, batch, lambda start, stop: torch.ops.aten.convolution_backward(
-                grad_out if len(spans) == 1 else grad_out[start:stop],
-                _conv_input(None, grad_out, (stop - start, *padded_shape[1:])), weight, None, *args,
-                [True, False, False])[0]))
+            spans, batch, lambda start, stop: _conv_input_grad(
+                grad_out if len(spans) == 1 else grad_out[start:stop], weight, (stop - start, *padded_shape[1:]),
+                args)))
         if pad is not None:
             grad_x = _unpad(grad_x, pad, input_shape)
     return grad_x, grad_w, grad_b
+
+
+def _conv_input_grad(grad_out: Tensor, weight: Tensor, padded_shape, args: tuple) -> Tensor:
+    """The input gradient of a convolution over an input of ``padded_shape`` (``convolution_backward``'s ``args``
+    after the bias sizes), from ``grad_out`` and ``weight`` alone. Ungrouped, as the transposed convolution of
+    ``grad_out`` (the backward-data kernel ``convolution_backward`` runs, the same values bit for bit): given an
+    input, even a zero-stride stand-in, ``convolution_backward`` makes it contiguous first, an input-sized copy
+    written for nothing (``test_conv_input_gradient_makes_no_input_sized_copy``). Grouped convolutions (depthwise
+    ones have kernels of their own) keep ``convolution_backward`` and the stand-in."""
+    stride, padding, dilation, _, _, groups = args
+    if groups != 1:
+        return torch.ops.aten.convolution_backward(grad_out, zero_scalar(grad_out).expand(padded_shape), weight,
+                                                   None, *args, [True, False, False])[0]
+    # the input's trailing rows and columns no output reads (a stride past the last window): output_padding
+    extra = [n - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for n, o, s, p, d, k in
+             zip(padded_shape[2:], grad_out.shape[2:], stride, padding, dilation, weight.shape[2:])]
+    return _CONV_TRANSPOSE[len(stride)](grad_out, weight, None, stride, padding, extra, 1, dilation)
 
 
 def _unpad(grad: Tensor, pad: tuple[int, ...], shape: torch.Size) -> Tensor:

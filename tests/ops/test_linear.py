@@ -294,6 +294,8 @@ def test_conv_past_the_chunk_size_runs_a_slice_of_the_batch_at_a_time(monkeypatc
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten.convolution_backward.default:
                 calls.append(list(args[-1]))
+            elif func is torch.ops.aten.convolution.default and args[6]:  # transposed: an input gradient's pass
+                calls.append([True, False, False])
             return func(*args, **(kwargs or {}))
 
     runs = []
@@ -377,6 +379,61 @@ def test_a_conv_past_the_chunk_size_runs_whole_where_the_device_has_room(monkeyp
         assert torch.equal(room, small)
 
 
+def test_conv_input_gradient_makes_no_input_sized_copy():
+    """The input gradient's pass allocates its result and nothing else as large: given an input, even a zero-stride
+    stand-in, ``convolution_backward`` copies it contiguous first (twice the input's bytes in all), which the
+    transposed convolution act_hf runs instead does not; the values are the same bit for bit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from act_hf._constants import zero_scalar
+    from act_hf.ops.linear import _conv_input_grad
+
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 64, 28, 28, dtype=torch.bfloat16), torch.randn(64, 64, 3, 3, dtype=torch.bfloat16)
+    g = torch.nn.functional.conv2d(x, w, None, 1, 1)
+    args = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+
+    def allocated(fn):
+        fn()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+        return out, sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
+
+    ours, ours_bytes = allocated(lambda: _conv_input_grad(g, w, x.shape, args))
+    aten, aten_bytes = allocated(lambda: torch.ops.aten.convolution_backward(
+        g, zero_scalar(g).expand(x.shape), w, None, *args, [True, False, False])[0])
+    nbytes = x.numel() * x.element_size()
+    assert ours_bytes < 1.5 * nbytes and aten_bytes >= 2 * nbytes
+    assert torch.equal(ours, aten) and ours.stride() == aten.stride()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, out_channels, kernel, stride, padding, dilation", [
+    ((2, 3, 15, 13), 8, 3, 2, 1, 1),  # the stride leaves a row and a column no window reads: output_padding
+    ((2, 16, 23, 19), 32, 5, 3, 2, 1),
+    ((4, 64, 14, 14), 128, 1, 2, 0, 1),  # a ResNet downsample
+    ((2, 8, 9, 9), 16, 3, 1, 2, 2),
+])
+def test_conv_input_gradient_is_convolution_backwards_bit_for_bit(device, dtype, shape, out_channels, kernel,
+                                                                  stride, padding, dilation):
+    """An ungrouped conv's input gradient, a transposed convolution of the output's gradient, is the one
+    ``convolution_backward`` computes, bit for bit, in its layout (channels last too)."""
+    from act_hf.ops.linear import _conv_input_grad
+
+    torch.manual_seed(0)
+    for channels_last in (False, True):
+        x = torch.randn(shape, device=device, dtype=dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        w = torch.randn(out_channels, shape[1], kernel, kernel, device=device, dtype=dtype)
+        g = torch.randn_like(torch.nn.functional.conv2d(x, w, None, stride, padding, dilation))
+        args = ([stride] * 2, [padding] * 2, [dilation] * 2, False, [0, 0], 1)
+        expected = torch.ops.aten.convolution_backward(g, x, w, None, *args, [True, False, False])[0]
+        got = _conv_input_grad(g, w, x.shape, args)
+        assert torch.equal(got, expected) and got.stride() == expected.stride()
+
+
 def test_an_unbatched_conv_input_convolves_as_a_batch_of_one():
     """``nn.Conv2d`` takes a ``(C, H, W)`` input; so does its converted form, forward and backward."""
     torch.manual_seed(0)
@@ -394,9 +451,10 @@ def test_an_unbatched_conv_input_convolves_as_a_batch_of_one():
 
 @pytest.mark.parametrize("cls, kwargs, shape", [CONV_CASES[1], CONV_CASES[2], CONV_CASES[5]])
 def test_conv_backward_frees_the_decoded_input_before_the_input_gradient(cls, kwargs, shape):
-    """Two ``convolution_backward`` passes: the weight and bias gradients from the decoded input, then the input
-    gradient from a zero-stride stand-in of the input's shape, so the decoded input and the input gradient, each
-    as large as the input, are never alive together. The input gradient is the single call's, bit for bit."""
+    """Two passes: ``convolution_backward`` of the weight and bias gradients from the decoded input, then the input
+    gradient from the weight alone (a transposed convolution; for a grouped one ``convolution_backward`` of a
+    zero-stride stand-in of the input's shape), so the decoded input and the input gradient, each as large as the
+    input, are never alive together. The input gradient is the single call's, bit for bit."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch.manual_seed(0)
@@ -410,12 +468,15 @@ def test_conv_backward_frees_the_decoded_input_before_the_input_gradient(cls, kw
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten.convolution_backward.default:
                 calls.append((args[1].stride(), list(args[-1])))
+            elif func is torch.ops.aten.convolution.default and args[6]:  # transposed: the input gradient
+                calls.append(("transposed", list(args[1].shape)))
             return func(*args, **(kwargs or {}))
 
     with _Watch():
         y.backward(g)
     has_bias = act.bias is not None
-    assert calls == [(x.stride(), [False, True, has_bias]), ((0,) * x.dim(), [True, False, False])]
+    input_pass = ((0,) * x.dim(), [True, False, False]) if act.groups > 1 else ("transposed", list(act.weight.shape))
+    assert calls == [(x.stride(), [False, True, has_bias]), input_pass]
     single = torch.ops.aten.convolution_backward(
         g, x.detach(), act.weight, None, list(act.stride), list(act.padding), list(act.dilation), False,
         [0] * (x.dim() - 2), act.groups, [True, True, False])[0]
