@@ -8,7 +8,8 @@
 # tenth; its CUDA sources are split since, to compile in parallel: build.log's time says what that saved) and the
 # kernel tests, with BatchNorm's CUDA paths since the tenth (the in-place forward's one statistics pass,
 # batch_norm_update_stats and batch_norm_elemt; the sliced backward on aten's batch_norm_backward_reduce and
-# batch_norm_backward_elemt), never run on a GPU yet, and ACT_HF_SLICING's test; resnet50 at equal batch 256 (0.592x
+# batch_norm_backward_elemt), never run on a GPU yet, ACT_HF_SLICING's test and the convolutions' (the input
+# gradient as a transposed convolution, bit for bit convolution_backward's?); resnet50 at equal batch 256 (0.592x
 # in the tenth, its stage-1 and -2 convolutions and BatchNorms sliced; since, the ops past their thresholds run whole
 # where the GPU has room, ACT_HF_SLICING=auto) and its step under the profiler at batch 128 (the tenth's profile put
 # 6.2 ms of the 29.0 ms added at batch 128 in the second statistics pass and about 10 ms in the sliced backward's
@@ -46,9 +47,10 @@ b0=$SECONDS
 timeout 150 "$PY" -m act_hf.cli build-ext >"$W/build.log" 2>&1
 echo "build exit $? in $((SECONDS - b0)) s" | tee -a "$W/build.log"; tail -n 3 "$W/build.log"
 
-part "the kernel tests, BatchNorm's, the ResNet block's and ACT_HF_SLICING's CUDA tests"
+part "the kernel tests, BatchNorm's, the ResNet block's, ACT_HF_SLICING's and the convolutions' CUDA tests"
 timeout "$(cap 75)" "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py tests/ops/test_norm.py \
-  tests/patches/test_owned_batch_norm.py tests/test_chunks.py -p no:cacheprovider -rfEs >"$W/tests.log" 2>&1
+  tests/patches/test_owned_batch_norm.py tests/test_chunks.py tests/ops/test_linear.py -p no:cacheprovider -rfEs \
+  >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
 
 speed256 resnet256 resnet50
