@@ -379,6 +379,44 @@ def test_a_conv_past_the_chunk_size_runs_whole_where_the_device_has_room(monkeyp
         assert torch.equal(room, small)
 
 
+@pytest.mark.cuda
+def test_a_conv_on_cuda_slices_only_when_its_process_is_short_of_memory(monkeypatch):
+    """``ACT_HF_SLICING=auto`` on CUDA: a conv past ``CONV_CHUNK_ELEMENTS`` runs whole (one forward call, one of each
+    backward pass) with the device's memory to spare, and an item at a time once the process's share
+    (``torch.cuda.set_per_process_memory_fraction``) leaves no room for twice its estimated temporaries (3 x 51 MB
+    of fp32 input) though enough for the step; the same values either way, up to the slices' rounding."""
+    from act_hf.ops import linear as linear_ops
+
+    monkeypatch.setenv("ACT_HF_SLICING", "auto")
+    monkeypatch.setattr(linear_ops, "CONV_CHUNK_ELEMENTS", 64 * 112 * 112)  # an item a slice
+    torch.manual_seed(0)
+    act = convert(nn.Conv2d(64, 64, 3, padding=1), ActConvMixin, bits=8).cuda()
+    x = torch.randn(16, 64, 112, 112, device="cuda")  # 51 MB
+    device = torch.device("cuda")
+    share = torch.cuda.get_per_process_memory_fraction(device)
+    runs = []
+    for short in (False, True):
+        torch.cuda.empty_cache()
+        if short:  # 288 MiB past what is held: the step needs about 230 MB, twice the whole conv's 308 MB
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + (288 << 20)) / total,
+                                                       device)
+        try:
+            act_hf.manual_seed(0)
+            xa = x.clone().requires_grad_()
+            ops = dispatched(lambda xa=xa: act(xa).backward(torch.ones_like(xa)))
+        finally:
+            torch.cuda.set_per_process_memory_fraction(share, device)
+        convs = [func for func, _ in ops if func in (torch.ops.aten.convolution.default,
+                                                     torch.ops.aten.convolution_backward.default)]
+        runs.append((len(convs), xa.grad, act.weight.grad.clone()))
+        act.zero_grad()
+    (calls_room, gx_room, gw_room), (calls_short, gx_short, gw_short) = runs
+    assert calls_room == 3 and calls_short == 3 * 16  # forward, weight gradient, input gradient: whole or by item
+    torch.testing.assert_close(gx_short, gx_room)
+    torch.testing.assert_close(gw_short, gw_room, rtol=1e-4, atol=1e-4 * gw_room.abs().max().item())
+
+
 def test_conv_input_gradient_makes_no_input_sized_copy():
     """The input gradient's pass allocates its result and nothing else as large: given an input, even a zero-stride
     stand-in, ``convolution_backward`` copies it contiguous first (twice the input's bytes in all), which the
