@@ -30,7 +30,8 @@ if not (CSRC_DIR / "bindings.cpp").is_file():
 SOURCES = ("bindings.cpp", "quantize_kernel.cu", "quantize_scaled_kernel.cu", "quantize_normalized_kernel.cu",
            "dequantize_kernel.cu", "channel_scale_kernel.cu", "fewbit_kernel.cu")
 #: the headers they include (their text keys the build too)
-HEADERS = ("dispatch.h", "octets.cuh", "fewbit_octets.cuh", "quantize_octets.cuh", "elements.cuh", "quantize_kernels.cuh")
+HEADERS = ("dispatch.h", "octets.cuh", "fewbit_octets.cuh", "quantize_octets.cuh", "decode_octets.cuh", "elements.cuh",
+           "quantize_kernels.cuh")
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 BUILD_COMMAND = "act-hf build-ext   (or: python -m act_hf.cli build-ext)"
 

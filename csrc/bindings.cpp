@@ -37,10 +37,12 @@ at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& l
 at::Tensor unpack_dequantize_affine_cuda(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
                                          int64_t bits, int64_t group_size, int64_t numel, const at::Tensor& mult,
                                          const at::Tensor& shift, const c10::optional<at::Tensor>& divisor);
-void unpack_dequantize_into_cuda(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo,
-                                 const at::Tensor& scale, int64_t bits, int64_t group_size, int64_t start,
-                                 const at::Tensor& weight, const at::Tensor& bias, int64_t inner,
-                                 const c10::optional<at::Tensor>& mask, bool accumulate);
+void unpack_dequantize_chain_cuda(const at::Tensor& out, const std::vector<at::Tensor>& payloads,
+                                  const std::vector<at::Tensor>& los, const std::vector<at::Tensor>& scales,
+                                  const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& biases,
+                                  const std::vector<c10::optional<at::Tensor>>& masks, int64_t bits,
+                                  int64_t group_size, int64_t start, int64_t inner, bool accumulate);
+constexpr int64_t kChainTerms = 8;  // decode_octets.cuh
 at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits);
 at::Tensor unpack_bits_cuda(const at::Tensor& payload, int64_t bits, int64_t numel);
 at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits);
@@ -209,15 +211,39 @@ std::vector<at::Tensor> quantize_pack_normalized(const at::Tensor& x, const at::
   return act_hf::quantize_pack_normalized_cuda(x, mean, invstd, inner, bits, group_size, seed);
 }
 
-void unpack_dequantize_into(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo,
-                            const at::Tensor& scale, int64_t bits, int64_t group_size, int64_t numel, int64_t start,
-                            const at::Tensor& weight, const at::Tensor& bias, int64_t inner,
-                            const c10::optional<at::Tensor>& mask, bool accumulate) {
+// A term of a chain decode into `out`: a packed tensor of `numel` elements, its channel factors and its mask, if any.
+void check_decode_term(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale,
+                       const at::Tensor& weight, const at::Tensor& bias, const c10::optional<at::Tensor>& mask,
+                       int64_t bits, int64_t group_size, int64_t numel, const char* weight_name,
+                       const char* bias_name, const char* mask_name) {
   check_packed(payload, lo, scale, bits, group_size, numel);
-  check_channel_factors(payload, weight, bias, "weight", "bias");
+  check_channel_factors(payload, weight, bias, weight_name, bias_name);
+  check_same_device(payload, out, "out");
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->is_contiguous(), std::string(mask_name) + " must be contiguous");
+    check_same_device(out, *mask, mask_name);
+    TORCH_CHECK(mask->scalar_type() == at::kByte, std::string(mask_name) + " must have dtype Byte, got " +
+                                                      c10::toString(mask->scalar_type()));
+    check_holds(*mask, ceil_div(out.numel(), 8), mask_name, "ceil(out.numel() / 8)");
+  }
+}
+
+void unpack_dequantize_chain(const at::Tensor& out, const std::vector<at::Tensor>& payloads,
+                             const std::vector<at::Tensor>& los, const std::vector<at::Tensor>& scales,
+                             const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& biases,
+                             const std::vector<c10::optional<at::Tensor>>& masks, int64_t bits, int64_t group_size,
+                             int64_t numel, int64_t start, int64_t inner, bool accumulate) {
+  const size_t terms = payloads.size();
+  TORCH_CHECK(terms >= 1 && terms <= static_cast<size_t>(act_hf::kChainTerms) && los.size() == terms &&
+                  scales.size() == terms && weights.size() == terms && biases.size() == terms &&
+                  masks.size() == terms,
+              "payloads, los, scales, weights, biases and masks must hold 1 to " +
+                  std::to_string(act_hf::kChainTerms) + " terms each, the same number, got " +
+                  std::to_string(payloads.size()) + ", " + std::to_string(los.size()) + ", " +
+                  std::to_string(scales.size()) + ", " + std::to_string(weights.size()) + ", " +
+                  std::to_string(biases.size()) + " and " + std::to_string(masks.size()));
   CHECK_CUDA(out);
   CHECK_CONTIGUOUS(out);
-  check_same_device(payload, out, "out");
   TORCH_CHECK(is_float_type(out.scalar_type()),
               std::string("out must be float32, float16, bfloat16 or float64, got ") +
                   c10::toString(out.scalar_type()));
@@ -225,18 +251,28 @@ void unpack_dequantize_into(const at::Tensor& out, const at::Tensor& payload, co
   TORCH_CHECK(start >= 0 && start % 8 == 0 && start + out.numel() <= numel,
               "start must be a multiple of 8 from 0 with start + out.numel() <= numel (" + std::to_string(numel) +
                   "), got start " + std::to_string(start) + " and " + std::to_string(out.numel()) + " elements");
-  TORCH_CHECK(out.numel() % (inner * weight.numel()) == 0,
-              "out must hold whole rows of inner * len(weight) = " + std::to_string(inner * weight.numel()) +
-                  " elements, got " + std::to_string(out.numel()));
-  if (mask.has_value()) {
-    CHECK_CONTIGUOUS(*mask);
-    check_same_device(out, *mask, "mask");
-    CHECK_DTYPE(*mask, at::kByte);
-    check_holds(*mask, ceil_div(out.numel(), 8), "mask", "ceil(out.numel() / 8)");
+  for (size_t t = 0; t < terms; ++t) {
+    const bool one = terms == 1;  // unpack_dequantize_into's names
+    check_decode_term(out, payloads[t], los[t], scales[t], weights[t], biases[t], masks[t], bits, group_size, numel,
+                      one ? "weight" : "weights[t]", one ? "bias" : "biases[t]", one ? "mask" : "masks[t]");
+    TORCH_CHECK(weights[t].numel() == weights[0].numel(),
+                "weights[t] must hold one value a channel, as weights[0] (" + std::to_string(weights[0].numel()) +
+                    "), got " + std::to_string(weights[t].numel()) + " for term " + std::to_string(t));
   }
+  TORCH_CHECK(out.numel() % (inner * weights[0].numel()) == 0,
+              "out must hold whole rows of inner * len(weights[0]) = " + std::to_string(inner * weights[0].numel()) +
+                  " elements, got " + std::to_string(out.numel()));
   py::gil_scoped_release no_gil;
-  act_hf::unpack_dequantize_into_cuda(out, payload, lo, scale, bits, group_size, start, weight, bias, inner, mask,
-                                      accumulate);
+  act_hf::unpack_dequantize_chain_cuda(out, payloads, los, scales, weights, biases, masks, bits, group_size, start,
+                                       inner, accumulate);
+}
+
+void unpack_dequantize_into(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo,
+                            const at::Tensor& scale, int64_t bits, int64_t group_size, int64_t numel, int64_t start,
+                            const at::Tensor& weight, const at::Tensor& bias, int64_t inner,
+                            const c10::optional<at::Tensor>& mask, bool accumulate) {
+  unpack_dequantize_chain(out, {payload}, {lo}, {scale}, {weight}, {bias}, {mask}, bits, group_size, numel, start,
+                          inner, accumulate);
 }
 
 at::Tensor pack_bits(const at::Tensor& codes, int64_t bits) {
@@ -348,6 +384,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("payload"), py::arg("lo"), py::arg("scale"), py::arg("bits"), py::arg("group_size"),
         py::arg("numel"), py::arg("start"), py::arg("weight"), py::arg("bias"), py::arg("inner"), py::arg("mask"),
         py::arg("accumulate"));
+  m.def("unpack_dequantize_chain", &unpack_dequantize_chain,
+        "unpack_dequantize_into of 1 to 8 packed tensors at once: each term decoded, mapped by its channel with "
+        "weights[t] and biases[t], added (to out's values with accumulate, else from the first term) and zeroed "
+        "where masks[t]'s bit is 0, in float32, rounded into out once", py::arg("out"), py::arg("payloads"),
+        py::arg("los"), py::arg("scales"), py::arg("weights"), py::arg("biases"), py::arg("masks"), py::arg("bits"),
+        py::arg("group_size"), py::arg("numel"), py::arg("start"), py::arg("inner"), py::arg("accumulate"));
   m.def("pack_bits", &pack_bits, "Pack uint8 codes into a dense bit stream", py::arg("codes"), py::arg("bits"));
   m.def("fewbit_encode_pack", &fewbit_encode_pack,
         "Few-bit codes #{k : bounds[k] <= x} (NaN: all of them) of a flat tensor, packed at bits each",

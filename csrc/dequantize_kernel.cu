@@ -1,7 +1,8 @@
 // The inverse of act_hf's quantize + pack: a decode into a new tensor (plain, or fp32 with a per-channel affine
-// map), a decode into a tensor of a batch's items (mapped by channel of dim 1, added, masked), and bit packing of
-// byte codes and its inverse. The format is act_hf/compress/reference.py's; fp32 arithmetic with explicit _rn
-// intrinsics, 64-bit element indexing, current stream, no host synchronisation.
+// map), a decode of one or more packed tensors into a tensor of a batch's items (each mapped by channel of dim 1,
+// summed, masked: decode_octets.cuh), and bit packing of byte codes and its inverse. The format is
+// act_hf/compress/reference.py's; fp32 arithmetic with explicit _rn intrinsics, 64-bit element indexing, current
+// stream, no host synchronisation.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -15,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_octets.cuh"
 #include "dispatch.h"
 #include "octets.cuh"
 #include "quantize_octets.cuh"
@@ -80,39 +82,26 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   store_octet_values(out + i, vals, cnt, true);  // `out` is a new tensor: aligned
 }
 
-// One thread per octet of `out`: elements start + k of the packed tensor (start a multiple of 8, so an octet of out
-// is an octet of the payload, inside one group) decoded, mapped by their channel c of out's dim 1 to
-// v * weight[c] + bias[c] (`map`: a = weight, b = bias), with Accumulate added to what out
-// holds, with Masked zeroed where their bit of `mask` (bit k for out's element k) is 0, and rounded once into T.
-template <typename T, int B, bool Accumulate, bool Masked>
-__global__ void __launch_bounds__(kThreads) unpack_dequantize_into_kernel(
-    const uint8_t* __restrict__ payload, const uint16_t* __restrict__ lo_in, const uint16_t* __restrict__ scale_in,
-    int64_t n, int64_t start, int64_t group_size, int group_shift, ChannelFactors map,
-    const uint8_t* __restrict__ mask, bool vec, T* __restrict__ out) {
-  constexpr uint64_t kMask = (1u << B) - 1;
+// One thread per octet of `out`: the chain's terms decoded, mapped, summed and masked (chain_octet) from what out
+// holds (Accumulate) or from the first term, rounded once into T.
+template <typename T, int B, bool Accumulate>
+__global__ void __launch_bounds__(kThreads) unpack_dequantize_chain_kernel(int64_t n, DecodeChain chain, bool vec,
+                                                                           T* __restrict__ out) {
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t k = o * 8;
   if (k >= n) return;
   const int cnt = static_cast<int>(n - k < 8 ? n - k : 8);
-  const int64_t e = start + k;
-  const uint64_t word = load_octet<B>(payload + (e / 8) * B, (cnt * B + 7) / 8);
-  const int64_t g = group_shift >= 0 ? e >> group_shift : e / group_size;  // a 64-bit division is a long routine
-  const float lo = ZeroPoint<T>::decode(lo_in[g]);
-  const float scale = bf16_bits_to_float(scale_in[g]);
-  float w[8], b[8];  // each element's channel factors
-  octet_channel_factors(map, k, w, b);
-  alignas(16) T old[8];
-  if constexpr (Accumulate) load_octet_values(out + k, cnt, vec, old);
-  const unsigned keep = Masked ? mask[k / 8] : 0xFFu;
+  float v[8];
+  if constexpr (Accumulate) {
+    alignas(16) T old[8];
+    load_octet_values(out + k, cnt, vec, old);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_float(old[j]);  // past cnt: whatever old holds, never stored
+  }
+  chain_octet<T, B>(chain, k, cnt, Accumulate, v);
   alignas(16) T vals[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float code = static_cast<float>((word >> (j * B)) & kMask);
-    float v = __fadd_rn(__fmul_rn(__fadd_rn(lo, __fmul_rn(code, scale)), w[j]), b[j]);
-    if constexpr (Accumulate) v = __fadd_rn(to_float(old[j]), v);
-    if constexpr (Masked) v = (keep >> j) & 1u ? v : 0.f;
-    vals[j] = from_float<T>(v);
-  }
+  for (int j = 0; j < 8; ++j) vals[j] = from_float<T>(v[j]);
   store_octet_values(out + k, vals, cnt, vec);
 }
 
@@ -191,35 +180,36 @@ at::Tensor unpack_dequantize_affine_cuda(const at::Tensor& payload, const at::Te
   return out;
 }
 
-void unpack_dequantize_into_cuda(const at::Tensor& out, const at::Tensor& payload, const at::Tensor& lo,
-                                 const at::Tensor& scale, int64_t bits, int64_t group_size, int64_t start,
-                                 const at::Tensor& weight, const at::Tensor& bias, int64_t inner,
-                                 const c10::optional<at::Tensor>& mask, bool accumulate) {
+void unpack_dequantize_chain_cuda(const at::Tensor& out, const std::vector<at::Tensor>& payloads,
+                                  const std::vector<at::Tensor>& los, const std::vector<at::Tensor>& scales,
+                                  const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& biases,
+                                  const std::vector<c10::optional<at::Tensor>>& masks, int64_t bits,
+                                  int64_t group_size, int64_t start, int64_t inner, bool accumulate) {
   const c10::cuda::CUDAGuard guard(out.device());
   const int64_t n = out.numel();
   if (n == 0) return;
+  DecodeChain chain{};
+  chain.count = static_cast<int>(payloads.size());
+  chain.channels = weights[0].numel();
+  chain.inner = inner;
+  chain.start = start;
+  chain.group_size = group_size;
+  chain.group_shift = log2_or_minus_one(group_size);
+  for (int t = 0; t < chain.count; ++t) {
+    chain.terms[t] = ChainTerm{payloads[t].data_ptr<uint8_t>(),
+                               reinterpret_cast<const uint16_t*>(los[t].data_ptr<int16_t>()),
+                               reinterpret_cast<const uint16_t*>(scales[t].data_ptr<int16_t>()),
+                               weights[t].data_ptr<float>(), biases[t].data_ptr<float>(),
+                               masks[t].has_value() ? masks[t]->data_ptr<uint8_t>() : nullptr};
+  }
   const int64_t blocks = ceil_div(ceil_div(n, 8), kThreads);
-  const int group_shift = log2_or_minus_one(group_size);
-  const ChannelFactors map{weight.data_ptr<float>(), bias.data_ptr<float>(), weight.numel(), inner};
-  const uint8_t* mask_ptr = mask.has_value() ? mask->data_ptr<uint8_t>() : nullptr;
   const bool vec = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "act_hf_unpack_dequantize_into", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "act_hf_unpack_dequantize_chain", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {
-      const auto launch = [&](auto kernel) {
-        kernel<<<blocks, kThreads, 0, stream>>>(payload.data_ptr<uint8_t>(),
-                                                reinterpret_cast<const uint16_t*>(lo.data_ptr<int16_t>()),
-                                                reinterpret_cast<const uint16_t*>(scale.data_ptr<int16_t>()), n, start,
-                                                group_size, group_shift, map, mask_ptr, vec,
-                                                out.data_ptr<scalar_t>());
-      };
-      if (accumulate) {
-        mask_ptr ? launch(unpack_dequantize_into_kernel<scalar_t, B, true, true>)
-                 : launch(unpack_dequantize_into_kernel<scalar_t, B, true, false>);
-      } else {
-        mask_ptr ? launch(unpack_dequantize_into_kernel<scalar_t, B, false, true>)
-                 : launch(unpack_dequantize_into_kernel<scalar_t, B, false, false>);
-      }
+      const auto kernel = accumulate ? unpack_dequantize_chain_kernel<scalar_t, B, true>
+                                     : unpack_dequantize_chain_kernel<scalar_t, B, false>;
+      kernel<<<blocks, kThreads, 0, stream>>>(n, chain, vec, out.data_ptr<scalar_t>());
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

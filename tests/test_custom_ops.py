@@ -33,6 +33,13 @@ def test_opcheck_quantize_and_dequantize(dtype):
         torch.library.opcheck(torch.ops.act_hf.unpack_dequantize_into.default,
                               (out, payload, lo, scale, 3, 256, 1000, start, torch.rand(4) + 0.5, torch.randn(4), 25,
                                m, accumulate), test_utils=OPCHECK_TESTS)
+    second = torch.ops.act_hf.quantize_pack(x * 2, 3, 256, 8)
+    for start, out, accumulate, masks in [(0, torch.empty(1000, dtype=dtype), False, [None, None]),
+                                          (200, torch.randn(500).to(dtype), True, [mask, None])]:
+        torch.library.opcheck(torch.ops.act_hf.unpack_dequantize_chain.default,
+                              (out, [payload, second[0]], [lo, second[1]], [scale, second[2]],
+                               [torch.rand(4) + 0.5, torch.rand(4)], [torch.randn(4), torch.randn(4)], masks, 3, 256,
+                               1000, start, 25, accumulate), test_utils=OPCHECK_TESTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

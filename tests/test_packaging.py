@@ -24,6 +24,8 @@ def test_the_wheel_carries_the_cuda_sources_and_finds_them(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         archive.extractall(tmp_path / "site")
+    # every file of csrc/ is a source or a header whose text keys the build, so no edit of it keeps an old build
+    assert sorted((*_ext.SOURCES, *_ext.HEADERS)) == sorted(p.name for p in (ROOT / "csrc").iterdir() if p.is_file())
     for source in (*_ext.SOURCES, *_ext.HEADERS):
         assert f"act_hf/csrc/{source}" in names
     assert {"act_hf/data/fewbit_tables.json", "act_hf/patches/__init__.py", "act_hf/patches/bert.py"} <= names

@@ -41,6 +41,7 @@ import torch
 
 __all__ = [
     "BF16_NAN_BITS",
+    "CHAIN_TERMS",
     "FP16_NAN_BITS",
     "MIN_NORMAL_SCALE_BITS",
     "channel_absmax",
@@ -65,6 +66,7 @@ __all__ = [
     "unpack_bits_chunked",
     "unpack_dequantize",
     "unpack_dequantize_affine",
+    "unpack_dequantize_chain",
     "unpack_dequantize_chunked",
     "unpack_dequantize_into",
     "zero_unmasked",
@@ -304,8 +306,33 @@ def unpack_dequantize_into(out: torch.Tensor, payload: torch.Tensor, lo: torch.T
     ``out``) the elements whose bit is 0 set to ``+0``. Every operation is fp32 and rounded (no fused multiply-add),
     the result rounded once into ``out``'s dtype. ``start`` and ``out.numel()`` are whole rows of ``inner *
     len(weight)`` elements (a batch's items), ``start`` a multiple of 8. Decoded a run of rows at a time (about
-    ``chunk`` elements, at least one row): fp32 temporaries bounded by the run."""
-    channels = weight.numel()
+    ``chunk`` elements, at least one row): fp32 temporaries bounded by the run. :func:`unpack_dequantize_chain`
+    of one term."""
+    unpack_dequantize_chain(out, [payload], [lo], [scale], [weight], [bias], [mask], bits, group_size, numel, start,
+                            inner, accumulate, chunk=chunk)
+
+
+#: the most terms one :func:`unpack_dequantize_chain` call (one kernel launch) takes
+CHAIN_TERMS = 8
+
+
+def unpack_dequantize_chain(out: torch.Tensor, payloads: list[torch.Tensor], los: list[torch.Tensor],
+                            scales: list[torch.Tensor], weights: list[torch.Tensor], biases: list[torch.Tensor],
+                            masks: list[torch.Tensor | None], bits: int, group_size: int, numel: int, start: int,
+                            inner: int, accumulate: bool, chunk: int = 1 << 18) -> None:
+    """:func:`unpack_dequantize_into` of up to :data:`CHAIN_TERMS` packed tensors of the same shape, bits and group
+    size at once, in order: ``v`` starts as what ``out`` holds (``accumulate``) or as the first term; each term
+    ``t`` (elements ``start ..`` of ``payloads[t]``, ``los[t]``, ``scales[t]``) is decoded, mapped by channel with
+    ``weights[t]`` and ``biases[t]`` and added to ``v``, and then, with ``masks[t]``, the elements whose bit is 0
+    are set to ``+0``. ``v`` stays fp32 from the first term to the last (each operation rounded, no fused
+    multiply-add) and is rounded once into ``out``: a residual chain's block input (:mod:`act_hf.derived`) written
+    once instead of read and written once a term."""
+    terms = len(payloads)
+    if not 1 <= terms <= CHAIN_TERMS or not terms == len(los) == len(scales) == len(weights) == len(biases) == len(
+            masks):
+        raise ValueError(f"payloads, los, scales, weights, biases and masks: 1 to {CHAIN_TERMS} terms each, "
+                         f"the same number, got {[len(t) for t in (payloads, los, scales, weights, biases, masks)]}")
+    channels = weights[0].numel()
     row = inner * channels
     step = max(1, chunk // row) * row
     flat = out.view(-1)
@@ -314,16 +341,17 @@ def unpack_dequantize_into(out: torch.Tensor, payload: torch.Tensor, lo: torch.T
         b = min(flat.numel(), a + step)
         first, last = (start + a) // group_size, -(-(start + b) // group_size)  # the groups holding the run
         seg_end = min(last * group_size, numel)
-        values = _groups_fp32(payload[first * group_size * bits // 8:-(-seg_end * bits // 8)], lo[first:last],
-                              scale[first:last], bits, group_size, seg_end - first * group_size, lo_dtype)
         offset = start + a - first * group_size
-        values = values[offset:offset + b - a].view(-1, channels, inner)
-        values = (values * weight.view(1, -1, 1) + bias.view(1, -1, 1)).view(-1)
-        if accumulate:
-            values = flat[a:b].float() + values
-        if mask is not None:
-            keep = unpack_bits(mask[a // 8:-(-b // 8)], 1, -(-b // 8) * 8 - a // 8 * 8)[a % 8:a % 8 + b - a]
-            values = torch.where(keep.view(torch.bool), values, values.new_zeros(()))
+        values = flat[a:b].float() if accumulate else None
+        for payload, lo, scale, weight, bias, mask in zip(payloads, los, scales, weights, biases, masks):
+            term = _groups_fp32(payload[first * group_size * bits // 8:-(-seg_end * bits // 8)], lo[first:last],
+                                scale[first:last], bits, group_size, seg_end - first * group_size, lo_dtype)
+            term = term[offset:offset + b - a].view(-1, channels, inner)
+            term = (term * weight.view(1, -1, 1) + bias.view(1, -1, 1)).view(-1)
+            values = term if values is None else values + term
+            if mask is not None:
+                keep = unpack_bits(mask[a // 8:-(-b // 8)], 1, -(-b // 8) * 8 - a // 8 * 8)[a % 8:a % 8 + b - a]
+                values = torch.where(keep.view(torch.bool), values, values.new_zeros(()))
         flat[a:b].copy_(values)
 
 

@@ -23,7 +23,8 @@ from ..errors import ActHFWarning
 
 __all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "masked_scale", "pack_bits", "quantize_pack",
            "quantize_pack_normalized", "quantize_pack_scaled", "run", "unpack_bits", "unpack_dequantize",
-           "unpack_dequantize_affine", "unpack_dequantize_into", "zero_unmasked", "zero_unmasked_inplace"]
+           "unpack_dequantize_affine", "unpack_dequantize_chain", "unpack_dequantize_into", "zero_unmasked",
+           "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -236,6 +237,35 @@ def _(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inn
     torch._check(start + out.numel() <= numel, lambda: "out runs past the packed tensor")
 
 
+def _unpack_dequantize_chain(out: Tensor, payloads: list[Tensor], los: list[Tensor], scales: list[Tensor],
+                             weights: list[Tensor], biases: list[Tensor], masks: list[Tensor | None], bits: int,
+                             group_size: int, numel: int, start: int, inner: int, accumulate: bool) -> None:
+    """:func:`_unpack_dequantize_into` of up to ``reference.CHAIN_TERMS`` packed tensors at once, summed in fp32 and
+    rounded into ``out`` once (``act_hf.compress.reference.unpack_dequantize_chain``)."""
+    reference.unpack_dequantize_chain(out, payloads, los, scales, weights, biases, masks, bits, group_size, numel,
+                                      start, inner, accumulate)
+
+
+def _unpack_dequantize_chain_cuda(out, payloads, los, scales, weights, biases, masks, bits, group_size, numel, start,
+                                  inner, accumulate):
+    module = _cuda_ext()
+    kernel = _unpack_dequantize_chain if module is None else module.unpack_dequantize_chain
+    kernel(out, payloads, los, scales, weights, biases, masks, bits, group_size, numel, start, inner, accumulate)
+
+
+unpack_dequantize_chain = torch.library.custom_op("act_hf::unpack_dequantize_chain", _unpack_dequantize_chain,
+                                                  mutates_args=("out",))
+unpack_dequantize_chain.register_kernel("cuda", _unpack_dequantize_chain_cuda)
+
+
+@unpack_dequantize_chain.register_fake
+def _(out, payloads, los, scales, weights, biases, masks, bits, group_size, numel, start, inner, accumulate):
+    torch._check(1 <= len(payloads) <= reference.CHAIN_TERMS, lambda: "1 to CHAIN_TERMS terms")
+    torch._check(all(lo.numel() == _ceil_div(numel, group_size) for lo in los),
+                 lambda: "lo has the wrong number of groups")
+    torch._check(start + out.numel() <= numel, lambda: "out runs past the packed tensors")
+
+
 def _pack_bits(codes: Tensor, bits: int) -> Tensor:
     """``uint8`` codes (< 2**bits) -> dense bit stream of ``ceil(n*bits/8)`` bytes (chunked without the
     extension)."""
@@ -386,6 +416,7 @@ _IMPLEMENTATIONS = {
     unpack_dequantize: {"cpu": _unpack_dequantize, "cuda": _unpack_dequantize_cuda},
     unpack_dequantize_affine: {"cpu": _unpack_dequantize_affine, "cuda": _unpack_dequantize_affine_cuda},
     unpack_dequantize_into: {"cpu": _unpack_dequantize_into, "cuda": _unpack_dequantize_into_cuda},
+    unpack_dequantize_chain: {"cpu": _unpack_dequantize_chain, "cuda": _unpack_dequantize_chain_cuda},
     pack_bits: {"cpu": _pack_bits, "cuda": _pack_bits_cuda},
     unpack_bits: {"cpu": _unpack_bits, "cuda": _unpack_bits_cuda},
     fewbit_encode_pack: {"cpu": _fewbit_encode_pack, "cuda": _fewbit_encode_pack_cuda},

@@ -1,8 +1,8 @@
 """The kernels' per-octet logic (the few-bit kernels' ``csrc/fewbit_octets.cuh``, the quantize kernel's
-``csrc/quantize_octets.cuh``), built for the CPU and called the way the kernels call it (one call per octet of eight
-elements, 16-byte accesses where aligned and full; a group's minimum and maximum over its fp32 values): the
-reference's bits and values, checked where no GPU is at hand. The GPU's own run of the kernels is
-``test_kernels_cuda.py``."""
+``csrc/quantize_octets.cuh``, the chain decode's ``csrc/decode_octets.cuh``), built for the CPU and called the way
+the kernels call it (one call per octet of eight elements, 16-byte accesses where aligned and full; a group's
+minimum and maximum over its fp32 values): the reference's bits and values, checked where no GPU is at hand. The
+GPU's own run of the kernels is ``test_kernels_cuda.py``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ HARNESS = r"""
 #include <algorithm>
 #include <vector>
 
+#include "decode_octets.cuh"
 #include "dispatch.h"
 #include "fewbit_octets.cuh"
 #include "quantize_octets.cuh"
@@ -179,6 +180,44 @@ at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool 
   return out;
 }
 
+// The chain decode kernel's octets into `out` (flat, contiguous; updated and returned), masks[t] empty for none.
+at::Tensor chain(at::Tensor out, const std::vector<at::Tensor>& payloads, const std::vector<at::Tensor>& los,
+                 const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& weights,
+                 const std::vector<at::Tensor>& biases, const std::vector<at::Tensor>& masks, int64_t bits,
+                 int64_t group_size, int64_t start, int64_t inner, bool accumulate) {
+  act_hf::DecodeChain chain{};
+  chain.count = static_cast<int>(payloads.size());
+  chain.channels = weights[0].numel();
+  chain.inner = inner;
+  chain.start = start;
+  chain.group_size = group_size;
+  chain.group_shift = -1;
+  for (int k = 0; k < 20; ++k) {
+    if ((int64_t{1} << k) == group_size) chain.group_shift = k;
+  }
+  for (int t = 0; t < chain.count; ++t) {
+    chain.terms[t] = act_hf::ChainTerm{payloads[t].data_ptr<uint8_t>(),
+                                       reinterpret_cast<const uint16_t*>(los[t].data_ptr<int16_t>()),
+                                       reinterpret_cast<const uint16_t*>(scales[t].data_ptr<int16_t>()),
+                                       weights[t].data_ptr<float>(), biases[t].data_ptr<float>(),
+                                       masks[t].numel() ? masks[t].data_ptr<uint8_t>() : nullptr};
+  }
+  const int64_t n = out.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "chain", [&] {
+    scalar_t* p = out.data_ptr<scalar_t>();
+    ACT_BITS_SWITCH(bits, B, [&] {
+      for (int64_t k = 0; k < n; k += 8) {
+        const int cnt = octet_count(n, k);
+        float v[8] = {};
+        for (int j = 0; j < cnt && accumulate; ++j) v[j] = static_cast<float>(p[k + j]);
+        act_hf::chain_octet<scalar_t, B>(chain, k, cnt, accumulate, v);
+        for (int j = 0; j < cnt; ++j) p[k + j] = static_cast<scalar_t>(v[j]);
+      }
+    });
+  });
+  return out;
+}
+
 at::Tensor masked_scale(const at::Tensor& grad, const at::Tensor& mask, double scale, bool allow_vec) {
   const int64_t n = grad.numel();
   auto out = at::empty({n}, grad.options());
@@ -207,14 +246,14 @@ def octets():
     if cuda_home is None or not (Path(cuda_home) / "include" / "vector_types.h").is_file():
         pytest.skip("no CUDA toolkit headers (vector_types.h) to build the per-octet logic with")
     digest = hashlib.sha256(HARNESS.encode())
-    for name in ("dispatch.h", "octets.cuh", "fewbit_octets.cuh", "quantize_octets.cuh"):
+    for name in ("dispatch.h", "octets.cuh", "fewbit_octets.cuh", "quantize_octets.cuh", "decode_octets.cuh"):
         digest.update((_ext.CSRC_DIR / name).read_bytes())
     name = f"act_hf_octets_cpu_{digest.hexdigest()[:12]}"
     build = Path(os.environ.get("ACT_HF_CACHE", Path.home() / ".cache" / "act_hf")) / "octets_cpu" / name
     build.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load_inline(name=name, cpp_sources=HARNESS,
                                      functions=["encode", "grad", "quantize", "channel_shifts", "zero_unmasked",
-                                                "masked_scale"],
+                                                "masked_scale", "chain"],
                                      extra_include_paths=[str(_ext.CSRC_DIR), str(Path(cuda_home) / "include")],
                                      extra_cflags=["-O1", "-ffp-contract=off"], build_directory=str(build))
 
@@ -392,3 +431,37 @@ def test_channel_shift_arithmetic_gives_the_reference(octets, dtype):
         t = t.to(dtype)
         want = R.channel_shifts(t, max_shift)
         assert torch.equal(octets.channel_shifts(t.reshape(-1), 12, max_shift), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_chain_decode_octets_give_the_reference(octets, dtype, bits):
+    """Up to eight packed tensors of one shape decoded by channel, summed and masked into a batch's items (a start
+    past the first item, a partial last octet, channels and planes that do not divide an octet, a NaN group),
+    added to what the output holds or not: the reference's values bit for bit."""
+    gen = torch.Generator().manual_seed(bits)
+    for shape, group_size, terms in [((5, 3, 7), 24, 3), ((4, 16, 2, 2), 256, 8), ((3, 2, 9), 8, 1),
+                                     ((6, 5, 40), 64, 2)]:
+        numel, per_item, channels = math.prod(shape), math.prod(shape[1:]), shape[1]
+        packed, weights, biases, masks = [], [], [], []
+        for t in range(terms):
+            x = torch.randn(numel, generator=gen, dtype=torch.float64).mul_(2 ** t).to(dtype)
+            if t == 1:
+                x[numel // 2] = math.nan
+            packed.append(R.quantize_pack(x, bits, group_size, seed=t))
+            weights.append(torch.randn(channels, generator=gen))
+            biases.append(torch.randn(channels, generator=gen))
+        items = next((i for i in range(1, shape[0]) if i * per_item % 8 == 0), 0), shape[0]
+        count = (items[1] - items[0]) * per_item
+        for t in range(terms):
+            masks.append(R.pack_bits((torch.rand(count, generator=gen) > 0.3).to(torch.uint8), 1) if t % 2 else None)
+        for accumulate in (False, True):
+            old = torch.randn(count, generator=gen, dtype=torch.float64).to(dtype)
+            want, got = old.clone(), old.clone()
+            args = ([p[0] for p in packed], [p[1] for p in packed], [p[2] for p in packed], weights, biases)
+            R.unpack_dequantize_chain(want, *args, masks, bits, group_size, numel, items[0] * per_item,
+                                      per_item // channels, accumulate)
+            octets.chain(got, *args, [torch.empty(0, dtype=torch.uint8) if m is None else m for m in masks], bits,
+                         group_size, items[0] * per_item, per_item // channels, accumulate)
+            assert torch.equal(got.isnan(), want.isnan()), f"NaNs differ ({shape}, accumulate={accumulate})"
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), f"values differ ({shape}, {accumulate})"

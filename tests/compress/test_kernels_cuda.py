@@ -142,6 +142,41 @@ def test_unpack_dequantize_into_matches_reference(ext, bits, group_size, dtype, 
                 assert torch.equal(out, ref), f"items={items} channels={channels} start={start} offset={offset}"
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 8])
+@pytest.mark.parametrize("group_size", [24, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_unpack_dequantize_chain_matches_reference(ext, bits, group_size, dtype, accumulate):
+    """Two to eight packed tensors decoded by channel, summed in fp32 with masks after some, into a batch's items
+    (from the first and from one inside a group), an aligned ``out`` and one that is not, rounded once: the
+    reference's bits, a NaN group's too."""
+    for items, channels, inner, terms in [(5, 3, 7, 3), (3, 16, 49, 8), (70, 9, 1, 2), (4, 64, 56, 4)]:
+        n = items * channels * inner
+        packed, weights, biases = [], [], []
+        for t in range(terms):
+            x = (torch.randn(n, device="cuda") * 3 * 2.0 ** -t).to(dtype)
+            x[n // 3] = float("nan") if t == 1 else x[n // 3]
+            packed.append(ext.quantize_pack(x, bits, group_size, 5 + t))
+            weights.append(torch.rand(channels, device="cuda") + 0.3)
+            biases.append(torch.randn(channels, device="cuda"))
+        for first in (0, 1):
+            start = first * channels * inner
+            if start % 8:
+                continue
+            count = n - start
+            masks = [torch.randint(0, 256, (math.ceil(count / 8),), dtype=torch.uint8, device="cuda") if t % 2 else
+                     None for t in range(terms)]
+            args = ([p[0] for p in packed], [p[1] for p in packed], [p[2] for p in packed], weights, biases, masks,
+                    bits, group_size, n, start, inner, accumulate)
+            for offset in (0, 1):
+                base = torch.randn(count + offset, device="cuda").to(dtype)
+                out, ref = base.clone()[offset:], base.clone()[offset:]
+                ext.unpack_dequantize_chain(out, *args)
+                R.unpack_dequantize_chain(ref, *args)
+                assert torch.equal(out.isnan(), ref.isnan()), f"items={items} start={start} offset={offset}"
+                assert torch.equal(out.nan_to_num(), ref.nan_to_num()), f"items={items} start={start} offset={offset}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("bits, group_size", [(1, 8), (2, 256), (3, 24), (3, 1024), (8, 256)])
 def test_quantize_pack_normalized_matches_reference(ext, dtype, bits, group_size):
@@ -323,7 +358,13 @@ def test_kernel_errors_name_arguments(ext):
                  (ext.quantize_pack_normalized, (x.half(), bounds[:2], bounds[:2], 5, 3, 8, 0)),
                  (ext.quantize_pack_normalized, (x, bounds, bounds, 2, 3, 8, 0)),
                  (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds[:2], bounds[:2],
-                                                 bounds[:2]))]
+                                                 bounds[:2])),
+                 (ext.unpack_dequantize_chain, (x[:8], *([t] * 9 for t in ext.quantize_pack(x, 3, 8, 0)),
+                                                [bounds[:1]] * 9, [bounds[:1]] * 9, [None] * 9, 3, 8, 10, 0, 1,
+                                                False)),
+                 (ext.unpack_dequantize_chain, (x[:8], *([t] * 2 for t in ext.quantize_pack(x, 3, 8, 0)),
+                                                [bounds[:1], bounds[:2]], [bounds[:1], bounds[:2]], [None, None], 3,
+                                                8, 10, 0, 1, False))]
         for fn, args in calls:
             try:
                 fn(*args)
@@ -353,6 +394,8 @@ def test_kernel_errors_name_arguments(ext):
     assert "x must be float32, bfloat16 or float64 for a normalized quantize" in lines[13]
     assert "x must hold whole rows of inner * len(mean) = 6 elements, got 10" in lines[14]
     assert "divisor must hold one value a row of 2 channels, 5 values, got 2" in lines[15]
+    assert "payloads, los, scales, weights, biases and masks must hold 1 to 8 terms each" in lines[16]
+    assert "weights[t] must hold one value a channel, as weights[0] (1), got 2 for term 1" in lines[17]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
