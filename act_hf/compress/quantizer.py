@@ -14,12 +14,12 @@ from .._constants import reused
 from ..errors import ActHFTypeError, ActHFValueError
 from ..ops import _library
 from .packed import PackedSpec, PackedTensor
-from .reference import channel_shifts, empty_packed, lo_dtype_for, place_packed, zero_unmasked
+from .reference import CHAIN_TERMS, channel_shifts, empty_packed, lo_dtype_for, place_packed, zero_unmasked
 from .rng import resolve_seed
 
 __all__ = ["CHANNEL_SCALE_MIN_ROWS", "DEFAULT_GROUP_SIZE", "SUPPORTED_DTYPES", "check_bits", "check_group_size",
-           "dequantize", "dequantize_affine", "dequantize_inverse_affine", "dequantize_items", "dequantize_mapped",
-           "dequantize_with_factors", "quantize", "quantize_by_rows", "quantize_normalized"]
+           "dequantize", "dequantize_affine", "dequantize_chain", "dequantize_inverse_affine", "dequantize_items",
+           "dequantize_mapped", "dequantize_with_factors", "quantize", "quantize_by_rows", "quantize_normalized"]
 
 DEFAULT_GROUP_SIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -387,8 +387,7 @@ def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Te
     else:
         accumulate = True
     per_item = math.prod(spec.shape[1:])
-    if (spec.memory_order is None and not spec.channel_scaled and out.numel() and start * per_item % 8 == 0
-            and out.dtype != torch.float64 and lo_dtype_for(out.dtype) == lo_dtype_for(spec.dtype)):
+    if out.numel() and _decodes_into(spec, out.dtype, start * per_item):
         _library.run(_library.unpack_dequantize_into, out, packed.payload, packed.lo, packed.scale, spec.bits,
                      spec.group_size, spec.numel, start * per_item, weight.contiguous(), bias.contiguous(),
                      per_item // max(channels, 1), mask, accumulate)
@@ -402,6 +401,69 @@ def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Te
     if mask is not None:
         values = zero_unmasked(values.view(-1), mask).view(shape)
     return out.copy_(values)
+
+
+def _decodes_into(spec: PackedSpec, dtype: torch.dtype, first: int) -> bool:
+    """Whether ``unpack_dequantize_into`` (and ``unpack_dequantize_chain``) decode ``spec``'s elements from
+    ``first`` on into a tensor of ``dtype`` in one pass: a row-major context without channel scaling, whose zero
+    points are those of ``dtype``, not fp64, from an element that starts an octet."""
+    return (spec.memory_order is None and not spec.channel_scaled and first % 8 == 0 and dtype != torch.float64
+            and lo_dtype_for(dtype) == lo_dtype_for(spec.dtype))
+
+
+#: a term of :func:`dequantize_chain`: ``(packed, weight, bias, mask)``
+ChainTerm = tuple[PackedTensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def dequantize_chain(terms: list[ChainTerm] | tuple[ChainTerm, ...], *, dtype: torch.dtype | None = None,
+                     items: tuple[int, int] | None = None) -> torch.Tensor:
+    """A sum of :func:`dequantize_mapped` terms with a mask after any of them, as a new contiguous tensor of
+    ``dtype`` (default: the first term's original dtype): ``v`` is the first term's map, each next term's is added
+    to it, and after each term with a ``mask`` the elements whose bit is 0 are set to ``+0``. A residual chain's
+    block input ``relu(bn3(.) + relu(bn3'(.) + ...))`` (:mod:`act_hf.derived`), innermost term first.
+
+    Where every term is decoded into the result in one pass by :func:`dequantize_mapped` and all share the first's
+    bits and group size, the result is written once for up to ``CHAIN_TERMS`` (8) terms
+    (``act_hf::unpack_dequantize_chain``): ``v`` fp32 from a pass's first term to its last, rounded once at its end;
+    otherwise term by term with :func:`dequantize_mapped`, rounded after each.
+
+    Args:
+        terms: ``(packed, weight, bias, mask)``, packed tensors of one shape of at least 2 dims, ``weight`` and
+            ``bias`` fp32 with one value per channel of dim 1, ``mask`` ``uint8``, bit ``k`` of byte ``k // 8``
+            (lowest first) for element ``k`` of the result, or ``None``.
+        items: ``(start, stop)`` along dim 0, decoding only the groups that hold them.
+    """
+    if not terms:
+        raise ActHFValueError("terms: needs at least one (packed, weight, bias, mask), got none")
+    first = terms[0][0]
+    for packed, weight, bias, _ in terms:
+        if not isinstance(packed, PackedTensor):
+            raise ActHFTypeError(f"terms: each packed must be a PackedTensor, got {type(packed).__name__}")
+        if packed.spec.shape != first.spec.shape or len(packed.spec.shape) < 2:
+            raise ActHFValueError(f"terms: packed tensors of one shape of at least 2 dims, got "
+                                  f"{tuple(packed.spec.shape)} after {tuple(first.spec.shape)}")
+        _check_per_channel(first.spec.shape[1], "the packed tensor's dim 1", weight=weight, bias=bias)
+    spec = first.spec
+    start, stop = (0, spec.shape[0]) if items is None else items
+    if not 0 <= start <= stop <= spec.shape[0]:
+        raise ActHFValueError(f"items: need 0 <= start <= stop <= {spec.shape[0]} (the first dim), got {items}")
+    out_dtype = _reader_dtype(spec, dtype)
+    per_item = math.prod(spec.shape[1:])
+    if (stop > start and all(_decodes_into(p.spec, out_dtype, start * per_item) and p.spec.bits == spec.bits
+                             and p.spec.group_size == spec.group_size for p, *_ in terms)):
+        out = torch.empty((stop - start, *spec.shape[1:]), dtype=out_dtype, device=first.payload.device)
+        for i in range(0, len(terms), CHAIN_TERMS):
+            part = terms[i:i + CHAIN_TERMS]
+            packed, weights, biases, masks = zip(*part)
+            _library.run(_library.unpack_dequantize_chain, out, [p.payload for p in packed], [p.lo for p in packed],
+                         [p.scale for p in packed], [w.contiguous() for w in weights],
+                         [b.contiguous() for b in biases], list(masks), spec.bits, spec.group_size, spec.numel,
+                         start * per_item, per_item // spec.shape[1], i > 0)
+        return out
+    values = None
+    for packed, weight, bias, mask in terms:
+        values = dequantize_mapped(packed, weight, bias, out=values, dtype=out_dtype, items=items, mask=mask)
+    return values
 
 
 def _check_per_channel(channels: int, where: str, **factors: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from act_hf.compress import (
     PackedTensor,
     dequantize,
     dequantize_affine,
+    dequantize_chain,
     dequantize_inverse_affine,
     dequantize_items,
     dequantize_mapped,
@@ -486,6 +487,73 @@ def test_dequantize_mapped_names_its_arguments():
         dequantize_mapped(packed, torch.ones(16), torch.zeros(16), items=(3, 5))
     with pytest.raises(ValueError, match=r"packed: needs a tensor of at least 2 dims"):
         dequantize_mapped(quantize(torch.randn(64), 3), torch.ones(1), torch.zeros(1))
+
+
+def _chain_terms(count, dtype, shape=(6, 12, 5, 7), masked=(1, 3), layout="row major"):
+    """``count`` terms ``(packed, weight, bias, mask)`` of ``shape``, a mask (items 2..5) after the terms in
+    ``masked``; the last term channels last or channel scaled for another ``layout``."""
+    terms = []
+    for t in range(count):
+        x = (torch.randn(shape) * 2.0 ** -t).to(dtype)
+        if layout == "channels last" and t == count - 1:
+            x = x.contiguous(memory_format=torch.channels_last)
+        packed = quantize(x, 3, 64, seed=t, channel_scale=layout == "channel scaled" and t == count - 1)
+        keep = torch.rand(3 * math.prod(shape[1:])) > 0.3
+        terms.append((packed, torch.rand(shape[1]) + 0.5, torch.randn(shape[1]),
+                      pack_bits(keep.to(torch.uint8), 1) if t in masked else None))
+    return terms
+
+
+@pytest.mark.parametrize("count", [1, 3, 8, 11])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_chain_sums_in_fp32_and_rounds_once_a_pass(count, dtype):
+    """``dequantize_chain`` of ``count`` terms (items 2..5, masks after the second and fourth) is the terms' mapped
+    decodes summed and masked in fp32, each operation rounded, rounded into the result once per pass of up to 8
+    terms (``act_hf::unpack_dequantize_chain``, one op a pass), where term by term it would be once a term."""
+    torch.manual_seed(count)
+    terms = _chain_terms(count, dtype)
+    values = None
+    for t, (packed, weight, bias, mask) in enumerate(terms):
+        if t and t % 8 == 0:  # a pass ends
+            values = values.to(dtype).float()
+        keep = None if mask is None else unpack_bits(mask, 1, 3 * 12 * 5 * 7).bool().view(3, 12, 5, 7)
+        values = _mapped_by_hand(packed, weight, bias, values, (2, 5), keep, dtype)
+    call = lambda: dequantize_chain(terms, items=(2, 5))
+    ops = [str(f) for f, _ in dispatched(call) if "act_hf" in str(f)]
+    got = call()
+    assert got.dtype == dtype and got.shape == (3, 12, 5, 7) and got.is_contiguous()
+    assert torch.equal(got, values.to(dtype))
+    assert ops == ["act_hf.unpack_dequantize_chain.default"] * -(-count // 8)
+    if count > 1 and dtype != torch.float32:  # rounded once a term, the sum would differ
+        by_terms = None
+        for packed, weight, bias, mask in terms:
+            by_terms = dequantize_mapped(packed, weight, bias, out=by_terms, items=(2, 5), mask=mask)
+        assert not torch.equal(got, by_terms)
+
+
+@pytest.mark.parametrize("layout", ["channels last", "channel scaled"])
+def test_dequantize_chain_of_a_term_that_decodes_apart_goes_term_by_term(layout):
+    """A term ``unpack_dequantize_chain`` cannot read (channels last, channel scaled): ``dequantize_mapped`` a term
+    at a time, rounded after each."""
+    torch.manual_seed(0)
+    terms = _chain_terms(3, torch.bfloat16, layout=layout)
+    values = None
+    for packed, weight, bias, mask in terms:
+        values = dequantize_mapped(packed, weight, bias, out=values, items=(2, 5), mask=mask)
+    assert torch.equal(dequantize_chain(terms, items=(2, 5)), values)
+
+
+def test_dequantize_chain_names_its_arguments():
+    terms = _chain_terms(2, torch.float32, shape=(4, 16, 3), masked=())
+    with pytest.raises(ValueError, match=r"terms: needs at least one \(packed, weight, bias, mask\), got none"):
+        dequantize_chain([])
+    with pytest.raises(ValueError, match=r"terms: packed tensors of one shape of at least 2 dims, got \(4, 16, 2\) "
+                                         r"after \(4, 16, 3\)"):
+        dequantize_chain([terms[0], (quantize(torch.randn(4, 16, 2), 3), *terms[1][1:])])
+    with pytest.raises(ValueError, match=r"bias must be a float32 tensor of shape \(16,\)"):
+        dequantize_chain([terms[0], (terms[1][0], terms[1][1], torch.zeros(3), None)])
+    with pytest.raises(ValueError, match=r"items: need 0 <= start <= stop <= 4"):
+        dequantize_chain(terms, items=(3, 5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
