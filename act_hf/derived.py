@@ -65,9 +65,10 @@ BatchNorm gamma ~ U(0.2, 1), beta ~ N(0, 0.2); SQNR in dB against fp64 autograd,
 
 The block convs lose 2.5 dB, the same for every block of a stage (no build-up with depth), and the whole
 gradient 0.1-0.2 dB. Backward rebuilds each block input from the whole chain (a stage of ``n`` blocks
-dequantizes ``n (n + 1) / 2`` tensors instead of ``n``), each BatchNorm term decoded straight into the sum with its
-``gamma`` and ``beta``, and the ReLU's mask applied with the last term: one pass a term
-(:func:`~act_hf.compress.dequantize_mapped`). ``ActConfig(share_residual=False)`` turns it off. With
+dequantizes ``n (n + 1) / 2`` tensors instead of ``n``), each BatchNorm term mapped by its ``gamma`` and ``beta``
+and each block's ReLU mask applied after its term, all of a block input's terms decoded in one pass that writes the
+sum once, fp32 until then (:func:`~act_hf.compress.dequantize_chain`: up to 8 terms a pass; a pass a term reads and
+writes the whole sum once a term). ``ActConfig(share_residual=False)`` turns it off. With
 adaptive bits a stage's chain (its BatchNorm inputs the shortcuts read, and the convs that read them) is one slot
 group, given one width.
 
@@ -114,6 +115,7 @@ from ._constants import zeros_and_ones
 from .compress import (
     PackedTensor,
     dequantize,
+    dequantize_chain,
     dequantize_items,
     dequantize_mapped,
     pack_bits,
@@ -224,14 +226,58 @@ def _mask_of_items(mask: Tensor | None, per_item: int, items: Items) -> Tensor |
 
 
 def _sum_of(terms, dtype: torch.dtype, items: Items = None, mask: Tensor | None = None) -> Tensor:
-    """The sum of derived ``terms`` (their batch ``items``) as a new tensor of ``dtype``, nested contexts first
-    (their new tensor is the sum's: one decoded term more alive at a time, however long a chain of shortcuts),
-    ``+0`` where the bit of ``mask`` is 0 (applied with the last term: see :meth:`AffineTerm.add_to`)."""
+    """The sum of derived ``terms`` (their batch ``items``) as a new tensor of ``dtype``, ``+0`` where the bit of
+    ``mask`` is 0: where the sum is a chain (:func:`_chain_of`), one :func:`~act_hf.compress.dequantize_chain`
+    (the result written once for up to 8 terms); otherwise term by term, nested contexts first (their new tensor is
+    the sum's: one decoded term more alive at a time, however long a chain of shortcuts), the mask applied with the
+    last term (:meth:`AffineTerm.add_to`)."""
+    chain = _chain_of(terms, dtype, items, mask)
+    if chain is not None:
+        return dequantize_chain(chain, dtype=dtype, items=items)
     values = None
-    ordered = sorted(terms, key=lambda t: not isinstance(t, (RectifiedAffine, AffineSum)))
+    ordered = _nested_first(terms)
     for i, term in enumerate(ordered):
         values = term.add_to(values, dtype, items, mask if i == len(ordered) - 1 else None)
     return values
+
+
+def _nested_first(terms) -> list:
+    """``terms`` with the nested contexts first, the order a sum adds them in."""
+    return sorted(terms, key=lambda t: not isinstance(t, (RectifiedAffine, AffineSum)))
+
+
+def _chain_of(terms, dtype: torch.dtype, items: Items, mask: Tensor | None) -> list | None:
+    """The sum of ``terms``, masked by ``mask`` after the last, as :func:`~act_hf.compress.dequantize_chain`'s
+    ``(packed, weight, bias, mask)`` terms, innermost first: a residual stage's block input ``relu(bn3(.) +
+    relu(bn3'(.) + ...))`` is one term a block, each with its ReLU's mask (their ``items`` bytes). ``None`` where
+    the sum is not such a chain: a term with a sample scale, a leaky or clipping ReLU, a nested context that is not
+    the first term or of another dtype, or two masks after one term."""
+    ordered = _nested_first(terms)
+    chain = []
+    for i, term in enumerate(ordered):
+        last = mask if i == len(ordered) - 1 else None
+        if isinstance(term, AffineTerm):
+            if term.sample_scale is not None or len(term.packed.shape) < 2:
+                return None
+            zeros, ones = zeros_and_ones((term.packed.shape[1],), term.packed.payload, torch.float32)
+            chain.append((term.packed, ones if term.weight is None else term.weight.float(),
+                          zeros if term.bias is None else term.bias.float(), last))
+            continue
+        if i > 0 or term.dtype != dtype:
+            return None
+        if isinstance(term, RectifiedAffine):
+            if term.negative_slope or term.clamp is not None or term.sample_scale is not None:
+                return None
+            per_item = math.prod(term.leaves()[0].shape[1:])
+            nested = _chain_of(term.terms, dtype, items, _mask_of_items(term.mask, per_item, items))
+        else:
+            nested = _chain_of(term.terms, dtype, items, None)
+        if nested is None or (last is not None and nested[-1][3] is not None):
+            return None
+        if last is not None:  # a sum of one nested context: the mask after its last term
+            nested[-1] = (*nested[-1][:3], last)
+        chain += nested
+    return chain
 
 
 def _masked(values: Tensor, mask: Tensor | None) -> Tensor:

@@ -375,17 +375,21 @@ def test_residual_forward_is_unchanged_and_gradients_match_at_8_bits(add):
 
 def test_a_residual_relu_mask_is_applied_from_its_packed_bits(monkeypatch):
     """A conv reading ``relu(bn(.) + shortcut)`` zeroes what the ReLU dropped straight from its packed mask, as the
-    last term of the sum is decoded into it (``act_hf::unpack_dequantize_into``, whose CPU kernel unpacks the mask a
-    run of rows at a time, here one item): no 1-byte mask of the whole tensor is made, no pass of its own zeroes
-    the dropped elements, and the gradients are those of a run over the whole tensor, bit for bit."""
+    terms of the sum are decoded into it, all of a chain in one pass (``act_hf::unpack_dequantize_chain``, whose
+    CPU kernel unpacks the masks a run of rows at a time, here one item): no 1-byte mask of the whole tensor is
+    made, no pass of its own zeroes the dropped elements, no decode adds to a sum another wrote, and the gradients
+    are those of a run over the whole tensor, bit for bit."""
     from act_hf.compress import reference
     from tests.utils import dispatched
 
-    into = reference.unpack_dequantize_into
+    chain, calls = reference.unpack_dequantize_chain, []
 
     def step(run_elements):
-        monkeypatch.setattr(reference, "unpack_dequantize_into",
-                            lambda *args: into(*args, chunk=run_elements))
+        def recorded(out, payloads, *args, **kwargs):
+            calls.append((len(payloads), args[-1]))  # the terms, accumulate
+            chain(out, payloads, *args, chunk=run_elements)
+
+        monkeypatch.setattr(reference, "unpack_dequantize_chain", recorded)
         _, model = _stage(bits=3)
         act_hf.manual_seed(0)
         out = model(_input().requires_grad_())
@@ -393,10 +397,12 @@ def test_a_residual_relu_mask_is_applied_from_its_packed_bits(monkeypatch):
         return [p.grad for p in model.parameters()], ops
 
     whole, _ = step(1 << 20)
+    calls.clear()
     sliced, ops = step(16)
     numel = _input().numel()
     names = [str(func) for func, _ in ops]
-    assert any("act_hf.unpack_dequantize_into" in name for name in names)
+    assert any("act_hf.unpack_dequantize_chain" in name for name in names)
+    assert sorted(terms for terms, _ in calls)[-3:] == [2, 3, 4] and not any(accumulate for _, accumulate in calls)
     assert not any("zero_unmasked_inplace" in name for name in names)
     assert not [t for func, outs in ops if "unpack_bits" in str(func) for t in outs if t.numel() >= numel]
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
