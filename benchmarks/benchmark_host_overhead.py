@@ -5,7 +5,7 @@ On the H200 a patched bert-large step at batch 32 was bound by host work, not by
 This benchmark isolates that work on any machine: a tiny BERT (hidden 32, batch 8 x seq 16, one thread), so that
 the arithmetic is negligible, trained under bf16 autocast unpatched and patched. With ``--stub-codec`` the codec's
 CPU implementations (quantize+pack, also of a BatchNorm's normalized input, unpack+dequantize, its affine form and its
-per-channel form into a tensor, the bit packers of masks, few-bit codes'
+per-channel form into a tensor (of one packed tensor or a chain of them), the bit packers of masks, few-bit codes'
 encode+pack and their decode times the gradient, channel scaling's shifts) are replaced by stand-ins that return
 tensors of the right shapes and dtypes without computing anything, as a GPU kernel launch would cost next to
 nothing on the host; what remains is act_hf's own work per op. The stand-ins make the gradients meaningless: this
@@ -89,6 +89,11 @@ def _stub_unpack_dequantize_into(out, payload, lo, scale, bits, group_size, nume
     return None
 
 
+def _stub_unpack_dequantize_chain(out, payloads, los, scales, weights, biases, masks, bits, group_size, numel, start,
+                                  inner, accumulate, chunk=None):
+    return None
+
+
 def _stub_pack_bits(codes, bits, chunk=None):
     return torch.zeros(-(-codes.numel() * bits // 8), dtype=torch.uint8)
 
@@ -114,6 +119,7 @@ STUBS = {"quantize_pack_chunked": _stub_quantize_pack, "quantize_pack_normalized
          "unpack_dequantize_chunked": _stub_unpack_dequantize,
          "unpack_dequantize_affine": _stub_unpack_dequantize_affine,
          "unpack_dequantize_into": _stub_unpack_dequantize_into,
+         "unpack_dequantize_chain": _stub_unpack_dequantize_chain,
          "pack_bits_chunked": _stub_pack_bits, "unpack_bits_chunked": _stub_unpack_bits,
          "fewbit_encode_pack_chunked": _stub_fewbit_encode_pack, "fewbit_grad_chunked": _stub_fewbit_grad,
          "channel_shifts": _stub_channel_shifts}

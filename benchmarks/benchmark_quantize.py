@@ -5,7 +5,9 @@ For bf16 tensors of 64 MiB to 1 GiB at 1, 2, 3, 4 and 8 bits, measures each dire
 same run; up to 4 bits also Few-Bit Backward's encode (an activation's input read, its codes written); the decode
 into fp32 with LayerNorm's per-channel map (``unpack_dequantize_affine``, rows of 1024 channels); a residual block's
 term decoded by channel into a bf16 sum and masked (``unpack_dequantize_into``, items of 256 x 56 x 56: the sum read
-and written, the codes standing for the mask); and, in the
+and written, the codes standing for the mask); a block input of four such terms, each masked, in one pass
+(``unpack_dequantize_chain``: four payloads and masks read, the sum written once; per term, one ``into`` call each);
+and, in the
 1-bit rows, dropout's gradient from its packed keep-mask (``masked_scale``: the gradient and the mask read, the
 input gradient written).
 Target: each direction >= 70% of copy bandwidth. Writes JSON and a markdown table under ``benchmarks/results/``.
@@ -88,9 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             i_ms = _time_ms(lambda p=packed, k=bits, s=sums, w=weight, b=bias, m=packed[0], count=n:
                             ext.unpack_dequantize_into(s, *p, k, args.group_size, count, 0, w, b, 3136,
                                                        m[:-(-s.numel() // 8)], True), args.repeat)
+            terms = ([packed[0]] * 4, [packed[1]] * 4, [packed[2]] * 4, [weight] * 4, [bias] * 4,
+                     [packed[0][:-(-sums.numel() // 8)]] * 4)
+            c_ms = _time_ms(lambda t=terms, k=bits, s=sums, count=n: ext.unpack_dequantize_chain(
+                s, *t, k, args.group_size, count, 0, 3136, False), args.repeat)
+            mask_bytes = -(-sums.numel() // 8)
             timed = [("quantize_pack", q_ms, moved), ("unpack_dequantize", d_ms, moved),
                      ("unpack_dequantize_affine", a_ms, packed_bytes + 4 * n),
-                     ("unpack_dequantize_into", i_ms, packed_bytes + 4 * sums.numel() + -(-sums.numel() // 8))]
+                     ("unpack_dequantize_into", i_ms, packed_bytes + 4 * sums.numel() + mask_bytes),
+                     ("unpack_dequantize_chain", c_ms, 4 * (packed_bytes + mask_bytes) + 2 * sums.numel())]
             if bits == 1:  # dropout's gradient: x stands for the gradient, the codes for its keep-mask
                 m_ms = _time_ms(lambda g=x, mask=packed[0]: ext.masked_scale(g, mask, 1.25), args.repeat)
                 timed.append(("masked_scale", m_ms, 2 * x.nbytes + packed[0].nbytes))
@@ -126,7 +134,8 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     styles = (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^"),
-              ("unpack_dequantize_affine", "-.d"), ("unpack_dequantize_into", "-.v"), ("masked_scale", "x"))
+              ("unpack_dequantize_affine", "-.d"), ("unpack_dequantize_into", "-.v"),
+              ("unpack_dequantize_chain", "-.>"), ("masked_scale", "x"))
     for op, style in styles:
         for mib in sorted({r["size_mib"] for r in rows}):
             points = sorted((r["bits"], r["fraction_of_copy"]) for r in rows if r["op"] == op and r["size_mib"] == mib)

@@ -9,7 +9,9 @@
 # kernel tests, with BatchNorm's CUDA paths since the tenth (the in-place forward's one statistics pass,
 # batch_norm_update_stats and batch_norm_elemt; the sliced backward on aten's batch_norm_backward_reduce and
 # batch_norm_backward_elemt), never run on a GPU yet, ACT_HF_SLICING's test and the convolutions' (the input
-# gradient as a transposed convolution, bit for bit convolution_backward's?); resnet50 at equal batch 256 (0.592x
+# gradient as a transposed convolution, bit for bit convolution_backward's?), and the chain decode's
+# (unpack_dequantize_chain: a residual stage's block input in one pass, never run on a GPU yet) with its throughput
+# against four one-term passes (benchmark_quantize.py at 256 MiB); resnet50 at equal batch 256 (0.592x
 # in the tenth, its stage-1 and -2 convolutions and BatchNorms sliced; since, the ops past their thresholds run whole
 # where the GPU has room, ACT_HF_SLICING=auto) and its step under the profiler at batch 128 (the tenth's profile put
 # 6.2 ms of the 29.0 ms added at batch 128 in the second statistics pass and about 10 ms in the sliced backward's
@@ -52,6 +54,11 @@ timeout "$(cap 75)" "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.
   tests/patches/test_owned_batch_norm.py tests/test_chunks.py tests/ops/test_linear.py -p no:cacheprovider -rfEs \
   >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
+
+part "the kernels' throughput against a copy, the chain decode's against four one-term passes"
+timeout "$(cap 30)" "$PY" benchmarks/benchmark_quantize.py --sizes-mib 256 --bits 2 3 --repeat 10 --out "$W/quant" \
+  >"$W/quant.log" 2>&1
+echo "quant exit $?"; cat "$W/quant/quantize_throughput.md" 2>/dev/null; bundle
 
 speed256 resnet256 resnet50
 
