@@ -84,11 +84,6 @@ def _stub_unpack_dequantize_affine(payload, lo, scale, bits, group_size, numel, 
     return torch.zeros(numel, dtype=torch.float32)
 
 
-def _stub_unpack_dequantize_into(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask,
-                                 accumulate, chunk=None):
-    return None
-
-
 def _stub_unpack_dequantize_chain(out, payloads, los, scales, weights, biases, masks, bits, group_size, numel, start,
                                   inner, accumulate, chunk=None):
     return None
@@ -118,7 +113,6 @@ def _stub_channel_shifts(x, max_shift):
 STUBS = {"quantize_pack_chunked": _stub_quantize_pack, "quantize_pack_normalized": _stub_quantize_pack_normalized,
          "unpack_dequantize_chunked": _stub_unpack_dequantize,
          "unpack_dequantize_affine": _stub_unpack_dequantize_affine,
-         "unpack_dequantize_into": _stub_unpack_dequantize_into,
          "unpack_dequantize_chain": _stub_unpack_dequantize_chain,
          "pack_bits_chunked": _stub_pack_bits, "unpack_bits_chunked": _stub_unpack_bits,
          "fewbit_encode_pack_chunked": _stub_fewbit_encode_pack, "fewbit_grad_chunked": _stub_fewbit_grad,

@@ -30,9 +30,9 @@ def test_opcheck_quantize_and_dequantize(dtype):
     mask = torch.randint(0, 256, (63,), dtype=torch.uint8)
     for start, out, accumulate, m in [(0, torch.empty(1000, dtype=dtype), False, None),
                                       (200, torch.randn(500).to(dtype), True, mask)]:  # 5 items of 4 x 25 from 200
-        torch.library.opcheck(torch.ops.act_hf.unpack_dequantize_into.default,
-                              (out, payload, lo, scale, 3, 256, 1000, start, torch.rand(4) + 0.5, torch.randn(4), 25,
-                               m, accumulate), test_utils=OPCHECK_TESTS)
+        torch.library.opcheck(torch.ops.act_hf.unpack_dequantize_chain.default,
+                              (out, [payload], [lo], [scale], [torch.rand(4) + 0.5], [torch.randn(4)], [m], 3, 256,
+                               1000, start, 25, accumulate), test_utils=OPCHECK_TESTS)
     second = torch.ops.act_hf.quantize_pack(x * 2, 3, 256, 8)
     for start, out, accumulate, masks in [(0, torch.empty(1000, dtype=dtype), False, [None, None]),
                                           (200, torch.randn(500).to(dtype), True, [mask, None])]:

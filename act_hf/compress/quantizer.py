@@ -388,9 +388,9 @@ def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Te
         accumulate = True
     per_item = math.prod(spec.shape[1:])
     if out.numel() and _decodes_into(spec, out.dtype, start * per_item):
-        _library.run(_library.unpack_dequantize_into, out, packed.payload, packed.lo, packed.scale, spec.bits,
-                     spec.group_size, spec.numel, start * per_item, weight.contiguous(), bias.contiguous(),
-                     per_item // max(channels, 1), mask, accumulate)
+        _library.run(_library.unpack_dequantize_chain, out, [packed.payload], [packed.lo], [packed.scale],
+                     [weight.contiguous()], [bias.contiguous()], [mask], spec.bits, spec.group_size, spec.numel,
+                     start * per_item, per_item // max(channels, 1), accumulate)
         return out
     wide = torch.promote_types(out.dtype, torch.float32)
     decoded = dequantize(packed, wide) if items is None else dequantize_items(packed, start, stop, wide)
@@ -404,7 +404,7 @@ def dequantize_mapped(packed: PackedTensor, weight: torch.Tensor, bias: torch.Te
 
 
 def _decodes_into(spec: PackedSpec, dtype: torch.dtype, first: int) -> bool:
-    """Whether ``unpack_dequantize_into`` (and ``unpack_dequantize_chain``) decode ``spec``'s elements from
+    """Whether ``unpack_dequantize_chain`` decodes ``spec``'s elements from
     ``first`` on into a tensor of ``dtype`` in one pass: a row-major context without channel scaling, whose zero
     points are those of ``dtype``, not fp64, from an element that starts an octet."""
     return (spec.memory_order is None and not spec.channel_scaled and first % 8 == 0 and dtype != torch.float64

@@ -23,8 +23,7 @@ from ..errors import ActHFWarning
 
 __all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "masked_scale", "pack_bits", "quantize_pack",
            "quantize_pack_normalized", "quantize_pack_scaled", "run", "unpack_bits", "unpack_dequantize",
-           "unpack_dequantize_affine", "unpack_dequantize_chain", "unpack_dequantize_into", "zero_unmasked",
-           "zero_unmasked_inplace"]
+           "unpack_dequantize_affine", "unpack_dequantize_chain", "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -210,38 +209,13 @@ def _(payload, lo, scale, bits, group_size, numel, mult, shift, divisor=None):
     return payload.new_empty(numel, dtype=torch.float32)
 
 
-def _unpack_dequantize_into(out: Tensor, payload: Tensor, lo: Tensor, scale: Tensor, bits: int, group_size: int,
-                            numel: int, start: int, weight: Tensor, bias: Tensor, inner: int, mask: Tensor | None,
-                            accumulate: bool) -> None:
-    """Elements ``start ..`` of a packed tensor decoded into ``out``, mapped by their channel's ``weight`` and
-    ``bias``, added to ``out`` (``accumulate``) and masked (``act_hf.compress.reference.unpack_dequantize_into``)."""
-    reference.unpack_dequantize_into(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner,
-                                     mask, accumulate)
-
-
-def _unpack_dequantize_into_cuda(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask,
-                                 accumulate):
-    module = _cuda_ext()
-    kernel = _unpack_dequantize_into if module is None else module.unpack_dequantize_into
-    kernel(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask, accumulate)
-
-
-unpack_dequantize_into = torch.library.custom_op("act_hf::unpack_dequantize_into", _unpack_dequantize_into,
-                                                 mutates_args=("out",))
-unpack_dequantize_into.register_kernel("cuda", _unpack_dequantize_into_cuda)
-
-
-@unpack_dequantize_into.register_fake
-def _(out, payload, lo, scale, bits, group_size, numel, start, weight, bias, inner, mask, accumulate):
-    torch._check(lo.numel() == _ceil_div(numel, group_size), lambda: "lo has the wrong number of groups")
-    torch._check(start + out.numel() <= numel, lambda: "out runs past the packed tensor")
-
-
 def _unpack_dequantize_chain(out: Tensor, payloads: list[Tensor], los: list[Tensor], scales: list[Tensor],
                              weights: list[Tensor], biases: list[Tensor], masks: list[Tensor | None], bits: int,
                              group_size: int, numel: int, start: int, inner: int, accumulate: bool) -> None:
-    """:func:`_unpack_dequantize_into` of up to ``reference.CHAIN_TERMS`` packed tensors at once, summed in fp32 and
-    rounded into ``out`` once (``act_hf.compress.reference.unpack_dequantize_chain``)."""
+    """Elements ``start ..`` of up to ``reference.CHAIN_TERMS`` packed tensors decoded into ``out``, each mapped by
+    its channel's ``weights[t]`` and ``biases[t]`` and summed in fp32, added to ``out`` (``accumulate``) or not,
+    masked by ``masks[t]`` after term ``t``, rounded into ``out`` once
+    (``act_hf.compress.reference.unpack_dequantize_chain``; one term: ``unpack_dequantize_into``)."""
     reference.unpack_dequantize_chain(out, payloads, los, scales, weights, biases, masks, bits, group_size, numel,
                                       start, inner, accumulate)
 
@@ -415,7 +389,6 @@ _IMPLEMENTATIONS = {
     channel_shifts: {"cpu": _channel_shifts, "cuda": _channel_shifts_cuda},
     unpack_dequantize: {"cpu": _unpack_dequantize, "cuda": _unpack_dequantize_cuda},
     unpack_dequantize_affine: {"cpu": _unpack_dequantize_affine, "cuda": _unpack_dequantize_affine_cuda},
-    unpack_dequantize_into: {"cpu": _unpack_dequantize_into, "cuda": _unpack_dequantize_into_cuda},
     unpack_dequantize_chain: {"cpu": _unpack_dequantize_chain, "cuda": _unpack_dequantize_chain_cuda},
     pack_bits: {"cpu": _pack_bits, "cuda": _pack_bits_cuda},
     unpack_bits: {"cpu": _unpack_bits, "cuda": _unpack_bits_cuda},

@@ -422,9 +422,9 @@ def _mapped_by_hand(packed, weight, bias, out, items, keep, result_dtype):
 @pytest.mark.parametrize("form", ["new", "accumulate", "masked", "items, accumulate, masked"])
 def test_dequantize_mapped_is_the_decode_mapped_by_channel(layout, form):
     """``where(keep, out + (decode[items] * weight + bias), 0)`` per channel of dim 1, rounded once into the result's
-    dtype: in one ``act_hf::unpack_dequantize_into`` where the context is row-major, not channel scaled and has the
-    result's kind of zero points (bf16 into fp32 too), the decode fp32 (an fp16 original's never rounded to fp16);
-    otherwise ``dequantize`` first, to fp32 (fp64 for an fp64 result)."""
+    dtype: in one ``act_hf::unpack_dequantize_chain`` (of one term) where the context is row-major, not channel
+    scaled and has the result's kind of zero points (bf16 into fp32 too), the decode fp32 (an fp16 original's never
+    rounded to fp16); otherwise ``dequantize`` first, to fp32 (fp64 for an fp64 result)."""
     torch.manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16 into fp32": torch.bfloat16,
              "fp64": torch.float64}.get(layout, torch.float32)
@@ -447,7 +447,7 @@ def test_dequantize_mapped_is_the_decode_mapped_by_channel(layout, form):
     assert got.dtype == result_dtype and got.shape == shape and got.is_contiguous()
     assert torch.equal(got, expected)
     one_op = layout not in ("channel scaled", "channels last", "fp64")
-    assert (ops == ["act_hf.unpack_dequantize_into.default"]) == one_op, ops
+    assert (ops == ["act_hf.unpack_dequantize_chain.default"]) == one_op, ops
 
 
 def test_dequantize_mapped_adds_into_out_in_place():
