@@ -250,14 +250,16 @@ def _chain_of(terms, dtype: torch.dtype, items: Items, mask: Tensor | None) -> l
     """The sum of ``terms``, masked by ``mask`` after the last, as :func:`~act_hf.compress.dequantize_chain`'s
     ``(packed, weight, bias, mask)`` terms, innermost first: a residual stage's block input ``relu(bn3(.) +
     relu(bn3'(.) + ...))`` is one term a block, each with its ReLU's mask (their ``items`` bytes). ``None`` where
-    the sum is not such a chain: a term with a sample scale, a leaky or clipping ReLU, a nested context that is not
-    the first term or of another dtype, or two masks after one term."""
+    the sum is not such a chain: a term with a sample scale or stored in another memory order than row-major (decoded
+    to its own layout, a pass of its own), a leaky or clipping ReLU, a nested context that is not the first term or
+    of another dtype, or two masks after one term."""
     ordered = _nested_first(terms)
     chain = []
     for i, term in enumerate(ordered):
         last = mask if i == len(ordered) - 1 else None
-        if isinstance(term, AffineTerm):
-            if term.sample_scale is not None or len(term.packed.shape) < 2:
+        if isinstance(term, AffineTerm):  # as AffineTerm.add_to takes it in one pass over the sum
+            spec = term.packed.spec
+            if term.sample_scale is not None or spec.memory_order is not None or len(spec.shape) < 2:
                 return None
             zeros, ones = zeros_and_ones((term.packed.shape[1],), term.packed.payload, torch.float32)
             chain.append((term.packed, ones if term.weight is None else term.weight.float(),

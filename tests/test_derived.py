@@ -408,6 +408,30 @@ def test_a_residual_relu_mask_is_applied_from_its_packed_bits(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
 
 
+@pytest.mark.parametrize("case", ["plain", "channels_last", "drop_path"])
+def test_a_block_input_is_one_chain_decode_where_its_terms_allow(monkeypatch, case):
+    """Each block input of a stage is one ``dequantize_chain`` (1 to 4 terms); a term decoded to its own layout
+    (channels last) or scaled per sample (stochastic depth) makes the sum go term by term as before: with channels
+    last no chain at all, with stochastic depth only the one-term decodes of ``relu(bn(.))``."""
+    import act_hf.derived as derived
+
+    chain, calls = derived.dequantize_chain, []
+
+    def recorded(terms, **kwargs):
+        calls.append(len(terms))
+        return chain(terms, **kwargs)
+
+    monkeypatch.setattr(derived, "dequantize_chain", recorded)
+    _, model = _stage(bits=3, drop_path=0.2 if case == "drop_path" else 0.0)
+    x = _input()
+    if case == "channels_last":
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    out = model(x.requires_grad_())
+    out.backward(torch.ones_like(out))
+    assert sorted(calls) == {"plain": [1, 2, 3, 4], "channels_last": [], "drop_path": [1, 1, 1, 1]}[case]
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
 def test_residual_conv_weight_gradient_is_unbiased():
     """The head conv reads a chain of three sums."""
     _assert_unbiased(*_stage(bits=2), "head")
