@@ -603,6 +603,16 @@ def _normalizer(mean: Tensor, invstd: Tensor) -> Callable[[Tensor], Tensor]:
     return lambda x: torch.batch_norm(x, invstd, None, mean, zeros, False, 0.0, 1.0, torch.backends.cudnn.enabled)
 
 
+def _dense_layout(t: Tensor) -> torch.memory_format:
+    """The memory format ``t`` is dense in: row-major, else channels last (4-D) or channels last 3d (5-D) where it
+    is that, else row-major."""
+    if not t.is_contiguous():
+        for ndim, layout in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+            if t.dim() == ndim and t.is_contiguous(memory_format=layout):
+                return layout
+    return torch.contiguous_format
+
+
 def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | None, invstd: Tensor,
                             mask: list[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Training BatchNorm's ``(grad_x, grad_weight, grad_bias)`` (``mask`` says which) from the normalized input
@@ -611,10 +621,12 @@ def _bn_backward_from_x_hat(grad_out: Tensor, x_hat: Tensor, weight: Tensor | No
     backward), with ``weight * invstd`` as the weight, which scales only the input gradient: no pass over it
     afterwards. A weight of another dtype than the statistics (a bf16 model's, on a GPU) is passed as it is, and the
     input gradient scaled by ``invstd`` in place. No full-size fp32 copy is made (aten accumulates in fp32 inside its
-    kernels)."""
+    kernels), and ``grad_out`` is copied only where it is not dense in ``x_hat``'s layout (a channels-last model's
+    gradient is, as aten's backward reads it)."""
     c = x_hat.shape[1]
-    if not grad_out.is_contiguous():
-        grad_out = grad_out.contiguous()
+    layout = _dense_layout(x_hat)
+    if not grad_out.is_contiguous(memory_format=layout):
+        grad_out = grad_out.contiguous(memory_format=layout)
     zeros, ones = zeros_and_ones((c,), invstd)
     folded = weight is None or weight.dtype == invstd.dtype
     scale = invstd if weight is None else weight * invstd if folded else weight

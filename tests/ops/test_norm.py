@@ -608,6 +608,27 @@ def test_batch_norm_backward_of_a_bf16_input_makes_no_full_size_fp32_copy(mixin)
     assert x.grad is not None and x.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.channels_last_3d])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_norm_backward_of_a_channels_last_model_copies_no_gradient(layout, dtype):
+    """A channels-last model's BatchNorm: its output's gradient comes channels last, as its decoded normalized input
+    lies, and backward hands both to aten as they are (it made the gradient row-major first: a copy of the input's
+    size each BatchNorm); the gradients are those of row-major tensors, the input's in the input's layout."""
+    torch.manual_seed(19)
+    shape = (4, 8, 6, 6) if layout == torch.channels_last else (4, 8, 3, 4, 4)
+    g, x_hat = (torch.randn(shape).to(dtype).contiguous(memory_format=layout) for _ in range(2))
+    weight, invstd = torch.rand(8) + 0.5, torch.rand(8) + 0.5
+    mask = [True, True, True]
+    ops = dispatched(lambda: norm_ops._bn_backward_from_x_hat(g, x_hat, weight, invstd, mask))
+    assert not [f for f, _ in ops if f.overloadpacket.__name__ in ("clone", "copy_", "contiguous")], ops
+    got = norm_ops._bn_backward_from_x_hat(g, x_hat, weight, invstd, mask)
+    want = norm_ops._bn_backward_from_x_hat(g.contiguous(), x_hat.contiguous(), weight, invstd, mask)
+    assert got[0].is_contiguous(memory_format=layout)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_batch_norm_forward_of_a_bf16_input_makes_no_full_size_fp32_tensor(autocast):
     """Forward of a bf16 BatchNorm takes its statistics from the op that normalizes (CPU and CUDA autocast run
