@@ -24,6 +24,7 @@ hands out and takes back; its reserved-but-free memory, fragmentation, is not co
 
     python benchmarks/memory_at_peak.py --model swin-tiny --setting bits3 --batches 2 4
     python benchmarks/memory_at_peak.py --model resnet50 --setting bits3 --device cuda --batches 16 32
+    python benchmarks/memory_at_peak.py --model resnet50 --setting bits2 --channels-last --batches 8 16
 
 Each (batch) runs in its own subprocess. Writes ``memory_at_peak_<model>_<setting>.json``, ``.md`` and ``.png``
 under ``--out``.
@@ -218,9 +219,10 @@ def profile_peak(forward_loss: Callable[[], torch.Tensor], device: torch.device,
     return peak_sites(*_allocations(prof, device), _module_ranges(prof) if model is not None else ())
 
 
-def measure(model_name: str, setting: str, batch: int, device: torch.device, dtype: str, seq: int) -> dict:
+def measure(model_name: str, setting: str, batch: int, device: torch.device, dtype: str, seq: int,
+            channels_last: bool = False) -> dict:
     """In this process: :func:`profile_peak` of one training step of ``model_name`` at ``batch``, after a batch-1
-    step (so parameter gradients exist)."""
+    step (so parameter gradients exist); an image model and its images channels last with ``channels_last``."""
     checkpointing, checkpoint_bits, bits = parse_setting(setting)
     torch.manual_seed(0)
     model, kind = MODELS[model_name]()
@@ -232,6 +234,11 @@ def measure(model_name: str, setting: str, batch: int, device: torch.device, dty
     if bits is not None:
         act_hf.patch(model, bits=bits, checkpoint_bits=checkpoint_bits)
     inputs = make_inputs(kind, model, batch, seq, device)
+    if channels_last:
+        if kind != "image":
+            raise SystemExit(f"--channels-last: an image model, got {model_name} ({kind})")
+        model.to(memory_format=torch.channels_last)
+        inputs["x"] = inputs["x"].contiguous(memory_format=torch.channels_last)
     labels = torch.zeros(batch, dtype=torch.long, device=device)
 
     def forward_loss(n: int) -> torch.Tensor:
@@ -272,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ACT_HF_SLICING for the run (default always: ops past their thresholds work on slices "
                              "of the batch however much room the device has, as they do near a memory cap; auto, "
                              "act_hf's default, runs them whole where a GPU has room for it)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="an image model and its images in channels-last memory format (timm's --channels-last)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: measure this batch, print JSON
     args = parser.parse_args(argv)
@@ -287,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
 
         linear_ops.CONV_CHUNK_ELEMENTS = norm_ops.BATCH_NORM_CHUNK_ELEMENTS = args.slice_elements
     if args.one is not None:
-        print(json.dumps(measure(args.model, args.setting, args.one, device, args.dtype, args.seq)))
+        print(json.dumps(measure(args.model, args.setting, args.one, device, args.dtype, args.seq,
+                                 args.channels_last)))
         return 0
     runs = []
     for batch in (b1, b2):
@@ -295,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                "--device", args.device, "--dtype", args.dtype, "--seq", str(args.seq)]
         if args.slice_elements is not None:
             cmd += ["--slice-elements", str(args.slice_elements)]
+        if args.channels_last:
+            cmd.append("--channels-last")
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"batch {batch}: {proc.stderr.strip()[-2000:]}")
@@ -309,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     by_phase = {p: _site_rows(runs, p, mib) for p in (phase, "backward" if phase == "forward" else "forward")}
     rows = by_phase[phase]
     meta = _meta(device) | {"model": args.model, "setting": args.setting, "batches": [b1, b2], "dtype": args.dtype,
-                            "seq": args.seq, "slice_elements": args.slice_elements}
+                            "seq": args.seq, "slice_elements": args.slice_elements,
+                            "channels_last": args.channels_last}
     result = {"meta": meta, "peak_mib_per_sample": slopes[phase], "phase": phase,
               "phase_peaks_mib_per_sample": slopes, "overall_peak_phases": [run["phase"] for run in runs],
               "peaks": [run["peak"] for run in runs], "sites": rows, "sites_by_phase": by_phase}
@@ -319,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = rows[: args.rows]
     sliced = (f", slicing {args.slicing}" if args.slice_elements is None
               else f", slicing {args.slicing} past {args.slice_elements} elements")
+    sliced += ", channels last" if args.channels_last else ""
     lines = [(f"{args.model}, {args.setting}{sliced}, {args.dtype}, batches {b1} and {b2} on {meta['device']} (torch "
              f"{meta['torch']}, act_hf @ {meta['commit']}): the highest point of forward grows by "
              f"{slopes['forward']:.2f} MiB a sample above the step's start, that of backward by "
