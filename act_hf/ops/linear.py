@@ -107,10 +107,13 @@ class ActLinearFunction(torch.autograd.Function):
         packed, weight = load_context(ctx)
         dtype = grad_out.dtype
         grad_x = grad_w = grad_b = None
+        # both GEMMs on the rows of the gradient, as the forward's GEMM ran on those of its input: a batched
+        # matmul of a gradient whose rows are no view (a permuted one: ConvNeXt's MLP) would broadcast the weight
+        # to every batch index, a copy of it each (convnext-tiny's last stage: 33 MiB a sample on the CPU)
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
         # the weight gradient first: the dequantized input is freed before the input gradient is allocated,
         # so the two full-size buffers are never alive together
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            g2d = grad_out.reshape(-1, grad_out.shape[-1])
             if ctx.needs_input_grad[1]:
                 x2d, factors = _input_values_and_factors(packed, dtype)
                 x2d = x2d.reshape(-1, x2d.shape[-1])
@@ -125,7 +128,7 @@ class ActLinearFunction(torch.autograd.Function):
                 grad_b = g2d.sum(0)
         if ctx.needs_input_grad[0]:
             w = weight.to(dtype)
-            grad_x = grad_out.matmul(w.t() if ctx.transposed else w)
+            grad_x = g2d.matmul(w.t() if ctx.transposed else w).view(*grad_out.shape[:-1], -1)
         return grad_x, grad_w, grad_b, None, None
 
 
