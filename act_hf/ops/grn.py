@@ -12,10 +12,11 @@ input. Quantizing ``x`` itself would put one group's step on every channel, and 
 ``x / g`` of a channel with a small ``g`` would carry that step divided by ``g`` (measured: 8-bit gradients at
 cosine 0.9989 on a 1 x 1 map). Backward is the exact gradient with ``z`` read from the packed copy, in fp32::
 
-    u = dy * weight,    t = g * sum_s u * z,    d = mean_c g + eps
+    u = dy * weight,    t = g * sum_s u * z = g * weight * sum_s dy * z,    d = mean_c g + eps
     dL/dg = t / d - sum_c(t * g) / (C * d^2)
-    dx = dy + u * n + z * dL/dg      (z = 0 where g == 0, as torch's norm backward)
-    dweight = sum_{b,s} dy * g * z * n,     dbias = sum_{b,s} dy
+    dx = dy + u * n + z * dL/dg = dy * (1 + weight * n) + z * dL/dg      (z = 0 where g == 0, as torch's norm
+    backward)
+    dweight = sum_{b,s} dy * g * z * n = sum_b g * n * sum_s dy * z,     dbias = sum_{b,s} dy
 
 ``dweight`` and ``u * n`` are linear in the packed ``z`` and unbiased. The last term of ``dx`` multiplies ``z``
 by ``t``, which reads ``z`` too: the same second-order bias as BatchNorm's ``x_hat * sum(dy * x_hat)`` term
@@ -86,13 +87,16 @@ class ActGRNFunction(torch.autograd.Function):
         z = dequantize(packed, torch.float32)
         d = g.mean(dim=channel_dim, keepdim=True) + eps
         n = g / d
+        # sum_s dy * z, per sample and channel: what both gradients read of the full-size tensors (the weight is
+        # constant over s, so sum_s u * z = weight * sum_s dy * z); one full-size product, freed at once
+        dyz = (dy * z).sum(spatial, keepdim=True)
         if ctx.needs_input_grad[1]:
-            grad_w = (dy * z * (g * n)).sum(reduce).reshape(w_shape).to(w_dtype)
+            grad_w = (dyz * (g * n)).sum(reduce).reshape(w_shape).to(w_dtype)
         if ctx.needs_input_grad[0]:
-            u = dy * weight.float().reshape(_layout(dy.dim(), channel_dim)[2])
-            t = g * (u * z).sum(spatial, keepdim=True)
+            w = weight.float().reshape(_layout(dy.dim(), channel_dim)[2])
+            t = g * w * dyz
             dg = t / d - (t * g).sum(channel_dim, keepdim=True) / (g.shape[channel_dim] * d * d)
-            grad_x = (dy + u * n + z * dg).to(x_dtype)
+            grad_x = (dy * (w * n + 1)).addcmul_(z, dg).to(x_dtype)  # dy + u * n + z * dg, u = dy * weight
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
