@@ -270,21 +270,34 @@ def _conv_backward(grad_out: Tensor, saved: PackedTensor | RectifiedAffine | Aff
     return grad_x, grad_w, grad_b
 
 
+#: Devices where a depthwise convolution's input gradient (one input and one output channel a group) is the
+#: transposed convolution too: the CPU, whose ``convolution_backward`` backends (oneDNN, the slow ones) make their
+#: input (a zero-stride stand-in here) contiguous, an input-sized copy (efficientnet-b0's depthwise convs: 6.9 of the
+#: 12.2 MiB a sample at its CPU backward peak), and where it gives a depthwise conv's bits (not always a conv's of
+#: more channels a group: fp32 channels last). On CUDA, cuDNN and the depthwise kernels take the stand-in as it is
+#: when no weight gradient is asked for (aten's ``convolution_backward``), and a grouped transposed convolution is
+#: not known to match the depthwise kernels' speed (not measured).
+TRANSPOSED_DEPTHWISE_DEVICES = ("cpu",)
+
+
 def _conv_input_grad(grad_out: Tensor, weight: Tensor, padded_shape, args: tuple) -> Tensor:
     """The input gradient of a convolution over an input of ``padded_shape`` (``convolution_backward``'s ``args``
-    after the bias sizes), from ``grad_out`` and ``weight`` alone. Ungrouped, as the transposed convolution of
-    ``grad_out`` (the backward-data kernel ``convolution_backward`` runs, the same values bit for bit): given an
-    input, even a zero-stride stand-in, ``convolution_backward`` makes it contiguous first, an input-sized copy
-    written for nothing (``test_conv_input_gradient_makes_no_input_sized_copy``). Grouped convolutions (depthwise
-    ones have kernels of their own) keep ``convolution_backward`` and the stand-in."""
+    after the bias sizes), from ``grad_out`` and ``weight`` alone. Ungrouped, and depthwise on
+    ``TRANSPOSED_DEPTHWISE_DEVICES``, as the transposed convolution of ``grad_out`` (the backward-data kernel
+    ``convolution_backward`` runs, the same values bit for bit): given an input, even a zero-stride stand-in,
+    ``convolution_backward`` makes it contiguous first on the CPU, and for a 1-d convolution (viewed as 2-d) on
+    any device, an input-sized copy written for nothing (``test_conv_input_gradient_makes_no_input_sized_copy``;
+    cuDNN's 2-d and 3-d backward takes it as it is). Other grouped convolutions keep ``convolution_backward`` and
+    the stand-in."""
     stride, padding, dilation, _, _, groups = args
-    if groups != 1:
+    depthwise = groups == padded_shape[1] == weight.shape[0]
+    if groups != 1 and not (depthwise and grad_out.device.type in TRANSPOSED_DEPTHWISE_DEVICES):
         return torch.ops.aten.convolution_backward(grad_out, zero_scalar(grad_out).expand(padded_shape), weight,
                                                    None, *args, [True, False, False])[0]
     # the input's trailing rows and columns no output reads (a stride past the last window): output_padding
     extra = [n - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for n, o, s, p, d, k in
              zip(padded_shape[2:], grad_out.shape[2:], stride, padding, dilation, weight.shape[2:])]
-    return _CONV_TRANSPOSE[len(stride)](grad_out, weight, None, stride, padding, extra, 1, dilation)
+    return _CONV_TRANSPOSE[len(stride)](grad_out, weight, None, stride, padding, extra, groups, dilation)
 
 
 def _unpad(grad: Tensor, pad: tuple[int, ...], shape: torch.Size) -> Tensor:

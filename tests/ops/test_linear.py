@@ -495,6 +495,37 @@ def test_conv_input_gradient_is_convolution_backwards_bit_for_bit(device, dtype,
         assert torch.equal(got, expected) and got.stride() == expected.stride()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, kernel, stride, padding, dilation", [
+    ((2, 32, 28, 28), 3, 1, 1, 1),
+    ((2, 96, 15, 13), 3, 2, 1, 1),  # output_padding
+    ((2, 64, 14, 14), 7, 1, 3, 1),  # ConvNeXt's
+    ((2, 16, 9, 9), 3, 1, 2, 2),
+])
+def test_depthwise_conv_input_gradient_is_convolution_backwards_bit_for_bit(device, dtype, shape, kernel, stride,
+                                                                            padding, dilation):
+    """A depthwise conv's input gradient (a transposed convolution on the CPU, ``convolution_backward`` of a
+    stand-in on CUDA) is the one ``convolution_backward`` computes from the input, bit for bit, in its layout; on
+    the CPU without the stand-in's input-sized copy."""
+    from act_hf.ops.linear import _conv_input_grad
+
+    torch.manual_seed(0)
+    channels = shape[1]
+    args = ([stride] * 2, [padding] * 2, [dilation] * 2, False, [0, 0], channels)
+    for channels_last in (False, True):
+        x = torch.randn(shape, device=device, dtype=dtype)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        w = torch.randn(channels, 1, kernel, kernel, device=device, dtype=dtype)
+        g = torch.randn_like(torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, channels))
+        expected = torch.ops.aten.convolution_backward(g, x, w, None, *args, [True, False, False])[0]
+        ops = [f.overloadpacket.__name__ for f, _ in dispatched(lambda: _conv_input_grad(g, w, x.shape, args))]
+        got = _conv_input_grad(g, w, x.shape, args)
+        assert torch.equal(got, expected) and got.stride() == expected.stride()
+        assert device != "cpu" or ops == ["convolution"], ops
+
+
 def test_an_unbatched_conv_input_convolves_as_a_batch_of_one():
     """``nn.Conv2d`` takes a ``(C, H, W)`` input; so does its converted form, forward and backward."""
     torch.manual_seed(0)
@@ -513,9 +544,10 @@ def test_an_unbatched_conv_input_convolves_as_a_batch_of_one():
 @pytest.mark.parametrize("cls, kwargs, shape", [CONV_CASES[1], CONV_CASES[2], CONV_CASES[5]])
 def test_conv_backward_frees_the_decoded_input_before_the_input_gradient(cls, kwargs, shape):
     """Two passes: ``convolution_backward`` of the weight and bias gradients from the decoded input, then the input
-    gradient from the weight alone (a transposed convolution; for a grouped one ``convolution_backward`` of a
-    zero-stride stand-in of the input's shape), so the decoded input and the input gradient, each as large as the
-    input, are never alive together. The input gradient is the single call's, bit for bit."""
+    gradient from the weight alone (a transposed convolution, a depthwise one's too on the CPU; for another grouped
+    one ``convolution_backward`` of a zero-stride stand-in of the input's shape), so the decoded input and the input
+    gradient, each as large as the input, are never alive together. The input gradient is the single call's, bit
+    for bit."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch.manual_seed(0)
@@ -536,7 +568,9 @@ def test_conv_backward_frees_the_decoded_input_before_the_input_gradient(cls, kw
     with _Watch():
         y.backward(g)
     has_bias = act.bias is not None
-    input_pass = ((0,) * x.dim(), [True, False, False]) if act.groups > 1 else ("transposed", list(act.weight.shape))
+    depthwise = act.groups == act.in_channels == act.out_channels
+    input_pass = (((0,) * x.dim(), [True, False, False]) if act.groups > 1 and not depthwise
+                  else ("transposed", list(act.weight.shape)))
     assert calls == [(x.stride(), [False, True, has_bias]), input_pass]
     single = torch.ops.aten.convolution_backward(
         g, x.detach(), act.weight, None, list(act.stride), list(act.padding), list(act.dilation), False,
