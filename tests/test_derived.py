@@ -413,7 +413,7 @@ def test_a_block_input_is_one_chain_decode_where_its_terms_allow(monkeypatch, ca
     """Each block input of a stage is one ``dequantize_chain`` (1 to 4 terms); a term decoded to its own layout
     (channels last) or scaled per sample (stochastic depth) makes the sum go term by term as before: with channels
     last no chain at all, with stochastic depth only the one-term decodes of ``relu(bn(.))``."""
-    import act_hf.derived as derived
+    from act_hf import derived
 
     chain, calls = derived.dequantize_chain, []
 
