@@ -520,9 +520,11 @@ def test_depthwise_conv_input_gradient_is_convolution_backwards_bit_for_bit(devi
         w = torch.randn(channels, 1, kernel, kernel, device=device, dtype=dtype)
         g = torch.randn_like(torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, channels))
         expected = torch.ops.aten.convolution_backward(g, x, w, None, *args, [True, False, False])[0]
-        ops = [f.overloadpacket.__name__ for f, _ in dispatched(lambda g=g, w=w, x=x: _conv_input_grad(g, w, x.shape,
-                                                                                                        args))]
-        got = _conv_input_grad(g, w, x.shape, args)
+        def input_grad(g=g, w=w, shape=x.shape):
+            return _conv_input_grad(g, w, shape, args)
+
+        ops = [f.overloadpacket.__name__ for f, _ in dispatched(input_grad)]
+        got = input_grad()
         assert torch.equal(got, expected) and got.stride() == expected.stride()
         assert device != "cpu" or ops == ["convolution"], ops
 
