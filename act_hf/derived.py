@@ -156,6 +156,18 @@ class AffineTerm:
     def leaves(self) -> list[PackedTensor]:
         return [self.packed]
 
+    @property
+    def one_pass(self) -> bool:
+        """Whether the term is mapped into a sum in one pass over it (``dequantize_mapped``, and
+        ``dequantize_chain``'s terms): no sample scale, a row-major context of at least 2 dims."""
+        return self.sample_scale is None and self.packed.spec.memory_order is None and len(self.packed.shape) >= 2
+
+    def channel_map(self) -> tuple[Tensor, Tensor]:
+        """``(weight, bias)`` in fp32, one value a channel of dim 1 (1 and 0 where the term has none)."""
+        zeros, ones = zeros_and_ones((self.packed.shape[1],), self.packed.payload, torch.float32)
+        return (ones if self.weight is None else self.weight.float(),
+                zeros if self.bias is None else self.bias.float())
+
     def add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items = None,
                mask: Tensor | None = None) -> Tensor:
         """``values + term``, in place in ``values``; the term as a new tensor of ``dtype`` when ``values`` is
@@ -164,12 +176,8 @@ class AffineTerm:
         packed 1-bit code, of the result's elements) the result is ``+0`` where its bit is 0. A row-major context
         without a sample scale is added in one pass over the result (:func:`~act_hf.compress.dequantize_mapped`), its
         values kept in fp32 from the decode to the one rounding at the end."""
-        if (self.sample_scale is None and self.packed.spec.memory_order is None and len(self.packed.shape) >= 2
-                and (values is None or values.is_contiguous())):
-            zeros, ones = zeros_and_ones((self.packed.shape[1],), self.packed.payload, torch.float32)
-            weight = ones if self.weight is None else self.weight.float()
-            bias = zeros if self.bias is None else self.bias.float()
-            return dequantize_mapped(self.packed, weight, bias, out=values, dtype=dtype, items=items, mask=mask)
+        if self.one_pass and (values is None or values.is_contiguous()):
+            return dequantize_mapped(self.packed, *self.channel_map(), out=values, dtype=dtype, items=items, mask=mask)
         return _masked(self._add_to(values, dtype, items), mask)
 
     def _add_to(self, values: Tensor | None, dtype: torch.dtype, items: Items) -> Tensor:
@@ -257,13 +265,10 @@ def _chain_of(terms, dtype: torch.dtype, items: Items, mask: Tensor | None) -> l
     chain = []
     for i, term in enumerate(ordered):
         last = mask if i == len(ordered) - 1 else None
-        if isinstance(term, AffineTerm):  # as AffineTerm.add_to takes it in one pass over the sum
-            spec = term.packed.spec
-            if term.sample_scale is not None or spec.memory_order is not None or len(spec.shape) < 2:
+        if isinstance(term, AffineTerm):
+            if not term.one_pass:
                 return None
-            zeros, ones = zeros_and_ones((term.packed.shape[1],), term.packed.payload, torch.float32)
-            chain.append((term.packed, ones if term.weight is None else term.weight.float(),
-                          zeros if term.bias is None else term.bias.float(), last))
+            chain.append((term.packed, *term.channel_map(), last))
             continue
         if i > 0 or term.dtype != dtype:
             return None
