@@ -292,8 +292,8 @@ def _conv_input_grad(grad_out: Tensor, weight: Tensor, padded_shape, args: tuple
     stride, padding, dilation, _, _, groups = args
     depthwise = groups == padded_shape[1] == weight.shape[0]
     if groups != 1 and not (depthwise and grad_out.device.type in TRANSPOSED_DEPTHWISE_DEVICES):
-        return torch.ops.aten.convolution_backward(grad_out, zero_scalar(grad_out).expand(padded_shape), weight,
-                                                   None, *args, [True, False, False])[0]
+        return torch.ops.aten.convolution_backward(grad_out, _conv_input(None, grad_out, padded_shape), weight, None,
+                                                   *args, [True, False, False])[0]
     # the input's trailing rows and columns no output reads (a stride past the last window): output_padding
     extra = [n - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for n, o, s, p, d, k in
              zip(padded_shape[2:], grad_out.shape[2:], stride, padding, dilation, weight.shape[2:])]
