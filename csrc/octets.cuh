@@ -18,29 +18,49 @@ constexpr int kThreads = 256;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Writes the low `nbytes` bytes of `word` at `dst`; one store for a full octet at 1/2/4/8 bits.
+// Writes the low `nbytes` bytes of `word` at `dst`: a full octet (nbytes == B) in stores of fixed widths, the
+// widest its offset's alignment allows (`dst` is payload + octet * B: 2-byte aligned at 2 and 6 bits, 4 at 4, 8
+// at 8; bytes at 3, 5 and 7), a partial octet byte by byte.
 template <int B>
 ACT_HD void store_octet(uint8_t* __restrict__ dst, uint64_t word, int nbytes) {
-  if (nbytes == B && (B == 1 || B == 2 || B == 4 || B == 8)) {
-    if constexpr (B == 1) *dst = static_cast<uint8_t>(word);
-    if constexpr (B == 2) *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(word);
-    if constexpr (B == 4) *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(word);
-    if constexpr (B == 8) *reinterpret_cast<uint64_t*>(dst) = word;
+  if (nbytes == B) {
+    if constexpr (B == 8) {
+      *reinterpret_cast<uint64_t*>(dst) = word;
+    } else if constexpr (B == 4) {
+      *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(word);
+    } else if constexpr (B % 2 == 0) {
+#pragma unroll
+      for (int k = 0; k < B / 2; ++k) reinterpret_cast<uint16_t*>(dst)[k] = static_cast<uint16_t>(word >> (16 * k));
+    } else {
+#pragma unroll
+      for (int k = 0; k < B; ++k) dst[k] = static_cast<uint8_t>(word >> (8 * k));
+    }
   } else {
     for (int k = 0; k < nbytes; ++k) dst[k] = static_cast<uint8_t>(word >> (8 * k));
   }
 }
 
+// Reads the `nbytes` bytes at `src` into the low bytes of a word: a full octet as store_octet writes it.
 template <int B>
 ACT_HD uint64_t load_octet(const uint8_t* __restrict__ src, int nbytes) {
-  if (nbytes == B && (B == 1 || B == 2 || B == 4 || B == 8)) {
-    if constexpr (B == 1) return *src;
-    if constexpr (B == 2) return *reinterpret_cast<const uint16_t*>(src);
-    if constexpr (B == 4) return *reinterpret_cast<const uint32_t*>(src);
-    if constexpr (B == 8) return *reinterpret_cast<const uint64_t*>(src);
-  }
   uint64_t word = 0;
-  for (int k = 0; k < nbytes; ++k) word |= static_cast<uint64_t>(src[k]) << (8 * k);
+  if (nbytes == B) {
+    if constexpr (B == 8) {
+      word = *reinterpret_cast<const uint64_t*>(src);
+    } else if constexpr (B == 4) {
+      word = *reinterpret_cast<const uint32_t*>(src);
+    } else if constexpr (B % 2 == 0) {
+#pragma unroll
+      for (int k = 0; k < B / 2; ++k) {
+        word |= static_cast<uint64_t>(reinterpret_cast<const uint16_t*>(src)[k]) << (16 * k);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < B; ++k) word |= static_cast<uint64_t>(src[k]) << (8 * k);
+    }
+  } else {
+    for (int k = 0; k < nbytes; ++k) word |= static_cast<uint64_t>(src[k]) << (8 * k);
+  }
   return word;
 }
 
