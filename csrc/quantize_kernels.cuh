@@ -40,8 +40,9 @@ struct ChannelScaling {
 };
 
 // One warp per group, for the group sizes other than 32, 64, ..., 1024 (those: quantize_pack_lanes_kernel).
-// Pass 1: min, max and a non-finite flag over the group's octets; pass 2 (re-reading the group from L1/L2): codes,
-// packed one octet (8 elements = B bytes, byte aligned since G % 8 == 0) per lane.
+// Pass 1: the group's range over its octets (range_octet: NaN-propagating, so it also says whether the group is
+// non-finite); pass 2 (re-reading the group from L1/L2): codes, packed one octet (8 elements = B bytes, byte
+// aligned since G % 8 == 0) per lane.
 // Scaled: each value is first multiplied by its channel's power of two (quantize_octets.cuh: scale_octet);
 // Normalized: each value is first normalized by its channel of dim 1 (normalize_octet).
 template <typename T, int B, bool Scaled, bool Normalized>
@@ -63,7 +64,6 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
   }
 
   float mn = INFINITY, mx = -INFINITY;
-  int nonfinite = 0;
   int64_t c = c0;
   for (int64_t i = start + 8 * lane; i < end; i += 8 * kWarp) {
     const int cnt = static_cast<int>(end - i < 8 ? end - i : 8);
@@ -74,24 +74,16 @@ __global__ void __launch_bounds__(kThreads) quantize_pack_kernel(
       c = advance_channel(c, scaling.lane_step, scaling.channels);
     }
     if constexpr (Normalized) normalize_octet(v, norm, i);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (j < cnt) {
-        nonfinite |= !isfinite(v[j]);
-        mn = fminf(mn, v[j]);
-        mx = fmaxf(mx, v[j]);
-      }
-    }
+    range_octet(v, cnt, mn, mx);
   }
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off /= 2) {
-    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, off);
+    mn = min_nan(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   }
 
   uint16_t lo_bits, scale_bits;
-  group_metadata<T, B>(mn, mx, nonfinite, lo_bits, scale_bits);
+  group_metadata<T, B>(mn, mx, range_nonfinite(mn, mx), lo_bits, scale_bits);
   if (lane == 0) {
     lo_out[g] = lo_bits;
     scale_out[g] = scale_bits;
@@ -162,26 +154,15 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_pack_lanes_kernel(  // 3
     for (int k = 0; k < kOctets; ++k) normalize_octet(v[k], norm, first + 8 * lanes * k);
   }
   float mn = INFINITY, mx = -INFINITY;
-  int nonfinite = 0;
 #pragma unroll
-  for (int k = 0; k < kOctets; ++k) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (j < cnt[k]) {
-        nonfinite |= !isfinite(v[k][j]);
-        mn = fminf(mn, v[k][j]);
-        mx = fmaxf(mx, v[k][j]);
-      }
-    }
-  }
+  for (int k = 0; k < kOctets; ++k) range_octet(v[k], cnt[k], mn, mx);
   for (int off = lanes / 2; off > 0; off /= 2) {  // xor offsets below `lanes` stay inside the sub-warp
-    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    nonfinite |= __shfl_xor_sync(0xffffffffu, nonfinite, off);
+    mn = min_nan(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+    mx = max_nan(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   }
   if (start >= n) return;  // a group past the end (after the shuffles, which every lane takes part in)
   uint16_t lo_bits, scale_bits;
-  group_metadata<T, B>(mn, mx, nonfinite, lo_bits, scale_bits);
+  group_metadata<T, B>(mn, mx, range_nonfinite(mn, mx), lo_bits, scale_bits);
   if (sub == 0) {
     lo_out[start >> group_shift] = lo_bits;
     scale_out[start >> group_shift] = scale_bits;

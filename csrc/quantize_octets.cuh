@@ -122,6 +122,46 @@ ACT_HD void group_metadata(float mn, float mx, bool nonfinite, uint16_t& lo_bits
   }
 }
 
+// A group's range, NaN-propagating: a NaN among its values makes both ends NaN, so that the range alone says
+// whether the group is non-finite (a NaN, +inf as its maximum or -inf as its minimum). On the GPU one instruction
+// each (min.NaN / max.NaN, sm_80 and later); fminf and fmaxf would pass over a NaN.
+ACT_HD float min_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fminf(a, b);  // a + b: NaN
+#endif
+}
+
+ACT_HD float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fmaxf(a, b);
+#endif
+}
+
+// Widens the running range [mn, mx] by an octet's first cnt values; a full octet (most of them) without a test
+// per value.
+ACT_HD void range_octet(const float (&v)[8], int cnt, float& mn, float& mx) {
+  if (cnt == 8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mn = min_nan(mn, v[j]), mx = max_nan(mx, v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < cnt) mn = min_nan(mn, v[j]), mx = max_nan(mx, v[j]);
+    }
+  }
+}
+
+// Whether a group whose range is [mn, mx] holds a NaN or an infinity.
+ACT_HD bool range_nonfinite(float mn, float mx) { return !(isfinite(mn) && isfinite(mx)); }
+
 // The group's fp32 factors: codes are floor((x - lo) * inv_scale + u); inv_scale is 0 where there is no scale
 // (a zero-range or non-finite group, whose codes are 0).
 struct GroupFactors {

@@ -78,7 +78,7 @@ at::Tensor grad(const at::Tensor& g, const at::Tensor& payload, const at::Tensor
   return out;
 }
 
-// The quantize kernels' two passes over each group, its lanes in turn (the min/max reduction across lanes is a
+// The quantize kernels' two passes over each group, its lanes in turn (the range's reduction across lanes is a
 // loop here), channel scaled by `shifts` when it is not empty, each lane tracking its channel as the kernels do,
 // or normalized by channel of dim 1 (`mean`, `invstd`, `inner`) when `mean` is not empty:
 // group sizes 32 * 2^k up to 1024 in G / 32 lanes, lane l taking the octets at start + 8 * l + G / 4 * t for
@@ -124,16 +124,9 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, 
       for (int64_t g = 0; g < n_groups; ++g) {
         const int64_t start = g * group_size, end = std::min(n, start + group_size);
         float mn = INFINITY, mx = -INFINITY;
-        bool nonfinite = false;
-        each_octet(start, end, [&](int64_t, int cnt, const float (&v)[8]) {
-          for (int j = 0; j < cnt; ++j) {
-            nonfinite |= !std::isfinite(v[j]);
-            mn = std::fmin(mn, v[j]);
-            mx = std::fmax(mx, v[j]);
-          }
-        });
+        each_octet(start, end, [&](int64_t, int cnt, const float (&v)[8]) { act_hf::range_octet(v, cnt, mn, mx); });
         uint16_t lo_bits, scale_bits;
-        act_hf::group_metadata<scalar_t, B>(mn, mx, nonfinite, lo_bits, scale_bits);
+        act_hf::group_metadata<scalar_t, B>(mn, mx, act_hf::range_nonfinite(mn, mx), lo_bits, scale_bits);
         lo.data_ptr<int16_t>()[g] = static_cast<int16_t>(lo_bits);
         scale.data_ptr<int16_t>()[g] = static_cast<int16_t>(scale_bits);
         const act_hf::GroupFactors factors = act_hf::group_factors<scalar_t>(lo_bits, scale_bits);
@@ -347,7 +340,7 @@ def test_masked_scale_octets_give_aten_dropout_backward(octets, dtype):
 def test_quantize_octets_give_the_reference(octets, dtype, bits, group_size):
     """Zero points, scales and codes of the quantize kernel's arithmetic, bit for bit with the reference: groups
     of mixed magnitudes, a zero-range group, a group whose range is below bf16's smallest normal number (its
-    scale raised to 2^-126), NaN and Inf groups, and a partial last group."""
+    scale raised to 2^-126), groups with a NaN, +inf or -inf, and a partial last group."""
     gen = torch.Generator().manual_seed(bits * 1000 + group_size)
     for n in LENGTHS:
         x = (torch.randn(n, generator=gen, dtype=torch.float64) * torch.logspace(-3, 3, n, dtype=torch.float64)
@@ -359,6 +352,7 @@ def test_quantize_octets_give_the_reference(octets, dtype, bits, group_size):
                                                                   dtype=torch.float64).to(dtype)
         if n > 8:
             x[n // 2] = math.nan
+            x[n // 4] = -math.inf
             x[-1] = math.inf
         for seed in (0, 1234 + n, (1 << 63) - 1):
             got = octets.quantize(x, NO_SHIFTS, bits, group_size, seed, NO_STATS, NO_STATS, 1)
