@@ -1,7 +1,7 @@
 // The quantize kernels (per-group stochastic quantization + bit packing) and their launch, for the three files
 // that instantiate one variant each. The format and every arithmetic step are specified by
 // act_hf/compress/reference.py; these kernels reproduce it bit for bit:
-//   - the uniforms are 24-bit fields of splitmix64(seed + p * golden), one hash per pair of elements p (counter
+//   - the uniforms are 16-bit fields of splitmix64(seed + p * golden), one hash per quad of elements p (counter
 //     based, no state), and a group's codes multiply by the reciprocal of its scale (quantize_octets.cuh);
 //   - all arithmetic is fp32 with explicit _rn intrinsics, so nvcc cannot contract a*b+c into an FMA;
 //   - 64-bit element indexing, current stream, no host synchronisation, no padded copy of the input.

@@ -175,18 +175,27 @@ ACT_HD GroupFactors group_factors(uint16_t lo_bits, uint16_t scale_bits) {
   return {ZeroPoint<T>::decode(lo_bits), scale > 0.f ? rcp_rn(scale) : 0.f};  // no scale: zero range and NaN
 }
 
-// splitmix64 of a pair of elements (2p, 2p + 1): element 2p draws bits 40..63 of the hash, element 2p + 1 bits
-// 16..39, each 24 bits scaled by 2^-24 (exact in fp32). `z` is seed + p * golden.
-ACT_HD void uniform_pair(uint64_t z, float& even, float& odd) {
+// splitmix64's finalizer: the rounding noise of a quad of elements (4p, ..., 4p + 3) is splitmix64(seed + p *
+// golden), element 4p + k drawing its bits 48 - 16k .. 63 - 16k as a 16-bit integer r (uniform_field).
+ACT_HD uint64_t splitmix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  // 24-bit fields: converted from 32 bits (a 64-bit integer's conversion is a slower instruction), exactly
-  even = static_cast<float>(static_cast<uint32_t>(z >> 40)) * 5.9604644775390625e-8f;  // 2^-24
-  odd = static_cast<float>(static_cast<uint32_t>(z >> 16) & 0xFFFFFFu) * 5.9604644775390625e-8f;
+  return z ^ (z >> 31);
 }
 
+ACT_HD uint32_t uniform_field(uint64_t h, int k) { return static_cast<uint32_t>(h >> (48 - 16 * k)) & 0xFFFFu; }
+
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+constexpr float kUniformStep = 1.52587890625e-5f;  // 2^-16: a draw r is the uniform r * 2^-16, exact in fp32
+
+// q + r * 2^-16, rounded once. The product is exact, so on the GPU one fused multiply-add gives the sum's rounding.
+ACT_HD float add_uniform(float q, uint32_t r) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(static_cast<float>(r), kUniformStep, q);
+#else
+  return add_rn(q, static_cast<float>(r) * kUniformStep);
+#endif
+}
 
 // 2^k for a channel shift k in 0..24: the exponent field alone, exact.
 ACT_HD float pow2(int32_t k) { return bits_float(static_cast<uint32_t>(k + 127) << 23); }
@@ -297,15 +306,14 @@ template <int B>
 ACT_HD uint64_t quantize_octet(const float (&v)[8], int cnt, const GroupFactors& f, uint64_t seed, int64_t i) {
   constexpr int kLevels = (1 << B) - 1;
   using Word = std::conditional_t<(8 * B <= 32), uint32_t, uint64_t>;  // 32-bit shifts where the octet fits
-  uint64_t z = seed + static_cast<uint64_t>(i / 2) * kGolden;
-  float u[8];
-#pragma unroll
-  for (int p = 0; p < 4; ++p, z += kGolden) uniform_pair(z, u[2 * p], u[2 * p + 1]);
+  const uint64_t z = seed + static_cast<uint64_t>(i / 4) * kGolden;  // the octet's first quad
+  const uint64_t h[2] = {splitmix64(z), splitmix64(z + kGolden)};
   Word word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float q = mul_rn(sub_rn(v[j], f.lo), f.inv_scale);
-    word |= static_cast<Word>(clamped_floor(add_rn(q, u[j]), kLevels)) << (j * B);  // a code < 256: exact
+    const float t = add_uniform(q, uniform_field(h[j / 4], j % 4));
+    word |= static_cast<Word>(clamped_floor(t, kLevels)) << (j * B);  // a code < 256: exact
   }
   if (cnt < 8) word &= (static_cast<Word>(1) << (cnt * B)) - 1;  // cnt * B < 8 * B: the shift is in range
   return word;

@@ -1,8 +1,8 @@
 """Pure-PyTorch reference of every compression kernel: the specification of the packed format.
 
 The CUDA kernels in ``csrc/*_kernel.cu`` compute exactly the same bits (same hash-based uniforms,
-same fp32 operation order, no fused multiply-add), so tests compare them bit for bit. This module also
-runs on the CPU and is the fallback when the extension is missing.
+same fp32 operation order, no fused multiply-add that would round otherwise), so tests compare them bit for
+bit. This module also runs on the CPU and is the fallback when the extension is missing.
 
 Format of one quantized tensor of ``n`` elements, ``b`` bits, group size ``G``:
 
@@ -97,26 +97,27 @@ def _xor_lsr_(z: torch.Tensor, k: int, tmp: torch.Tensor) -> torch.Tensor:
 
 def uniform_from_hash(seed: int, numel: int, device: torch.device | str = "cpu", start: int = 0) -> torch.Tensor:
     """The uniforms of stochastic rounding for elements ``i`` in ``[start, start + numel)``: one
-    ``z = splitmix64(seed + p * golden)`` for each pair of elements ``(2p, 2p + 1)``, element ``2p`` taking bits
-    40..63 of ``z`` and element ``2p + 1`` bits 16..39, each scaled by ``2**-24`` to ``[0, 1)``.
+    ``z = splitmix64(seed + p * golden)`` for each quad of elements ``(4p, ..., 4p + 3)``, element ``4p + k``
+    taking bits ``48 - 16k`` to ``63 - 16k`` of ``z``, scaled by ``2**-16`` to ``[0, 1)``.
 
     Counter based: element ``i`` of a tensor always gets the same draw for the same seed, on any device, in
-    any kernel launch configuration. 24 bits a draw, so every value is exactly representable in fp32; one hash
-    serves two elements (splitmix64's output bits are all well mixed). In-place int64 arithmetic (two buffers)
-    keeps the CPU cost of this reference low.
+    any kernel launch configuration. 16 bits a draw (a code's expectation is off by less than ``2**-16`` of its
+    group's scale), every value exactly representable in fp32; one hash serves four elements (splitmix64's
+    output bits are all well mixed), which keeps the quantize kernel's hashing to a fraction of its work.
+    In-place int64 arithmetic (two buffers) keeps the CPU cost of this reference low.
     """
-    first, stop = start // 2, -(-(start + numel) // 2)  # the pairs holding the elements
+    first, stop = start // 4, -(-(start + numel) // 4)  # the quads holding the elements
     z = torch.arange(first, stop, dtype=torch.int64, device=device)
     tmp = torch.empty_like(z)
     z.mul_(_GOLDEN).add_(_signed64(seed & ((1 << 64) - 1)))
     _xor_lsr_(z, 30, tmp).mul_(_MIX1)
     _xor_lsr_(z, 27, tmp).mul_(_MIX2)
     _xor_lsr_(z, 31, tmp)
-    draws = torch.empty(stop - first, 2, dtype=torch.int64, device=device)
-    torch.bitwise_right_shift(z, 40, out=draws[:, 0]).bitwise_and_((1 << 24) - 1)
-    torch.bitwise_right_shift(z, 16, out=draws[:, 1]).bitwise_and_((1 << 24) - 1)
-    offset = start - 2 * first
-    return draws.view(-1)[offset:offset + numel].to(torch.float32).mul_(2.0**-24)
+    draws = torch.empty(stop - first, 4, dtype=torch.int64, device=device)
+    for k in range(4):
+        torch.bitwise_right_shift(z, 48 - 16 * k, out=draws[:, k]).bitwise_and_(0xFFFF)
+    offset = start - 4 * first
+    return draws.view(-1)[offset:offset + numel].to(torch.float32).mul_(2.0**-16)
 
 
 def lo_dtype_for(dtype: torch.dtype) -> torch.dtype:

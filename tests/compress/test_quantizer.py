@@ -761,35 +761,40 @@ def test_scale_is_the_correctly_rounded_quotient_rounded_up_to_bf16(bits):
     assert not torch.equal(scale_bits, by_reciprocal)  # the data tells the two apart
 
 
-def test_rounding_uniforms_are_splitmix64_of_pairs():
-    """The hash the CUDA kernel reproduces: z = splitmix64(seed + p * golden) for the pair (2p, 2p + 1), whose
-    elements take bits 40..63 and 16..39 of z, scaled by 2^-24; from any start, odd ones included."""
+def test_rounding_uniforms_are_splitmix64_of_quads():
+    """The hash the CUDA kernel reproduces: z = splitmix64(seed + p * golden) for the quad (4p, ..., 4p + 3),
+    whose element 4p + k takes bits 48 - 16k .. 63 - 16k of z, scaled by 2^-16; from any start, ones inside a
+    quad included."""
 
     def splitmix(seed: int, i: int) -> float:
         m = (1 << 64) - 1
-        z = (seed + (i // 2) * 0x9E3779B97F4A7C15) & m
+        z = (seed + (i // 4) * 0x9E3779B97F4A7C15) & m
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
         z ^= z >> 31
-        return ((z >> 40) if i % 2 == 0 else (z >> 16) & 0xFFFFFF) / 2**24
+        return ((z >> (48 - 16 * (i % 4))) & 0xFFFF) / 2**16
 
     for seed in (0, 12345, (1 << 63) - 1):
-        for start, numel in ((0, 50), (7, 20), (8, 1), (3, 0)):
+        for start, numel in ((0, 50), (7, 20), (8, 1), (3, 0), (5, 2), (2, 11)):
             got = R.uniform_from_hash(seed, numel, start=start).tolist()
             assert got == [splitmix(seed, i) for i in range(start, start + numel)]
 
 
-def test_rounding_uniforms_of_a_pair_are_uncorrelated():
-    """The two fields of one hash are draws of their own: their correlation over 2^18 pairs is within a few
-    standard errors of 0, and each field is uniform (mean 1/2, variance 1/12)."""
-    u = R.uniform_from_hash(2024, 1 << 19).double().view(-1, 2)
-    even, odd = u[:, 0], u[:, 1]
-    n = even.numel()
-    corr = torch.corrcoef(torch.stack([even, odd]))[0, 1].item()
-    assert abs(corr) < 5 / n**0.5
-    for field in (even, odd):
+def test_rounding_uniforms_of_a_quad_are_uncorrelated():
+    """The four fields of one hash are draws of their own: each pair's correlation over 2^18 quads is within a few
+    standard errors of 0, and each field is uniform (mean 1/2, variance 1/12, every 16-bit value about equally
+    often)."""
+    u = R.uniform_from_hash(2024, 1 << 20).double().view(-1, 4)
+    n = u.shape[0]
+    corr = torch.corrcoef(u.T)
+    assert (corr - torch.eye(4, dtype=torch.float64)).abs().max().item() < 5 / n**0.5
+    for k in range(4):
+        field = u[:, k]
         assert abs(field.mean().item() - 0.5) < 5 * (1 / 12 / n) ** 0.5
         assert abs(field.var().item() - 1 / 12) < 0.002
+        counts = torch.bincount((field * 2**16).long(), minlength=1 << 16).double()  # 4 expected per value
+        chi2 = ((counts - 4) ** 2 / 4).sum().item()  # about 65535 +- 362 for uniform draws
+        assert abs(chi2 - 65535) < 5 * (2 * 65535) ** 0.5
 
 
 @pytest.mark.parametrize("bits", [1, 3, 8])
