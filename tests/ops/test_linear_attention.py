@@ -99,7 +99,8 @@ def test_small_normalizers_do_not_amplify_the_rounding():
     with_hooks = relative_error(_grads(hooked, q, k, v, g), exact)
     manual_seed(0)
     with_op = relative_error(_grads(lambda *t: act_linear_attention(*t, EPS, OpSettings("m", 4)), q, k, v, g), exact)
-    assert with_op < 0.2 and with_hooks > 1.0, (with_op, with_hooks)  # measured 0.16 and 5.7e7
+    # with_op: 0.151-0.250 over 100 draws of the rounding with either of two hashes; with_hooks: 5.7e7
+    assert with_op < 0.3 and with_hooks > 1.0, (with_op, with_hooks)
 
 
 def test_saves_the_normalizer_exact_and_the_rest_packed():
