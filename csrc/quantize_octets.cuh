@@ -125,25 +125,23 @@ ACT_HD void group_metadata(float mn, float mx, bool nonfinite, uint16_t& lo_bits
 // A group's range, NaN-propagating: a NaN among its values makes both ends NaN, so that the range alone says
 // whether the group is non-finite (a NaN, +inf as its maximum or -inf as its minimum). On the GPU one instruction
 // each (min.NaN / max.NaN, sm_80 and later); fminf and fmaxf would pass over a NaN.
-ACT_HD float min_nan(float a, float b) {
+template <bool kMax>
+ACT_HD float extremum_nan(float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   float r;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  if constexpr (kMax) {
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  } else {
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  }
   return r;
 #else
-  return (a != a || b != b) ? a + b : fminf(a, b);  // a + b: NaN
+  return (a != a || b != b) ? a + b : (kMax ? fmaxf(a, b) : fminf(a, b));  // a + b: NaN
 #endif
 }
 
-ACT_HD float max_nan(float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return (a != a || b != b) ? a + b : fmaxf(a, b);
-#endif
-}
+ACT_HD float min_nan(float a, float b) { return extremum_nan<false>(a, b); }
+ACT_HD float max_nan(float a, float b) { return extremum_nan<true>(a, b); }
 
 // Widens the running range [mn, mx] by an octet's first cnt values; a full octet (most of them) without a test
 // per value.
