@@ -200,8 +200,16 @@ ACT_HD float pow2(int32_t k) { return bits_float(static_cast<uint32_t>(k + 127) 
 
 // Channel scaling: v[j], the value of element i + j of a row-major tensor whose last dimension has `channels`
 // channels, times 2^shifts[(i + j) % channels] (exact: a power of two, and the shifts never carry a finite value
-// past the largest channel). `c` is (i % channels).
+// past the largest channel). `c` is (i % channels). An octet inside one row (most of them where rows are long)
+// reads its eight shifts at consecutive channels; past a partial octet's count its values are scaled too, which
+// no caller reads.
 ACT_HD void scale_octet(float (&v)[8], int cnt, const int32_t* __restrict__ shifts, int64_t channels, int64_t c) {
+  if (c + 8 <= channels) {
+    const int32_t* __restrict__ row = shifts + c;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = mul_rn(v[j], pow2(row[j]));
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (j < cnt) v[j] = mul_rn(v[j], pow2(shifts[c]));
