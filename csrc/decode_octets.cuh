@@ -1,7 +1,8 @@
-// The arithmetic of the chain decode (dequantize_kernel.cu: unpack_dequantize_chain_kernel) as host and device
-// functions: up to kChainTerms packed tensors of one shape decoded, mapped by channel, summed and masked, an octet
-// of eight elements at a time, in fp32 (act_hf/compress/reference.py: unpack_dequantize_chain). The kernel calls it
-// on the GPU; tests/compress/test_kernel_logic.py builds it for the CPU and compares it with the reference.
+// The arithmetic of the decodes (dequantize_kernel.cu) as host and device functions: the affine map of
+// unpack_dequantize_affine, and the chain decode (unpack_dequantize_chain_kernel): up to kChainTerms packed tensors
+// of one shape decoded, mapped by channel, summed and masked, an octet of eight elements at a time, in fp32
+// (act_hf/compress/reference.py: unpack_dequantize_affine, unpack_dequantize_chain). The kernels call them on the
+// GPU; tests/compress/test_kernel_logic.py builds them for the CPU and compares them with the reference.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,56 @@
 namespace act_hf {
 
 constexpr int kChainTerms = 8;  // reference.py: CHAIN_TERMS
+
+// A per-channel affine map of a decode (unpack_dequantize_affine; fp32 only): element i, of channel i % channels
+// of a row-major tensor, becomes v * mult[c] - shift[c], each operation rounded (no fused multiply-add); with a
+// `divisor` (one value a row of `channels` elements, `rows` of them; nullptr: none) that times the reciprocal of its
+// row's, the reciprocal and the product each rounded.
+struct ChannelAffine {
+  const float* mult;
+  const float* shift;
+  int64_t channels;
+  const float* divisor;
+  int64_t rows;
+};
+
+// `affine` applied to v, the decoded values of the octet of elements [i, i + 8) (i a multiple of 8). An octet inside
+// one row (most of them where rows are long) reads its channels' factors at consecutive offsets and one divisor;
+// otherwise past a partial octet's count too: the channels wrap, the row stays the last, and those values are not
+// stored.
+ACT_HD void affine_octet(float (&v)[8], const ChannelAffine& affine, int64_t i) {
+  int64_t c, row;  // i % channels and i / channels: a 64-bit division is a long routine
+  if (i <= UINT32_MAX && affine.channels <= UINT32_MAX) {
+    const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(affine.channels);
+    row = q;
+    c = static_cast<uint32_t>(i) - q * static_cast<uint32_t>(affine.channels);
+  } else {
+    row = i / affine.channels;
+    c = i - row * affine.channels;
+  }
+  const bool divided = affine.divisor != nullptr;
+  float inverse = divided ? rcp_rn(affine.divisor[row]) : 1.f;  // the reciprocal of the row's divisor
+  if (c + 8 <= affine.channels) {
+    const float* __restrict__ mult = affine.mult + c;
+    const float* __restrict__ shift = affine.shift + c;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v[j] = sub_rn(mul_rn(v[j], mult[j]), shift[j]);
+      if (divided) v[j] = mul_rn(v[j], inverse);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    v[j] = sub_rn(mul_rn(v[j], affine.mult[c]), affine.shift[c]);
+    if (divided) v[j] = mul_rn(v[j], inverse);
+    if (++c == affine.channels) {
+      c = 0;
+      if (divided && ++row < affine.rows) inverse = rcp_rn(affine.divisor[row]);
+    }
+  }
+}
+
 
 // One packed tensor of a chain: its payload, zero points and scales (raw 16-bit patterns), its channel factors
 // (fp32, one a channel of dim 1) and the 1-bit mask (bit k for element k of the output; nullptr: none) applied

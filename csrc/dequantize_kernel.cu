@@ -25,19 +25,7 @@
 namespace act_hf {
 namespace {
 
-// A per-channel affine map of a decode (unpack_dequantize_affine; fp32 only): element i, of channel i % channels
-// of a row-major tensor, becomes v * mult[c] - shift[c], each operation rounded (no fused multiply-add); with a
-// `divisor` (one value a row of `channels` elements, `rows` of them; nullptr: none) that times the reciprocal of its
-// row's, the reciprocal and the product each rounded.
-struct ChannelAffine {
-  const float* mult;
-  const float* shift;
-  int64_t channels;
-  const float* divisor;
-  int64_t rows;
-};
-
-// One thread per octet; with Affine, each value then mapped by `affine`.
+// One thread per octet; with Affine, each value then mapped by `affine` (affine_octet).
 template <typename T, int B, bool Affine>
 __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
     const uint8_t* __restrict__ payload, const uint16_t* __restrict__ lo_in, const uint16_t* __restrict__ scale_in,
@@ -51,34 +39,13 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   const int64_t g = group_shift >= 0 ? i >> group_shift : i / group_size;  // a 64-bit division is a long routine
   const float lo = ZeroPoint<T>::decode(lo_in[g]);
   const float scale = bf16_bits_to_float(scale_in[g]);
-  int64_t c = 0, row = 0;
-  float inverse = 1.f;  // the reciprocal of the row's divisor
-  if constexpr (Affine) {
-    if (i <= UINT32_MAX && affine.channels <= UINT32_MAX) {
-      const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(affine.channels);
-      row = q;
-      c = static_cast<uint32_t>(i) - q * static_cast<uint32_t>(affine.channels);
-    } else {
-      row = i / affine.channels;
-      c = i - row * affine.channels;
-    }
-    if (affine.divisor != nullptr) inverse = __frcp_rn(affine.divisor[row]);
-  }
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = __fadd_rn(lo, __fmul_rn(static_cast<float>((word >> (j * B)) & kMask), scale));
+  if constexpr (Affine) affine_octet(v, affine, i);
   alignas(16) T vals[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float code = static_cast<float>((word >> (j * B)) & kMask);
-    float v = __fadd_rn(lo, __fmul_rn(code, scale));
-    if constexpr (Affine) {  // past cnt too: c stays a channel, the row the last; those values are not stored
-      v = __fsub_rn(__fmul_rn(v, affine.mult[c]), affine.shift[c]);
-      if (affine.divisor != nullptr) v = __fmul_rn(v, inverse);
-      if (++c == affine.channels) {
-        c = 0;
-        if (affine.divisor != nullptr && ++row < affine.rows) inverse = __frcp_rn(affine.divisor[row]);
-      }
-    }
-    vals[j] = from_float<T>(v);
-  }
+  for (int j = 0; j < 8; ++j) vals[j] = from_float<T>(v[j]);
   store_octet_values(out + i, vals, cnt, true);  // `out` is a new tensor: aligned
 }
 

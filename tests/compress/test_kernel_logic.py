@@ -1,8 +1,8 @@
 """The kernels' per-octet logic (the few-bit kernels' ``csrc/fewbit_octets.cuh``, the quantize kernel's
-``csrc/quantize_octets.cuh``, the chain decode's ``csrc/decode_octets.cuh``), built for the CPU and called the way
-the kernels call it (one call per octet of eight elements, 16-byte accesses where aligned and full; a group's
-minimum and maximum over its fp32 values): the reference's bits and values, checked where no GPU is at hand. The
-GPU's own run of the kernels is ``test_kernels_cuda.py``."""
+``csrc/quantize_octets.cuh``, the affine and chain decodes' ``csrc/decode_octets.cuh``), built for the CPU and
+called the way the kernels call it (one call per octet of eight elements, 16-byte accesses where aligned and full;
+a group's range over its fp32 values): the reference's bits and values, checked where no GPU is at hand. The GPU's
+own run of the kernels is ``test_kernels_cuda.py``."""
 
 from __future__ import annotations
 
@@ -211,6 +211,32 @@ at::Tensor chain(at::Tensor out, const std::vector<at::Tensor>& payloads, const 
   return out;
 }
 
+// The affine decode kernel's octets (unpack_dequantize_kernel with Affine): fp32 values lo + code * scale, then
+// affine_octet; `divisor` empty for none.
+at::Tensor affine(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale, int64_t bits,
+                  int64_t group_size, int64_t n, const at::Tensor& mult, const at::Tensor& shift,
+                  const at::Tensor& divisor) {
+  auto out = at::empty({n}, mult.options());
+  const act_hf::ChannelAffine map{mult.data_ptr<float>(), shift.data_ptr<float>(), mult.numel(),
+                                  divisor.numel() ? divisor.data_ptr<float>() : nullptr, divisor.numel()};
+  ACT_BITS_SWITCH(bits, B, [&] {
+    for (int64_t i = 0; i < n; i += 8) {
+      const int cnt = octet_count(n, i);
+      const uint64_t word = act_hf::load_octet<B>(payload.data_ptr<uint8_t>() + i / 8 * B, (cnt * B + 7) / 8);
+      const int64_t g = i / group_size;
+      const float l = act_hf::ZeroPoint<float>::decode(static_cast<uint16_t>(lo.data_ptr<int16_t>()[g]));
+      const float s = act_hf::bf16_bits_to_float(static_cast<uint16_t>(scale.data_ptr<int16_t>()[g]));
+      float v[8];
+      for (int j = 0; j < 8; ++j) {
+        v[j] = act_hf::add_rn(l, act_hf::mul_rn(static_cast<float>((word >> (j * B)) & ((1u << B) - 1)), s));
+      }
+      act_hf::affine_octet(v, map, i);
+      for (int j = 0; j < cnt; ++j) out.data_ptr<float>()[i + j] = v[j];
+    }
+  });
+  return out;
+}
+
 at::Tensor masked_scale(const at::Tensor& grad, const at::Tensor& mask, double scale, bool allow_vec) {
   const int64_t n = grad.numel();
   auto out = at::empty({n}, grad.options());
@@ -246,7 +272,7 @@ def octets():
     build.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load_inline(name=name, cpp_sources=HARNESS,
                                      functions=["encode", "grad", "quantize", "channel_shifts", "zero_unmasked",
-                                                "masked_scale", "chain"],
+                                                "masked_scale", "chain", "affine"],
                                      extra_include_paths=[str(_ext.CSRC_DIR), str(Path(cuda_home) / "include")],
                                      extra_cflags=["-O1", "-ffp-contract=off"], build_directory=str(build))
 
@@ -405,6 +431,32 @@ def test_normalized_quantize_octets_give_the_reference(octets, dtype, shape):
         normalized = (x.float().view(-1, channels, inner) - mean.view(1, -1, 1)) * invstd.view(1, -1, 1)
         plain = R.quantize_pack(normalized.reshape(-1), bits, group_size, 5)
         assert all(torch.equal(a, b) for a, b in zip(want, plain))
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+@pytest.mark.parametrize("channels", [3, 8, 12, 96, 1000])
+def test_affine_decode_octets_give_the_reference(octets, bits, channels):
+    """The affine decode (``unpack_dequantize_affine``'s kernel): each value times its channel's ``mult`` less its
+    ``shift``, then times the reciprocal of its row's divisor, for octets inside a row and octets across rows
+    (channels that do not divide 8, rows shorter than an octet), a partial last octet, a NaN group: the
+    reference's bits, with and without a divisor."""
+    gen = torch.Generator().manual_seed(channels * 10 + bits)
+    for rows in (1, 5, 33):
+        n = rows * channels
+        x = torch.randn(n, generator=gen) * 3
+        if n > 40:
+            x[n // 2] = math.nan
+        for group_size in (24, 256):
+            packed = R.quantize_pack(x, bits, group_size, 11)
+            mult, shift = torch.randn(channels, generator=gen), torch.randn(channels, generator=gen)
+            divisor = torch.rand(rows, generator=gen) + 0.5
+            for div in (None, divisor):
+                want = R.unpack_dequantize_affine(*packed, bits, group_size, n, mult, shift, div)
+                got = octets.affine(*packed, bits, group_size, n, mult, shift,
+                                    torch.empty(0) if div is None else div)
+                assert torch.equal(got.isnan(), want.isnan()), (rows, group_size, div is None)
+                assert torch.equal(got.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32)), (
+                    rows, group_size, div is None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
