@@ -98,13 +98,14 @@ ACT_HD void chain_octet(const DecodeChain& chain, int64_t k, int cnt, bool accum
   constexpr uint64_t kMask = (1u << B) - 1;
   const int64_t e = chain.start + k;
   const int64_t g = chain.group_shift >= 0 ? e >> chain.group_shift : e / chain.group_size;
+  const ChannelPosition at = channel_position(chain.channels, chain.inner, k);  // the terms share it
   for (int t = 0; t < chain.count; ++t) {
     const ChainTerm& term = chain.terms[t];
     const uint64_t word = load_octet<B>(term.payload + (e / 8) * B, (cnt * B + 7) / 8);
     const float lo = ZeroPoint<T>::decode(term.lo[g]);
     const float scale = bf16_bits_to_float(term.scale[g]);
     float w[8], b[8];  // each element's channel factors
-    octet_channel_factors(ChannelFactors{term.weight, term.bias, chain.channels, chain.inner}, k, w, b);
+    octet_factors_at(term.weight, term.bias, chain.channels, chain.inner, at, w, b);
     const unsigned keep = term.mask != nullptr ? term.mask[k / 8] : 0xFFu;
     const bool first = t == 0 && !accumulate;
 #pragma unroll

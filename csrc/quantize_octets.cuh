@@ -227,14 +227,15 @@ struct ChannelFactors {
   int64_t inner;
 };
 
-// The factors a[c] and b[c] of element i + j (j in 0..7), c its channel: 32-bit divisions where they fit, one read
-// of each for an octet inside one channel's plane (most of them, past 8 elements a plane). Past a partial octet's
-// count too: the channels wrap.
-ACT_HD void octet_channel_factors(const ChannelFactors& f, int64_t i, float (&fa)[8], float (&fb)[8]) {
-  const float* __restrict__ a = f.a;
-  const float* __restrict__ b = f.b;
-  const int64_t channels = f.channels, inner = f.inner;
-  int64_t row, r;  // i / inner and i % inner: a 64-bit division is a long routine
+// Where element i of a (batch, channels, inner) tensor lies: its channel c = (i / inner) % channels and its offset
+// r = i % inner in that channel's plane, by 32-bit divisions where they fit (a 64-bit division is a long routine).
+struct ChannelPosition {
+  int64_t c;
+  int64_t r;
+};
+
+ACT_HD ChannelPosition channel_position(int64_t channels, int64_t inner, int64_t i) {
+  int64_t row, r;
   if (i <= UINT32_MAX && inner <= UINT32_MAX) {
     const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(inner);
     row = q;
@@ -243,8 +244,18 @@ ACT_HD void octet_channel_factors(const ChannelFactors& f, int64_t i, float (&fa
     row = i / inner;
     r = i - row * inner;
   }
-  int64_t c = row <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) % static_cast<uint32_t>(channels))
-                                : row % channels;
+  const int64_t c = row <= UINT32_MAX
+                        ? static_cast<int64_t>(static_cast<uint32_t>(row) % static_cast<uint32_t>(channels))
+                        : row % channels;
+  return {c, r};
+}
+
+// The factors a[c] and b[c] of the elements of the octet whose first element lies at `p` (p.c, p.r: its
+// channel_position), c each one's channel: one read of each for an octet inside one channel's plane (most of them,
+// past 8 elements a plane). Past a partial octet's count too: the channels wrap.
+ACT_HD void octet_factors_at(const float* __restrict__ a, const float* __restrict__ b, int64_t channels,
+                             int64_t inner, ChannelPosition p, float (&fa)[8], float (&fb)[8]) {
+  int64_t c = p.c, r = p.r;
   if (r + 8 <= inner) {
     const float ca = a[c], cb = b[c];
 #pragma unroll
@@ -260,6 +271,11 @@ ACT_HD void octet_channel_factors(const ChannelFactors& f, int64_t i, float (&fa
       if (++c == channels) c = 0;
     }
   }
+}
+
+// The factors f.a[c] and f.b[c] of element i + j (j in 0..7), c its channel (octet_factors_at).
+ACT_HD void octet_channel_factors(const ChannelFactors& f, int64_t i, float (&fa)[8], float (&fb)[8]) {
+  octet_factors_at(f.a, f.b, f.channels, f.inner, channel_position(f.channels, f.inner, i), fa, fb);
 }
 
 // BatchNorm's normalized input, packed as it is read (reference.py: quantize_pack_normalized): v[j], the value of
