@@ -37,14 +37,41 @@ ACT_HD A padded_bound(const A* bounds, int n_bounds, int k) {
   return k < n_bounds ? bounds[k] : std::numeric_limits<A>::quiet_NaN();
 }
 
+// The bound a binary search over 2^B - 1 sorted bounds compares with to decide code bit K, once bits B-1..K+1 are
+// known (taken[j] for bit j): bounds[high bits + 2^K - 1], chosen by a tree of selects on those bits (J walks them
+// down from B-1), so that `bounds` is indexed by constants only and stays in registers.
+template <int J, int K, int Prefix, typename A>
+ACT_HD A searched_bound(const A* bounds, const bool* taken) {
+  if constexpr (J == K) {
+    return bounds[Prefix + (1 << K) - 1];
+  } else {
+    return taken[J] ? searched_bound<J - 1, K, Prefix + (1 << J)>(bounds, taken)
+                    : searched_bound<J - 1, K, Prefix>(bounds, taken);
+  }
+}
+
+// Code bits K..0 of #{k : bounds[k] <= v} by binary search: bit K is whether the bound it splits at is <= v.
+template <int B, int K, typename A>
+ACT_HD int searched_bits(A v, const A* bounds, bool* taken) {
+  taken[K] = searched_bound<B - 1, K, 0>(bounds, taken) <= v;
+  const int bit = taken[K] ? 1 << K : 0;
+  if constexpr (K == 0) {
+    return bit;
+  } else {
+    return bit | searched_bits<B, K - 1>(v, bounds, taken);
+  }
+}
+
 // #{k : bounds[k] <= v} over the n_bounds bounds (NaN: n_bounds, above every bound), without a branch. Up to
-// kUnrolledEncodeBits bits `bounds` holds 2^B - 1 entries, those past n_bounds NaN (padded_bound).
+// kUnrolledEncodeBits bits `bounds` holds 2^B - 1 sorted entries, those past n_bounds NaN (padded_bound), which no
+// comparison counts, so that the count is a binary search: B comparisons and 2^B - B - 1 selects where counting took
+// 2^B - 1 comparisons, each a compare, an add and a select in the SASS.
 template <int B, typename A>
 ACT_HD int bucket(A v, const A* bounds, int n_bounds) {
   int code = 0;
   if constexpr (B <= kUnrolledEncodeBits) {
-#pragma unroll
-    for (int k = 0; k < (1 << B) - 1; ++k) code += bounds[k] <= v ? 1 : 0;
+    bool taken[B];
+    code = searched_bits<B, B - 1>(v, bounds, taken);
   } else {
     for (int k = 0; k < n_bounds; ++k) code += bounds[k] <= v ? 1 : 0;
   }
