@@ -63,7 +63,6 @@ ACT_HD void affine_octet(float (&v)[8], const ChannelAffine& affine, int64_t i) 
   }
 }
 
-
 // One packed tensor of a chain: its payload, zero points and scales (raw 16-bit patterns), its channel factors
 // (fp32, one a channel of dim 1) and the 1-bit mask (bit k for element k of the output; nullptr: none) applied
 // after it is added.
