@@ -4,24 +4,21 @@
 # little. Called by `gpu_session.sh all`; results under $1 (the files a device call returns are few: the tables and
 # logs are bundled into all.tgz after every part, so a part cut short keeps what came before).
 #
-# Order, after the tenth run (H200, 86c0a3e; benchmarks/results/README.md, "Tenth GPU run"): the build (119 s in the
-# tenth; its CUDA sources are split since, to compile in parallel: build.log's time says what that saved) and the
-# kernel tests, with BatchNorm's CUDA paths since the tenth (the in-place forward's one statistics pass,
-# batch_norm_update_stats and batch_norm_elemt; the sliced backward on aten's batch_norm_backward_reduce and
-# batch_norm_backward_elemt), never run on a GPU yet, ACT_HF_SLICING's test and the convolutions' (the input
-# gradient as a transposed convolution, bit for bit convolution_backward's?), and the chain decode's
-# (unpack_dequantize_chain: a residual stage's block input in one pass, never run on a GPU yet) with its throughput
-# against four one-term passes (benchmark_quantize.py at 256 MiB); resnet50 at equal batch 256 (0.592x
-# in the tenth, its stage-1 and -2 convolutions and BatchNorms sliced; since, the ops past their thresholds run whole
-# where the GPU has room, ACT_HF_SLICING=auto) and its step under the profiler at batch 128 (the tenth's profile put
-# 6.2 ms of the 29.0 ms added at batch 128 in the second statistics pass and about 10 ms in the sliced backward's
-# fp32 ops: both changed since); bert-large at equal batch 256 (the tenth's 3-bit trial was cut; 0.784x in the
-# ninth); resnet50's largest batch under 16 GiB at 2 bits with expandable segments (the tenth searched without them
-# by mistake: 1336 fit with 10.36 GB allocated and 14.89 GB held); what is alive at resnet50's 2-bit highest points,
-# at batches 384 and 512 (sliced as near a cap: memory_at_peak.py's --slicing always), past which every tensor a
-# convolution or BatchNorm slices is sliced at both (the tenth's 64 and 128 sliced some at 128 alone, so its
-# per-sample slopes mixed two regimes); resnet50 at 256 again with ACT_HF_SLICING=always, to isolate what running
-# ops whole saves; then swin-tiny's largest batch at 2 bits, with expandable segments, while time is left.
+# Order, after the tenth run (H200, 86c0a3e; benchmarks/results/README.md, "Tenth GPU run") and the CPU rounds since
+# (the log's "Since the tenth GPU run"), none of whose CUDA changes has run on a GPU: the build (119 s in the tenth;
+# its CUDA sources are split since, to compile in parallel: build.log's time says what that saved) and the kernel
+# tests: the quantize kernel's new draws (one splitmix64 for four elements, 16-bit), its NaN-propagating range and
+# fixed-width payload accesses, the affine and chain decodes' octets, the few-bit encode's binary search,
+# BatchNorm's CUDA paths (the in-place forward's one statistics pass; the sliced backward on aten's split kernels),
+# ACT_HF_SLICING's test and the convolutions' (the input gradient as a transposed convolution); the kernels'
+# throughput against a copy (benchmark_quantize.py at 256 MiB: the quantize was 0.31-0.35 of a copy, bound by
+# issuing instructions) and Nsight Compute's count of the quantize kernel's instructions (about 43 a value in the
+# ninth run; the SASS now reads about 20); the three speed models at equal batch 256 without a cap (resnet50 0.592x
+# in the tenth, bert-large 0.784x in the ninth, swin-tiny 0.831x in the tenth); resnet50's largest batch under 16
+# GiB at 2 bits with expandable segments (the tenth searched without them by mistake); resnet50's step under the
+# profiler at batch 128; what is alive at resnet50's 2-bit highest points, at batches 384 and 512 (sliced as near a
+# cap); resnet50 at 256 again with ACT_HF_SLICING=always, to isolate what running ops whole saves; then swin-tiny's
+# largest batch at 2 bits, with expandable segments, while time is left.
 set -uo pipefail
 OUT="$1"
 W=/tmp/act_hf_gpu
@@ -60,13 +57,19 @@ timeout "$(cap 30)" "$PY" benchmarks/benchmark_quantize.py --sizes-mib 256 --bit
   >"$W/quant.log" 2>&1
 echo "quant exit $?"; cat "$W/quant/quantize_throughput.md" 2>/dev/null; bundle
 
-speed256 resnet256 resnet50
+part "Nsight Compute: the quantize kernel's instructions and throughput (64 MiB of bf16, 3 bits, one launch)"
+if command -v ncu >/dev/null; then
+  timeout "$(cap 40)" ncu -k regex:quantize_pack_lanes_kernel -c 1 --section SpeedOfLight \
+    --metrics smsp__inst_executed.sum,smsp__inst_issued.avg.per_cycle_active "$PY" benchmarks/benchmark_quantize.py \
+    --sizes-mib 64 --bits 3 --repeat 1 --out "$W/ncu_quant" >"$W/ncu.log" 2>&1
+  echo "ncu exit $? (instructions a value: smsp__inst_executed.sum x 32 / 33554432)"
+  grep -E "inst_executed|inst_issued|Duration|Compute \(SM\)|DRAM Throughput" "$W/ncu.log"
+else
+  echo "no ncu on this machine"
+fi
+bundle
 
-part "resnet50 at batch 128 under the profiler, unpatched and 3 bits, alone on the GPU"
-mkdir -p "$W/profile_resnet"
-timeout "$(cap 50)" "$PY" benchmarks/profile_step.py --model resnet50 --settings unpatched bits3 --batch 128 \
-  --steps 2 --warmup 2 --out "$W/profile_resnet" >"$W/profile_resnet.log" 2>&1
-echo "profile exit $?"; head -n 40 "$W/profile_resnet/profile_resnet50.md" 2>/dev/null; bundle
+speed256 resnet256 resnet50
 
 part "bert-large at equal batch 256, no cap, alone on the GPU"
 mkdir -p "$W/large256"
@@ -74,12 +77,20 @@ timeout "$(cap 140)" "$PY" $GT --models bert-large --settings unpatched bits3 --
   --steps 5 --warmup 2 --out "$W/large256" >"$W/large256.log" 2>&1
 echo "large256 exit $?"; cat "$W/large256/gpu_training.md" 2>/dev/null; bundle
 
+speed256 swin256 swin-tiny
+
 part "resnet50's largest batch under 16 GiB at 2 bits (6.5x of 374 is 2431), expandable segments"
 mkdir -p "$W/resnetcap"
 timeout "$(cap 150)" "$PY" $GT --models resnet50 --settings bits2 --cap 16GiB --resolution 0.03 --no-curve \
   --no-speed --targets bits2=6.5 --unpatched-max resnet50=374 --alloc-conf expandable_segments:True \
   --out "$W/resnetcap" >"$W/resnetcap.log" 2>&1
 echo "resnetcap exit $?"; cat "$W/resnetcap/gpu_training.md" 2>/dev/null; bundle
+
+part "resnet50 at batch 128 under the profiler, unpatched and 3 bits, alone on the GPU"
+mkdir -p "$W/profile_resnet"
+timeout "$(cap 50)" "$PY" benchmarks/profile_step.py --model resnet50 --settings unpatched bits3 --batch 128 \
+  --steps 2 --warmup 2 --out "$W/profile_resnet" >"$W/profile_resnet.log" 2>&1
+echo "profile exit $?"; head -n 40 "$W/profile_resnet/profile_resnet50.md" 2>/dev/null; bundle
 
 part "what is alive at resnet50's 2-bit highest points, batches 384 and 512 (every tensor sliced alike at both)"
 mkdir -p "$W/peak_resnet"
@@ -100,10 +111,10 @@ timeout "$(cap $(( $(left) - 5 )))" "$PY" $GT --models swin-tiny --settings bits
   --out "$W/swincap" >"$W/swincap.log" 2>&1
 echo "swincap exit $?"; cat "$W/swincap/gpu_training.md" 2>/dev/null; bundle
 
-for name in resnet256 large256 resnetcap resnet256always swincap; do
+for name in resnet256 large256 swin256 resnetcap resnet256always swincap; do
   cp "$W/$name/gpu_training.md" "$OUT/$name.md" 2>/dev/null
 done
 cp "$W/profile_resnet/profile_resnet50.md" "$OUT/profile_resnet.md" 2>/dev/null
 cp "$W/peak_resnet/memory_at_peak_resnet50_bits2.md" "$OUT/peak_resnet.md" 2>/dev/null
-cp "$W/tests.log" "$OUT/" 2>/dev/null
+cp "$W/tests.log" "$W/ncu.log" "$OUT/" 2>/dev/null
 part done
