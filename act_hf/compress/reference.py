@@ -14,15 +14,17 @@ Format of one quantized tensor of ``n`` elements, ``b`` bits, group size ``G``:
   minimum rounded *down* to bf16, or stored exactly as fp16 for fp16 inputs) and ``scale`` (bf16,
   ``(max - lo) / (2**b - 1)`` rounded *up*, and when nonzero at least bf16's smallest normal number ``2**-126``).
   Rounding outward keeps every element inside ``[lo, lo + (2**b - 1) * scale]``, and quantization uses these
-  stored values, so the estimator stays unbiased (up to the fp32 rounding of ``(x - lo) / scale``).
+  stored values, so the estimator stays unbiased (up to the fp32 rounding of ``(x - lo) / scale`` and the
+  draws' 16-bit resolution, below).
 * A group holding NaN or Inf stores ``lo = scale = NaN`` and decodes to NaN everywhere: compression never
   hides a divergence. A zero-range group stores ``scale = 0`` and decodes to ``lo`` exactly (exact whenever
   the constant is representable in the metadata dtype: always for fp16/bf16 inputs; for fp32 inputs when
   the value is a bf16 number such as 0, 1 or -10000; otherwise the group is rounded stochastically between
   its two neighbouring bf16 values, unbiased).
 * Codes: ``code = clamp(floor((x - lo) * (1 / scale) + u), 0, 2**b - 1)`` in fp32 (each operation rounded, the
-  reciprocal once per group: a multiply per element, not a division), ``u`` uniform in ``[0, 1)`` from
-  :func:`uniform_from_hash`; ``E[lo + code * scale] = x``.
+  reciprocal once per group: a multiply per element, not a division), ``u`` uniform over the multiples of
+  ``2**-16`` in ``[0, 1)`` from :func:`uniform_from_hash`; ``E[lo + code * scale] = x`` to within ``2**-16`` of
+  ``scale`` (never above ``x``: the draws' resolution; bf16's own rounding of ``x`` is ``2**-9`` of ``x``).
 * Payload: a dense little-endian bit stream, element ``i`` at bits ``[i*b, (i+1)*b)``, stream bit ``k``
   being bit ``k % 8`` of byte ``k // 8``; ``ceil(n * b / 8)`` bytes.
 * Decoding: ``lo + code * scale`` in fp32 (a multiply, then an add, each rounded), then cast (round to
