@@ -94,7 +94,6 @@ struct DecodeChain {
 // too, never stored.
 template <typename T, int B>
 ACT_HD void chain_octet(const DecodeChain& chain, int64_t k, int cnt, bool accumulate, float (&v)[8]) {
-  constexpr uint64_t kMask = (1u << B) - 1;
   const int64_t e = chain.start + k;
   const int64_t g = chain.group_shift >= 0 ? e >> chain.group_shift : e / chain.group_size;
   const ChannelPosition at = channel_position(chain.channels, chain.inner, k);  // the terms share it
@@ -109,7 +108,7 @@ ACT_HD void chain_octet(const DecodeChain& chain, int64_t k, int cnt, bool accum
     const bool first = t == 0 && !accumulate;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float code = static_cast<float>((word >> (j * B)) & kMask);
+      const float code = static_cast<float>(octet_code<B>(word, j));
       const float d = add_rn(mul_rn(add_rn(lo, mul_rn(code, scale)), w[j]), b[j]);
       v[j] = first ? d : add_rn(v[j], d);
       if (!((keep >> j) & 1u)) v[j] = 0.f;

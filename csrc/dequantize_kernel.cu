@@ -30,7 +30,6 @@ template <typename T, int B, bool Affine>
 __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
     const uint8_t* __restrict__ payload, const uint16_t* __restrict__ lo_in, const uint16_t* __restrict__ scale_in,
     int64_t n, int64_t group_size, int group_shift, ChannelAffine affine, T* __restrict__ out) {
-  constexpr uint64_t kMask = (1u << B) - 1;
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
   if (i >= n) return;
@@ -41,7 +40,7 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   const float scale = bf16_bits_to_float(scale_in[g]);
   float v[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = __fadd_rn(lo, __fmul_rn(static_cast<float>((word >> (j * B)) & kMask), scale));
+  for (int j = 0; j < 8; ++j) v[j] = __fadd_rn(lo, __fmul_rn(static_cast<float>(octet_code<B>(word, j)), scale));
   if constexpr (Affine) affine_octet(v, affine, i);
   alignas(16) T vals[8];
 #pragma unroll
@@ -88,13 +87,12 @@ __global__ void __launch_bounds__(kThreads) pack_bits_kernel(const uint8_t* __re
 template <int B>
 __global__ void __launch_bounds__(kThreads) unpack_bits_kernel(const uint8_t* __restrict__ payload, int64_t n,
                                                                  uint8_t* __restrict__ codes) {
-  constexpr uint64_t kMask = (1u << B) - 1;
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
   if (i >= n) return;
   const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
   const uint64_t word = load_octet<B>(payload + o * B, (cnt * B + 7) / 8);
-  for (int j = 0; j < cnt; ++j) codes[i + j] = static_cast<uint8_t>((word >> (j * B)) & kMask);
+  for (int j = 0; j < cnt; ++j) codes[i + j] = static_cast<uint8_t>(octet_code<B>(word, j));
 }
 
 int log2_or_minus_one(int64_t group_size) {  // log2(group_size) for a power of two, else -1

@@ -103,13 +103,12 @@ ACT_HD void encode_octet(const T* __restrict__ x, int cnt, bool vec, const acc_t
 template <typename T, int B>
 ACT_HD void grad_octet(const T* __restrict__ grad, const uint8_t* __restrict__ src, int cnt, bool vec,
                        const acc_t<T>* values, T* __restrict__ out) {
-  constexpr uint64_t kMask = (1u << B) - 1;
   const uint64_t word = load_octet<B>(src, (cnt * B + 7) / 8);
   acc_t<T> g[8];
   load_octet_widened(grad, cnt, vec, g);
   alignas(16) T vals[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) vals[j] = static_cast<T>(g[j] * values[(word >> (j * B)) & kMask]);
+  for (int j = 0; j < 8; ++j) vals[j] = static_cast<T>(g[j] * values[octet_code<B>(word, j)]);
   store_octet_values(out, vals, cnt, vec);
 }
 

@@ -64,6 +64,18 @@ ACT_HD uint64_t load_octet(const uint8_t* __restrict__ src, int nbytes) {
   return word;
 }
 
+// Code j (0..7) of an octet's word: 32-bit shifts and masks where the octet fits 32 bits (up to 4 bits a code), so
+// that a decode converts a 32-bit integer to float; a 64-bit one (I2F.U64 in the SASS) is a much slower instruction.
+template <int B>
+ACT_HD uint32_t octet_code(uint64_t word, int j) {
+  constexpr uint32_t kMask = (1u << B) - 1;
+  if constexpr (8 * B <= 32) {
+    return (static_cast<uint32_t>(word) >> (j * B)) & kMask;
+  } else {
+    return static_cast<uint32_t>(word >> (j * B)) & kMask;
+  }
+}
+
 // An octet of 2-byte values (c10::Half, c10::BFloat16: their bits in `.x`) in one 16-byte word and back, by shifts
 // and masks: a T[8] reinterpreted as a uint4 instead has its address taken and lives in local memory.
 template <typename T>

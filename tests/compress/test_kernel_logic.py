@@ -228,7 +228,7 @@ at::Tensor affine(const at::Tensor& payload, const at::Tensor& lo, const at::Ten
       const float s = act_hf::bf16_bits_to_float(static_cast<uint16_t>(scale.data_ptr<int16_t>()[g]));
       float v[8];
       for (int j = 0; j < 8; ++j) {
-        v[j] = act_hf::add_rn(l, act_hf::mul_rn(static_cast<float>((word >> (j * B)) & ((1u << B) - 1)), s));
+        v[j] = act_hf::add_rn(l, act_hf::mul_rn(static_cast<float>(act_hf::octet_code<B>(word, j)), s));
       }
       act_hf::affine_octet(v, map, i);
       for (int j = 0; j < cnt; ++j) out.data_ptr<float>()[i + j] = v[j];
