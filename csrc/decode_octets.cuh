@@ -24,7 +24,16 @@ struct ChannelAffine {
   int64_t channels;
   const float* divisor;
   int64_t rows;
+  bool small;  // channels below 2^32: by_channels holds its divider
+  Divider by_channels;
 };
+
+inline ChannelAffine channel_affine(const float* mult, const float* shift, int64_t channels, const float* divisor,
+                                    int64_t rows) {
+  const bool small = channels <= UINT32_MAX;
+  const Divider by_channels = small ? make_divider(static_cast<uint32_t>(channels)) : Divider{};
+  return {mult, shift, channels, divisor, rows, small, by_channels};
+}
 
 // `affine` applied to v, the decoded values of the octet of elements [i, i + 8) (i a multiple of 8). An octet inside
 // one row (most of them where rows are long) reads its channels' factors at consecutive offsets and one divisor;
@@ -32,8 +41,8 @@ struct ChannelAffine {
 // stored.
 ACT_HD void affine_octet(float (&v)[8], const ChannelAffine& affine, int64_t i) {
   int64_t c, row;  // i % channels and i / channels: a 64-bit division is a long routine
-  if (i <= UINT32_MAX && affine.channels <= UINT32_MAX) {
-    const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(affine.channels);
+  if (affine.small && i <= UINT32_MAX) {
+    const uint32_t q = divide(affine.by_channels, static_cast<uint32_t>(i));
     row = q;
     c = static_cast<uint32_t>(i) - q * static_cast<uint32_t>(affine.channels);
   } else {
@@ -80,8 +89,7 @@ struct ChainTerm {
 struct DecodeChain {
   ChainTerm terms[kChainTerms];
   int count;
-  int64_t channels;
-  int64_t inner;
+  ChannelLayout layout;  // channels: the terms' weights' length
   int64_t start;  // a multiple of 8: an octet of the output is an octet of each payload, inside one group
   int64_t group_size;
   int group_shift;  // log2(group_size) for a power of two, else -1
@@ -96,14 +104,14 @@ template <typename T, int B>
 ACT_HD void chain_octet(const DecodeChain& chain, int64_t k, int cnt, bool accumulate, float (&v)[8]) {
   const int64_t e = chain.start + k;
   const int64_t g = chain.group_shift >= 0 ? e >> chain.group_shift : e / chain.group_size;
-  const ChannelPosition at = channel_position(chain.channels, chain.inner, k);  // the terms share it
+  const ChannelPosition at = channel_position(chain.layout, k);  // the terms share it
   for (int t = 0; t < chain.count; ++t) {
     const ChainTerm& term = chain.terms[t];
     const uint64_t word = load_octet<B>(term.payload + (e / 8) * B, (cnt * B + 7) / 8);
     const float lo = ZeroPoint<T>::decode(term.lo[g]);
     const float scale = bf16_bits_to_float(term.scale[g]);
     float w[8], b[8];  // each element's channel factors
-    octet_factors_at(term.weight, term.bias, chain.channels, chain.inner, at, w, b);
+    octet_factors_at(term.weight, term.bias, chain.layout, at, w, b);
     const unsigned keep = term.mask != nullptr ? term.mask[k / 8] : 0xFFu;
     const bool first = t == 0 && !accumulate;
 #pragma unroll

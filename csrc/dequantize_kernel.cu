@@ -117,7 +117,7 @@ at::Tensor unpack_dequantize_cuda(const at::Tensor& payload, const at::Tensor& l
       unpack_dequantize_kernel<scalar_t, B, false><<<blocks, kThreads, 0, stream>>>(
           payload.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(lo.data_ptr<int16_t>()),
           reinterpret_cast<const uint16_t*>(scale.data_ptr<int16_t>()), numel, group_size, group_shift,
-          ChannelAffine{nullptr, nullptr, 1, nullptr, 0}, out.data_ptr<scalar_t>());
+          channel_affine(nullptr, nullptr, 1, nullptr, 0), out.data_ptr<scalar_t>());
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -132,8 +132,9 @@ at::Tensor unpack_dequantize_affine_cuda(const at::Tensor& payload, const at::Te
   if (numel == 0) return out;
   const int64_t blocks = ceil_div(ceil_div(numel, 8), kThreads);
   const int group_shift = log2_or_minus_one(group_size);
-  const ChannelAffine affine{mult.data_ptr<float>(), shift.data_ptr<float>(), mult.numel(),
-                             divisor.has_value() ? divisor->data_ptr<float>() : nullptr, numel / mult.numel()};
+  const ChannelAffine affine = channel_affine(mult.data_ptr<float>(), shift.data_ptr<float>(), mult.numel(),
+                                              divisor.has_value() ? divisor->data_ptr<float>() : nullptr,
+                                              numel / mult.numel());
   auto stream = c10::cuda::getCurrentCUDAStream();
   ACT_BITS_SWITCH(bits, B, [&] {
     unpack_dequantize_kernel<float, B, true><<<blocks, kThreads, 0, stream>>>(
@@ -155,8 +156,7 @@ void unpack_dequantize_chain_cuda(const at::Tensor& out, const std::vector<at::T
   if (n == 0) return;
   DecodeChain chain{};
   chain.count = static_cast<int>(payloads.size());
-  chain.channels = weights[0].numel();
-  chain.inner = inner;
+  chain.layout = channel_layout(weights[0].numel(), inner);
   chain.start = start;
   chain.group_size = group_size;
   chain.group_shift = log2_or_minus_one(group_size);

@@ -203,7 +203,7 @@ std::vector<at::Tensor> launch_quantize_pack(const at::Tensor& x, const at::Tens
     scaling.lane_step = (8 * (by_lanes ? lanes : kWarp)) % scaling.channels;  // from a lane's octet to its next
     scaling.small_index = n + kOctets * 8 * kWarp <= (int64_t{1} << 32);  // every lane's first element too
   }
-  const ChannelFactors normalizer = norm != nullptr ? *norm : ChannelFactors{nullptr, nullptr, 1, 1};
+  const ChannelFactors normalizer = norm != nullptr ? *norm : ChannelFactors{nullptr, nullptr, channel_layout(1, 1)};
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_hf_quantize_pack", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {

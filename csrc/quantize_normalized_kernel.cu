@@ -7,7 +7,7 @@ namespace act_hf {
 std::vector<at::Tensor> quantize_pack_normalized_cuda(const at::Tensor& x, const at::Tensor& mean,
                                                       const at::Tensor& invstd, int64_t inner, int64_t bits,
                                                       int64_t group_size, int64_t seed) {
-  const ChannelFactors norm{mean.data_ptr<float>(), invstd.data_ptr<float>(), mean.numel(), inner};
+  const ChannelFactors norm{mean.data_ptr<float>(), invstd.data_ptr<float>(), channel_layout(mean.numel(), inner)};
   return launch_quantize_pack<false, true>(x, nullptr, &norm, bits, group_size, seed);
 }
 

@@ -217,46 +217,55 @@ ACT_HD void scale_octet(float (&v)[8], int cnt, const int32_t* __restrict__ shif
   }
 }
 
-// Two factors a[c] and b[c] for each channel c of dim 1 of a row-major (batch, channels, inner) tensor, element i
-// being of channel (i / inner) % channels: BatchNorm's mean and invstd (normalize_octet), a decode's weight and
-// bias (unpack_dequantize_into_kernel).
+// The layout of a row-major (batch, channels, inner) tensor whose element i is of channel (i / inner) % channels,
+// with the divisions by inner and channels made multiplications where indices fit 32 bits (`small`).
+struct ChannelLayout {
+  int64_t channels;
+  int64_t inner;
+  bool small;  // channels and inner below 2^32: by_inner and by_channels hold their dividers
+  Divider by_inner;
+  Divider by_channels;
+};
+
+inline ChannelLayout channel_layout(int64_t channels, int64_t inner) {
+  const bool small = channels <= UINT32_MAX && inner <= UINT32_MAX;
+  return {channels, inner, small, small ? make_divider(static_cast<uint32_t>(inner)) : Divider{},
+          small ? make_divider(static_cast<uint32_t>(channels)) : Divider{}};
+}
+
+// Two factors a[c] and b[c] for each channel c of dim 1 of a tensor of `layout`: BatchNorm's mean and invstd
+// (normalize_octet), a decode's weight and bias (chain_octet).
 struct ChannelFactors {
   const float* a;
   const float* b;
-  int64_t channels;
-  int64_t inner;
+  ChannelLayout layout;
 };
 
-// Where element i of a (batch, channels, inner) tensor lies: its channel c = (i / inner) % channels and its offset
-// r = i % inner in that channel's plane, by 32-bit divisions where they fit (a 64-bit division is a long routine).
+// Where element i of a tensor of `layout` lies: its channel c = (i / inner) % channels and its offset r = i % inner
+// in that channel's plane (by the layout's dividers where i fits 32 bits: a 64-bit division is a long routine).
 struct ChannelPosition {
   int64_t c;
   int64_t r;
 };
 
-ACT_HD ChannelPosition channel_position(int64_t channels, int64_t inner, int64_t i) {
-  int64_t row, r;
-  if (i <= UINT32_MAX && inner <= UINT32_MAX) {
-    const uint32_t q = static_cast<uint32_t>(i) / static_cast<uint32_t>(inner);
-    row = q;
-    r = static_cast<uint32_t>(i) - q * static_cast<uint32_t>(inner);
-  } else {
-    row = i / inner;
-    r = i - row * inner;
+ACT_HD ChannelPosition channel_position(const ChannelLayout& layout, int64_t i) {
+  if (layout.small && i <= UINT32_MAX) {
+    const uint32_t n = static_cast<uint32_t>(i), inner = static_cast<uint32_t>(layout.inner);
+    const uint32_t row = divide(layout.by_inner, n);
+    const uint32_t c = row - divide(layout.by_channels, row) * static_cast<uint32_t>(layout.channels);
+    return {static_cast<int64_t>(c), static_cast<int64_t>(n - row * inner)};
   }
-  const int64_t c = row <= UINT32_MAX
-                        ? static_cast<int64_t>(static_cast<uint32_t>(row) % static_cast<uint32_t>(channels))
-                        : row % channels;
-  return {c, r};
+  const int64_t row = i / layout.inner;
+  return {row % layout.channels, i - row * layout.inner};
 }
 
 // The factors a[c] and b[c] of the elements of the octet whose first element lies at `p` (p.c, p.r: its
 // channel_position), c each one's channel: one read of each for an octet inside one channel's plane (most of them,
 // past 8 elements a plane). Past a partial octet's count too: the channels wrap.
-ACT_HD void octet_factors_at(const float* __restrict__ a, const float* __restrict__ b, int64_t channels,
-                             int64_t inner, ChannelPosition p, float (&fa)[8], float (&fb)[8]) {
+ACT_HD void octet_factors_at(const float* __restrict__ a, const float* __restrict__ b, const ChannelLayout& layout,
+                             ChannelPosition p, float (&fa)[8], float (&fb)[8]) {
   int64_t c = p.c, r = p.r;
-  if (r + 8 <= inner) {
+  if (r + 8 <= layout.inner) {
     const float ca = a[c], cb = b[c];
 #pragma unroll
     for (int j = 0; j < 8; ++j) fa[j] = ca, fb[j] = cb;
@@ -266,16 +275,16 @@ ACT_HD void octet_factors_at(const float* __restrict__ a, const float* __restric
   for (int j = 0; j < 8; ++j) {
     fa[j] = a[c];
     fb[j] = b[c];
-    if (++r == inner) {
+    if (++r == layout.inner) {
       r = 0;
-      if (++c == channels) c = 0;
+      if (++c == layout.channels) c = 0;
     }
   }
 }
 
 // The factors f.a[c] and f.b[c] of element i + j (j in 0..7), c its channel (octet_factors_at).
 ACT_HD void octet_channel_factors(const ChannelFactors& f, int64_t i, float (&fa)[8], float (&fb)[8]) {
-  octet_factors_at(f.a, f.b, f.channels, f.inner, channel_position(f.channels, f.inner, i), fa, fb);
+  octet_factors_at(f.a, f.b, f.layout, channel_position(f.layout, i), fa, fb);
 }
 
 // BatchNorm's normalized input, packed as it is read (reference.py: quantize_pack_normalized): v[j], the value of

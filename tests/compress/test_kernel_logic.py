@@ -93,8 +93,8 @@ std::vector<at::Tensor> quantize(const at::Tensor& x, const at::Tensor& shifts, 
   const int64_t channels = scaled ? shifts.numel() : 1;
   const bool normalized = mean.numel() > 0;
   const act_hf::ChannelFactors norm{normalized ? mean.data_ptr<float>() : nullptr,
-                                 normalized ? invstd.data_ptr<float>() : nullptr, std::max<int64_t>(mean.numel(), 1),
-                                 inner};
+                                    normalized ? invstd.data_ptr<float>() : nullptr,
+                                    act_hf::channel_layout(std::max<int64_t>(mean.numel(), 1), inner)};
   const int64_t lanes = group_size / 32;
   const bool by_lanes = group_size % 32 == 0 && lanes <= kLanes && (lanes & (lanes - 1)) == 0;
   const int64_t n_lanes = by_lanes ? lanes : kLanes, lane_step = (8 * n_lanes) % channels;
@@ -180,8 +180,7 @@ at::Tensor chain(at::Tensor out, const std::vector<at::Tensor>& payloads, const 
                  int64_t group_size, int64_t start, int64_t inner, bool accumulate) {
   act_hf::DecodeChain chain{};
   chain.count = static_cast<int>(payloads.size());
-  chain.channels = weights[0].numel();
-  chain.inner = inner;
+  chain.layout = act_hf::channel_layout(weights[0].numel(), inner);
   chain.start = start;
   chain.group_size = group_size;
   chain.group_shift = -1;
@@ -217,8 +216,9 @@ at::Tensor affine(const at::Tensor& payload, const at::Tensor& lo, const at::Ten
                   int64_t group_size, int64_t n, const at::Tensor& mult, const at::Tensor& shift,
                   const at::Tensor& divisor) {
   auto out = at::empty({n}, mult.options());
-  const act_hf::ChannelAffine map{mult.data_ptr<float>(), shift.data_ptr<float>(), mult.numel(),
-                                  divisor.numel() ? divisor.data_ptr<float>() : nullptr, divisor.numel()};
+  const float* rows = divisor.numel() ? divisor.data_ptr<float>() : nullptr;
+  const act_hf::ChannelAffine map =
+      act_hf::channel_affine(mult.data_ptr<float>(), shift.data_ptr<float>(), mult.numel(), rows, divisor.numel());
   ACT_BITS_SWITCH(bits, B, [&] {
     for (int64_t i = 0; i < n; i += 8) {
       const int cnt = octet_count(n, i);
@@ -234,6 +234,16 @@ at::Tensor affine(const at::Tensor& payload, const at::Tensor& lo, const at::Ten
       for (int j = 0; j < cnt; ++j) out.data_ptr<float>()[i + j] = v[j];
     }
   });
+  return out;
+}
+
+// n / d by act_hf::divide for each n of `numerators` (int64 holding 32-bit values) and the divider of d.
+at::Tensor divide(const at::Tensor& numerators, int64_t d) {
+  const act_hf::Divider by = act_hf::make_divider(static_cast<uint32_t>(d));
+  auto out = at::empty_like(numerators);
+  for (int64_t k = 0; k < numerators.numel(); ++k) {
+    out.data_ptr<int64_t>()[k] = act_hf::divide(by, static_cast<uint32_t>(numerators.data_ptr<int64_t>()[k]));
+  }
   return out;
 }
 
@@ -272,7 +282,7 @@ def octets():
     build.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load_inline(name=name, cpp_sources=HARNESS,
                                      functions=["encode", "grad", "quantize", "channel_shifts", "zero_unmasked",
-                                                "masked_scale", "chain", "affine"],
+                                                "masked_scale", "chain", "affine", "divide"],
                                      extra_include_paths=[str(_ext.CSRC_DIR), str(Path(cuda_home) / "include")],
                                      extra_cflags=["-O1", "-ffp-contract=off"], build_directory=str(build))
 
@@ -457,6 +467,22 @@ def test_affine_decode_octets_give_the_reference(octets, bits, channels):
                 assert torch.equal(got.isnan(), want.isnan()), (rows, group_size, div is None)
                 assert torch.equal(got.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32)), (
                     rows, group_size, div is None)
+
+
+def test_divider_divides_every_32_bit_numerator(octets):
+    """``act_hf::divide`` (a multiply-high and two shifts in place of a division routine: channel positions, the
+    affine decode's rows): ``n // d`` exactly for divisors 1 to 3000, powers of two and their neighbours, the
+    largest ones, and numerators at both ends of the 32-bit range, at and around multiples of d, and random."""
+    gen = torch.Generator().manual_seed(0)
+    top = (1 << 32) - 1
+    divisors = list(range(1, 3001)) + [d + e for k in range(12, 33) for d in [1 << k] for e in (-1, 0, 1)
+                                        if 1 <= d + e <= top] + [top, top - 1, 3 * (1 << 30), 641 * 6700417 // 7]
+    random = torch.randint(0, 1 << 32, (2000,), generator=gen, dtype=torch.int64)
+    for d in divisors:
+        ends = [0, 1, d - 1, d, d + 1, top, top - 1, top - top % d, top - top % d - 1, (1 << 31), (1 << 31) - 1]
+        multiples = [q * d + e for q in (1, 2, 3, top // d - 1, top // d) for e in (-1, 0, 1)]
+        n = torch.cat([torch.tensor([v for v in ends + multiples if 0 <= v <= top], dtype=torch.int64), random])
+        assert torch.equal(octets.divide(n, d), n // d), d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
