@@ -75,6 +75,7 @@ struct Divider {
 };
 
 inline Divider make_divider(uint32_t d) {
+  if (d == 0) return {};  // no divisor: a layout of no elements, never divided by
   uint32_t l = 0;
   while (l < 32 && (uint64_t{1} << l) < d) ++l;
   // 2^32 * (2^l - d) / d + 1 < 2^32 (2^l < 2d); 2^32 * (2^l - d) < 2^63
