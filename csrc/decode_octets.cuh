@@ -35,20 +35,26 @@ inline ChannelAffine channel_affine(const float* mult, const float* shift, int64
   return {mult, shift, channels, divisor, rows, small, by_channels};
 }
 
-// `affine` applied to v, the decoded values of the octet of elements [i, i + 8) (i a multiple of 8). An octet inside
-// one row (most of them where rows are long) reads its channels' factors at consecutive offsets and one divisor;
-// otherwise past a partial octet's count too: the channels wrap, the row stays the last, and those values are not
-// stored.
-ACT_HD void affine_octet(float (&v)[8], const ChannelAffine& affine, int64_t i) {
-  int64_t c, row;  // i % channels and i / channels: a 64-bit division is a long routine
-  if (affine.small && i <= UINT32_MAX) {
+// Where element i (a multiple of 8: an octet's first) lies for `affine`: its channel and row.
+struct AffinePosition {
+  int64_t c;
+  int64_t row;
+};
+
+ACT_HD AffinePosition affine_position(const ChannelAffine& affine, int64_t i) {
+  if (affine.small && i <= UINT32_MAX) {  // a 64-bit division is a long routine
     const uint32_t q = divide(affine.by_channels, static_cast<uint32_t>(i));
-    row = q;
-    c = static_cast<uint32_t>(i) - q * static_cast<uint32_t>(affine.channels);
-  } else {
-    row = i / affine.channels;
-    c = i - row * affine.channels;
+    return {static_cast<uint32_t>(i) - q * static_cast<uint32_t>(affine.channels), q};
   }
+  const int64_t row = i / affine.channels;
+  return {i - row * affine.channels, row};
+}
+
+// `affine` applied to v, the decoded values of the octet whose first element lies at `p`. An octet inside one row
+// (most of them where rows are long) reads its channels' factors at consecutive offsets and one divisor; otherwise
+// past a partial octet's count too: the channels wrap, the row stays the last, and those values are not stored.
+ACT_HD void affine_octet_at(float (&v)[8], const ChannelAffine& affine, AffinePosition p) {
+  int64_t c = p.c, row = p.row;
   const bool divided = affine.divisor != nullptr;
   float inverse = divided ? rcp_rn(affine.divisor[row]) : 1.f;  // the reciprocal of the row's divisor
   if (c + 8 <= affine.channels) {
@@ -70,6 +76,11 @@ ACT_HD void affine_octet(float (&v)[8], const ChannelAffine& affine, int64_t i) 
       if (divided && ++row < affine.rows) inverse = rcp_rn(affine.divisor[row]);
     }
   }
+}
+
+// `affine` applied to v, the decoded values of the octet of elements [i, i + 8) (i a multiple of 8).
+ACT_HD void affine_octet(float (&v)[8], const ChannelAffine& affine, int64_t i) {
+  affine_octet_at(v, affine, affine_position(affine, i));
 }
 
 // One packed tensor of a chain: its payload, zero points and scales (raw 16-bit patterns), its channel factors

@@ -33,6 +33,8 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
   if (i >= n) return;
+  // the position first: its slow path (indices past 2^32) calls a division routine, across which nothing else lives
+  const AffinePosition at = Affine ? affine_position(affine, i) : AffinePosition{0, 0};
   const int cnt = static_cast<int>(n - i < 8 ? n - i : 8);
   const uint64_t word = load_octet<B>(payload + o * B, (cnt * B + 7) / 8);
   const int64_t g = group_shift >= 0 ? i >> group_shift : i / group_size;  // a 64-bit division is a long routine
@@ -41,7 +43,7 @@ __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
   float v[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) v[j] = __fadd_rn(lo, __fmul_rn(static_cast<float>(octet_code<B>(word, j)), scale));
-  if constexpr (Affine) affine_octet(v, affine, i);
+  if constexpr (Affine) affine_octet_at(v, affine, at);
   alignas(16) T vals[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) vals[j] = from_float<T>(v[j]);
