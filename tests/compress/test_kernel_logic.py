@@ -1,8 +1,8 @@
 """The kernels' per-octet logic (the few-bit kernels' ``csrc/fewbit_octets.cuh``, the quantize kernel's
 ``csrc/quantize_octets.cuh``, the affine and chain decodes' ``csrc/decode_octets.cuh``), built for the CPU and
 called the way the kernels call it (one call per octet of eight elements, 16-byte accesses where aligned and full;
-a group's range over its fp32 values): the reference's bits and values, checked where no GPU is at hand. The GPU's
-own run of the kernels is ``test_kernels_cuda.py``."""
+a group's range over its fp32 values): the reference's bits and values, checked where no GPU is at hand. The
+kernels themselves, on a GPU and emulated on the CPU, are ``test_kernels_cuda.py``'s."""
 
 from __future__ import annotations
 

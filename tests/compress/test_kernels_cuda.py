@@ -1,4 +1,9 @@
-"""CUDA kernels == the PyTorch reference, bit for bit (same hash-based draws)."""
+"""CUDA kernels == the PyTorch reference, bit for bit (same hash-based draws).
+
+Each comparison runs twice: on a GPU (cuda-marked, skipped without one) and on the CPU, where the same sources
+are built with CUDA's built-ins emulated (``emulated_kernels.py``): the kernels' bodies and their launch code
+checked on every run, the GPU's own arithmetic and scheduling where one is lent. The emulation runs a block's
+threads as fibers, one after another, so its largest shape is smaller."""
 
 from __future__ import annotations
 
@@ -6,33 +11,57 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from act_hf import _ext
 from act_hf.compress import reference as R
+from tests.compress import emulated_kernels
 
-pytestmark = pytest.mark.cuda
+SHAPES = [1, 7, 8, 255, 256, 257, 1000, 4099]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The extension's functions (``module``'s), the device its tensors live on and the shapes to try: several
+    blocks of every kernel at the largest."""
+
+    module: ModuleType
+    device: str
+    shapes: tuple[int, ...]
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
 
 
 @pytest.fixture(scope="module")
-def ext():
+def gpu_ext():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return _ext.require()
 
 
-SHAPES = [1, 7, 8, 255, 256, 257, 1000, 4099, 65536 + 13]
+@pytest.fixture(scope="module", params=[pytest.param("cuda", marks=pytest.mark.cuda, id="gpu"),
+                                        pytest.param("cpu", id="emulated")])
+def ext(request) -> Kernels:
+    if request.param == "cuda":
+        return Kernels(request.getfixturevalue("gpu_ext"), "cuda", (*SHAPES, 65536 + 13))
+    module = emulated_kernels.build()
+    if module is None:
+        pytest.skip("no CUDA toolkit headers (cuda_runtime.h) to build the emulated kernels with")
+    return Kernels(module, "cpu", (*SHAPES, 8192 + 13))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("group_size", [8, 24, 32, 64, 256, 1024])  # 24: decoding's group index by division
 def test_quantize_pack_matches_reference(ext, bits, dtype, group_size):
-    for n in SHAPES:
-        x = (torch.randn(n, device="cuda") * 4 - 1).to(dtype)
+    for n in ext.shapes:
+        x = (torch.randn(n, device=ext.device) * 4 - 1).to(dtype)
         if n > 300:
             x[100:100 + group_size] = 0.5  # a zero-range group
             x[-1] = float("nan")
@@ -54,9 +83,9 @@ def test_quantize_pack_scaled_matches_reference(ext, bits, dtype, channels):
     """Channel scaling inside the kernel: each lane's channel tracked across its octets (channels fewer than,
     not dividing, and more than a warp's 256 elements) and rows that straddle groups."""
     for n in (channels * 3, 4099, 65536 + 13):
-        x = (torch.randn(n, device="cuda") * 4 - 1).to(dtype)
+        x = (torch.randn(n, device=ext.device) * 4 - 1).to(dtype)
         shifts = torch.randint(0, 16 if dtype == torch.float16 else 25, (channels,), dtype=torch.int32,
-                               device="cuda")
+                               device=ext.device)
         x = (x.float() / R.channel_powers(shifts, 0, n)).to(dtype)  # no channel carried past the largest value
         for group_size in (64, 96, 256, 1024):  # a lane's channel carried between its octets; 96: a warp a group
             got = ext.quantize_pack_scaled(x, shifts, bits, group_size, 99 + n)
@@ -70,7 +99,7 @@ def test_quantize_pack_scaled_matches_reference(ext, bits, dtype, channels):
 def test_channel_shifts_match_reference(ext, dtype, shape):
     """The channel-shift kernels against the reference: channels that divide the threads and do not, fewer rows
     than a thread's stride and more, a NaN channel, an Inf channel and a channel of zeros."""
-    x = (torch.randn(shape, device="cuda", dtype=torch.float64) * torch.logspace(-3, 3, shape[1], device="cuda",
+    x = (torch.randn(shape, device=ext.device, dtype=torch.float64) * torch.logspace(-3, 3, shape[1], device=ext.device,
                                                                                dtype=torch.float64)).to(dtype)
     if shape[1] >= 7:
         x[:, 0] = 0.0
@@ -85,7 +114,7 @@ def test_channel_shifts_match_reference(ext, dtype, shape):
                                                  (torch.float32, torch.float64)])
 def test_unpack_dequantize_into_another_dtype_matches_reference(ext, packed_dtype, dtype):
     """``dequantize(packed, dtype)``'s direct decode (metadata of the packed dtype, results in ``dtype``)."""
-    x = (torch.randn(4099, device="cuda") * 4 - 1).to(packed_dtype)
+    x = (torch.randn(4099, device=ext.device) * 4 - 1).to(packed_dtype)
     packed = ext.quantize_pack(x, 3, 256, 77)
     out = ext.unpack_dequantize(*packed, 3, 256, x.numel(), dtype)
     assert out.dtype == dtype and torch.equal(out, R.unpack_dequantize(*packed, 3, 256, x.numel(), dtype))
@@ -100,11 +129,11 @@ def test_unpack_dequantize_affine_matches_reference(ext, bits, group_size, chann
     more than an octet (several rows an octet)."""
     for rows in (1, 3, 70):
         n = rows * channels
-        x = torch.randn(n, device="cuda") * 3
+        x = torch.randn(n, device=ext.device) * 3
         packed = ext.quantize_pack(x, bits, group_size, 5)
-        mult = torch.rand(channels, device="cuda") + 0.3
-        shift = torch.randn(channels, device="cuda")
-        divisor = torch.rand(rows, device="cuda") * 3 + 0.1
+        mult = torch.rand(channels, device=ext.device) + 0.3
+        shift = torch.randn(channels, device=ext.device)
+        divisor = torch.rand(rows, device=ext.device) * 3 + 0.1
         for d in (None, divisor):
             out = ext.unpack_dequantize_affine(*packed, bits, group_size, n, mult, shift, d)
             ref = R.unpack_dequantize_affine(*packed, bits, group_size, n, mult, shift, d)
@@ -122,18 +151,18 @@ def test_unpack_dequantize_into_matches_reference(ext, bits, group_size, dtype, 
     accumulate, masked = "accumulate" in form, "masked" in form
     for items, channels, inner in [(5, 3, 7), (3, 16, 49), (2, 1, 1000), (70, 9, 1)]:
         n = items * channels * inner
-        x = (torch.randn(n, device="cuda") * 3).to(dtype)
+        x = (torch.randn(n, device=ext.device) * 3).to(dtype)
         packed = ext.quantize_pack(x, bits, group_size, 5)
-        weight = torch.rand(channels, device="cuda") + 0.3
-        bias = torch.randn(channels, device="cuda")
+        weight = torch.rand(channels, device=ext.device) + 0.3
+        bias = torch.randn(channels, device=ext.device)
         for first in (0, 1):
             start = first * channels * inner
             if start % 8:
                 continue
             count = n - start
-            mask = torch.randint(0, 256, (math.ceil(count / 8),), dtype=torch.uint8, device="cuda") if masked else None
+            mask = torch.randint(0, 256, (math.ceil(count / 8),), dtype=torch.uint8, device=ext.device) if masked else None
             for offset in (0, 1):
-                base = torch.randn(count + offset, device="cuda").to(dtype)
+                base = torch.randn(count + offset, device=ext.device).to(dtype)
                 out, ref = base.clone()[offset:], base.clone()[offset:]
                 ext.unpack_dequantize_into(out, *packed, bits, group_size, n, start, weight, bias, inner, mask,
                                            accumulate)
@@ -154,22 +183,22 @@ def test_unpack_dequantize_chain_matches_reference(ext, bits, group_size, dtype,
         n = items * channels * inner
         packed, weights, biases = [], [], []
         for t in range(terms):
-            x = (torch.randn(n, device="cuda") * 3 * 2.0 ** -t).to(dtype)
+            x = (torch.randn(n, device=ext.device) * 3 * 2.0 ** -t).to(dtype)
             x[n // 3] = float("nan") if t == 1 else x[n // 3]
             packed.append(ext.quantize_pack(x, bits, group_size, 5 + t))
-            weights.append(torch.rand(channels, device="cuda") + 0.3)
-            biases.append(torch.randn(channels, device="cuda"))
+            weights.append(torch.rand(channels, device=ext.device) + 0.3)
+            biases.append(torch.randn(channels, device=ext.device))
         for first in (0, 1):
             start = first * channels * inner
             if start % 8:
                 continue
             count = n - start
-            masks = [torch.randint(0, 256, (math.ceil(count / 8),), dtype=torch.uint8, device="cuda") if t % 2 else
+            masks = [torch.randint(0, 256, (math.ceil(count / 8),), dtype=torch.uint8, device=ext.device) if t % 2 else
                      None for t in range(terms)]
             args = ([p[0] for p in packed], [p[1] for p in packed], [p[2] for p in packed], weights, biases, masks,
                     bits, group_size, n, start, inner, accumulate)
             for offset in (0, 1):
-                base = torch.randn(count + offset, device="cuda").to(dtype)
+                base = torch.randn(count + offset, device=ext.device).to(dtype)
                 out, ref = base.clone()[offset:], base.clone()[offset:]
                 ext.unpack_dequantize_chain(out, *args)
                 R.unpack_dequantize_chain(ref, *args)
@@ -184,9 +213,9 @@ def test_quantize_pack_normalized_matches_reference(ext, dtype, bits, group_size
     and others), channels of dim 1 from each element's index: the reference's bits, an unaligned input too."""
     for shape in [(3, 5, 7), (70, 9), (4, 16, 49), (2, 3, 1000)]:
         channels, inner = shape[1], math.prod(shape[2:])
-        base = (torch.randn(math.prod(shape) + 1, device="cuda") * 3 + 1).to(dtype)
-        mean = torch.randn(channels, device="cuda")
-        invstd = torch.rand(channels, device="cuda") + 0.2
+        base = (torch.randn(math.prod(shape) + 1, device=ext.device) * 3 + 1).to(dtype)
+        mean = torch.randn(channels, device=ext.device)
+        invstd = torch.rand(channels, device=ext.device) + 0.2
         for x in (base[:-1], base[1:]):
             got = ext.quantize_pack_normalized(x, mean, invstd, inner, bits, group_size, 11)
             want = R.quantize_pack_normalized(x, mean, invstd, inner, bits, group_size, 11)
@@ -198,10 +227,10 @@ def test_quantize_pack_normalized_matches_reference(ext, dtype, bits, group_size
 def test_masked_scale_matches_native_dropout_backward(ext, dtype):
     """Dropout's input gradient from the packed keep-mask: ``native_dropout_backward``'s bits on the GPU (the
     dropped elements ``0 * grad``: -0, NaN for inf and NaN), aligned or not."""
-    for n in SHAPES:
-        grad = (torch.randn(n + 1, device="cuda") * 3).to(dtype)
+    for n in ext.shapes:
+        grad = (torch.randn(n + 1, device=ext.device) * 3).to(dtype)
         grad[:2] = torch.tensor([math.nan, math.inf], dtype=dtype)
-        keep = torch.rand(n + 1, device="cuda") < 0.7
+        keep = torch.rand(n + 1, device=ext.device) < 0.7
         for start in (0, 1):
             g, k = grad[start:start + n], keep[start:start + n]
             mask = R.pack_bits(k.to(torch.uint8), 1)
@@ -212,7 +241,7 @@ def test_masked_scale_matches_native_dropout_backward(ext, dtype):
 
 
 def test_unaligned_input_view(ext):
-    base = torch.randn(10_000, device="cuda", dtype=torch.bfloat16)
+    base = torch.randn(10_000, device=ext.device, dtype=torch.bfloat16)
     x = base[3:]  # storage offset breaks 16-byte alignment
     got = ext.quantize_pack(x, 3, 256, 9)
     want = R.quantize_pack(x, 3, 256, 9)
@@ -221,8 +250,8 @@ def test_unaligned_input_view(ext):
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_pack_unpack_bits_match_reference(ext, bits):
-    for n in SHAPES:
-        codes = torch.randint(0, 2**bits, (n,), device="cuda", dtype=torch.uint8)
+    for n in ext.shapes:
+        codes = torch.randint(0, 2**bits, (n,), device=ext.device, dtype=torch.uint8)
         payload = ext.pack_bits(codes, bits)
         assert torch.equal(payload, R.pack_bits(codes, bits))
         assert torch.equal(ext.unpack_bits(payload, bits, n), codes)
@@ -238,12 +267,12 @@ def test_fewbit_encode_pack_and_grad_match_reference(ext, bits, dtype):
     bounds = (torch.randn((1 << bits) - 1, generator=gen, dtype=torch.float64) * 2).to(dtype).sort().values
     if bounds.numel() > 2:
         bounds[1] = bounds[2]
-    bounds, values = bounds.cuda(), torch.randn(1 << bits, generator=gen, dtype=torch.float64).to(dtype).cuda()
-    for n in SHAPES:
-        x = (torch.randn(n + 5, generator=gen, dtype=torch.float64) * 3).to(dtype).cuda()
-        head = torch.cat([torch.tensor([math.nan, math.inf, -math.inf, 0.0], dtype=dtype).cuda(), bounds])
+    bounds, values = bounds.to(ext.device), torch.randn(1 << bits, generator=gen, dtype=torch.float64).to(dtype).to(ext.device)
+    for n in ext.shapes:
+        x = (torch.randn(n + 5, generator=gen, dtype=torch.float64) * 3).to(dtype).to(ext.device)
+        head = torch.cat([torch.tensor([math.nan, math.inf, -math.inf, 0.0], dtype=dtype).to(ext.device), bounds])
         x[:min(n, head.numel())] = head[:n]
-        grad = torch.randn(n + 5, generator=gen, dtype=torch.float64).to(dtype).cuda()
+        grad = torch.randn(n + 5, generator=gen, dtype=torch.float64).to(dtype).to(ext.device)
         grad[n // 2] = math.inf
         for start in (0, 3):  # a view that breaks 16-byte alignment
             xs, gs = x[start:start + n], grad[start:start + n]
@@ -259,10 +288,10 @@ def test_zero_unmasked_matches_reference(ext, dtype):
     """``torch.where(mask, values, 0)`` from the packed mask: the kernel's bits are the reference's, into a new
     tensor and in place, aligned and not (dropped NaN and inf become +0)."""
     gen = torch.Generator().manual_seed(5)
-    for n in SHAPES:
-        values = (torch.randn(n + 3, generator=gen, dtype=torch.float64)).to(dtype).cuda()
-        values[:min(n, 3)] = torch.tensor([math.nan, math.inf, -1.0], dtype=dtype).cuda()[:min(n, 3)]
-        mask = torch.randint(0, 256, (-(-(n + 3) // 8),), generator=gen, dtype=torch.uint8).cuda()
+    for n in ext.shapes:
+        values = (torch.randn(n + 3, generator=gen, dtype=torch.float64)).to(dtype).to(ext.device)
+        values[:min(n, 3)] = torch.tensor([math.nan, math.inf, -1.0], dtype=dtype).to(ext.device)[:min(n, 3)]
+        mask = torch.randint(0, 256, (-(-(n + 3) // 8),), generator=gen, dtype=torch.uint8).to(ext.device)
         for start in (0, 3):
             v = values[start:start + n]
             m = mask if start == 0 else R.pack_bits(R.unpack_bits(mask, 1, n + 3)[start:start + n], 1)
@@ -274,9 +303,10 @@ def test_zero_unmasked_matches_reference(ext, dtype):
             assert torch.equal(inplace.view(torch.uint8), want.view(torch.uint8)), f"in place differs (n={n})"
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", ["gelu", "silu", "tanh", "relu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fewbit_activation_on_gpu_equals_the_cpu(ext, name, dtype):
+def test_fewbit_activation_on_gpu_equals_the_cpu(gpu_ext, name, dtype):
     """An activation's packed codes and its input gradient from them: the GPU's kernels give the CPU's bytes
     and values."""
     from act_hf.ops.activation import ActivationSpec
@@ -293,13 +323,14 @@ def test_fewbit_activation_on_gpu_equals_the_cpu(ext, name, dtype):
         assert torch.equal(spec.grad_input_packed(grad.cuda(), gpu, bits).cpu(), grad_x)
 
 
-def test_custom_ops_dispatch_to_kernel_and_unbiased_on_gpu(ext):
+@pytest.mark.cuda
+def test_custom_ops_dispatch_to_kernel_and_unbiased_on_gpu(gpu_ext):
     """The mean over draws is x within 5 standard errors, each from the variance stochastic rounding predicts
     from the stored metadata (a flat tolerance would be crossed by chance: 1024 elements, 2000 draws)."""
     from act_hf.compress import dequantize, quantize
 
     torch.manual_seed(0)
-    x = torch.randn(4, 256, device="cuda")
+    x = torch.randn(4, 256, device=ext.device)
     draws = 2000
     acc = torch.zeros_like(x, dtype=torch.float64)
     for s in range(draws):
@@ -314,6 +345,7 @@ def test_custom_ops_dispatch_to_kernel_and_unbiased_on_gpu(ext):
     assert bool(((acc / draws - x.double()).abs() <= 5 * standard_error + 1e-9).all())
 
 
+@pytest.mark.cuda
 def test_reference_gives_the_same_bits_on_the_gpu_and_the_cpu():
     """The format is device independent: CUDA's division by a Python scalar (a multiply by the reciprocal)
     must not leak into the reference."""
@@ -328,7 +360,8 @@ def test_reference_gives_the_same_bits_on_the_gpu_and_the_cpu():
                 assert torch.equal(c, g.cpu()), f"{name} differs ({bits} bits, {dtype})"
 
 
-def test_kernel_errors_name_arguments(ext):
+@pytest.mark.cuda
+def test_kernel_errors_name_arguments(gpu_ext):
     """Bad arguments raise RuntimeErrors that name them. Asked in a subprocess, so that a crash is this test's
     failure and not the end of the file: on the H100 machine (torch 2.11, Python 3.12, gcc 13.3) streaming an
     integer into a message inside the extension crashed with SIGSEGV (see csrc/bindings.cpp)."""
@@ -336,17 +369,17 @@ def test_kernel_errors_name_arguments(ext):
         import torch
         from act_hf import _ext
         ext = _ext.require()
-        x = torch.randn(10, device="cuda")
+        x = torch.randn(10, device=ext.device)
         for args in [(x, 9, 256, 0), (x, 3, 12, 0), (x.cpu(), 3, 256, 0)]:
             try:
                 ext.quantize_pack(*args)
                 print("no error")
             except RuntimeError as e:
                 print(str(e).splitlines()[0], flush=True)
-        bounds, payload = torch.zeros(3, device="cuda"), torch.zeros(4, device="cuda", dtype=torch.uint8)
+        bounds, payload = torch.zeros(3, device=ext.device), torch.zeros(4, device=ext.device, dtype=torch.uint8)
         calls = [(ext.fewbit_encode_pack, (x, bounds, 1)), (ext.fewbit_encode_pack, (x, bounds.double(), 2)),
-                 (ext.fewbit_grad, (x, payload, torch.zeros(3, device="cuda"), 2)),
-                 (ext.fewbit_grad, (x, payload[:2], torch.zeros(4, device="cuda"), 2)),
+                 (ext.fewbit_grad, (x, payload, torch.zeros(3, device=ext.device), 2)),
+                 (ext.fewbit_grad, (x, payload[:2], torch.zeros(4, device=ext.device), 2)),
                  (ext.zero_unmasked, (x, payload[:1], False)),
                  (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds, bounds[:2])),
                  (ext.unpack_dequantize_affine, (*ext.quantize_pack(x, 3, 8, 0), 3, 8, 10, bounds, bounds)),
@@ -398,8 +431,9 @@ def test_kernel_errors_name_arguments(ext):
     assert "weights[t] must hold one value a channel, as weights[0] (1), got 2 for term 1" in lines[17]
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_channel_scaled_quantize_on_gpu_equals_the_cpu(ext, dtype):
+def test_channel_scaled_quantize_on_gpu_equals_the_cpu(gpu_ext, dtype):
     """The channel shifts (torch ops) and the kernel on the shifted tensor give the CPU's bits and decode."""
     from act_hf.compress import dequantize, quantize
 
