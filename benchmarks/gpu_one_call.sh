@@ -16,7 +16,7 @@
 # ninth run; the SASS now reads about 20); the three speed models at equal batch 256 without a cap (resnet50 0.592x
 # in the tenth, bert-large 0.784x in the ninth, swin-tiny 0.831x in the tenth); resnet50's largest batch under 16
 # GiB at 2 bits with expandable segments (the tenth searched without them by mistake); resnet50's step under the
-# profiler at batch 128; what is alive at resnet50's 2-bit highest points, at batches 384 and 512 (sliced as near a
+# profiler at batch 128, each op's device time by the act_hf function that called it (--stacks); what is alive at resnet50's 2-bit highest points, at batches 384 and 512 (sliced as near a
 # cap); resnet50 at 256 again with ACT_HF_SLICING=always, to isolate what running ops whole saves; then swin-tiny's
 # largest batch at 2 bits, with expandable segments, while time is left.
 set -uo pipefail
@@ -89,7 +89,7 @@ echo "resnetcap exit $?"; cat "$W/resnetcap/gpu_training.md" 2>/dev/null; bundle
 part "resnet50 at batch 128 under the profiler, unpatched and 3 bits, alone on the GPU"
 mkdir -p "$W/profile_resnet"
 timeout "$(cap 50)" "$PY" benchmarks/profile_step.py --model resnet50 --settings unpatched bits3 --batch 128 \
-  --steps 2 --warmup 2 --out "$W/profile_resnet" >"$W/profile_resnet.log" 2>&1
+  --steps 2 --warmup 2 --stacks --out "$W/profile_resnet" >"$W/profile_resnet.log" 2>&1
 echo "profile exit $?"; head -n 40 "$W/profile_resnet/profile_resnet50.md" 2>/dev/null; bundle
 
 part "what is alive at resnet50's 2-bit highest points, batches 384 and 512 (every tensor sliced alike at both)"

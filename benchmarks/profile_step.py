@@ -6,9 +6,12 @@ profiles ``--steps`` more, and writes the ops and kernels sorted by their own de
 plus the step time, to ``profile_<model>.md`` and ``profile_<model>.json`` under ``--out``. Every kernel (every op
 on a CPU) is also summed by family (:func:`kernel_family`: act_hf's kernels each, matmuls, attention, casts and
 copies, each elementwise functor, ...), and each setting after the first gets the families' differences from the
-first: where its extra device time goes, the rows past the top ones included.
+first: where its extra device time goes, the rows past the top ones included. With ``--stacks`` the profiler
+records Python calls, and each setting also gets its ops' own time by the function of act_hf (else of
+transformers or timm) that called them: which act_hf code an elementwise kernel of the families' table comes from.
 
     python benchmarks/profile_step.py --model bert-large --settings unpatched bits3 --batch 32
+    python benchmarks/profile_step.py --model resnet50 --settings unpatched bits3 --batch 128 --stacks
 """
 
 from __future__ import annotations
@@ -81,8 +84,50 @@ def family_differences(base: dict[str, dict], other: dict[str, dict]) -> list[di
     return sorted(rows, key=lambda r: -r["delta_us"])
 
 
-def profile_setting(trial: Trial, rows: int) -> dict:
-    """Step time of ``trial.steps`` profiled steps and the ``rows`` ops with the most own time."""
+def calling_function(frames: list[str]) -> str:
+    """The innermost function of act_hf's among a profiled op's Python frames, innermost first, as the profiler
+    names it (``act_hf/ops/norm.py(298): backward``: the line its definition starts at), else of the model's
+    library (transformers, timm), else ``(outside act_hf and the model)``: autograd's own nodes, an unpatched
+    model's backward, the optimizer."""
+    for marks in (("act_hf/",), ("transformers/", "timm/")):
+        for frame in frames:
+            for mark in marks:
+                if mark in frame:
+                    return frame[frame.index(mark):]
+    return "(outside act_hf and the model)"
+
+
+def python_frames(event) -> list[str]:
+    """An op's Python frames, innermost first: its recorded stack, or (torch >= 2.x records Python calls as events
+    of their own) the names of its enclosing events."""
+    if event.stack:
+        return list(event.stack)
+    frames, parent = [], event.cpu_parent
+    while parent is not None:
+        frames.append(parent.name)
+        parent = parent.cpu_parent
+    return frames
+
+
+def by_function(events, key: str, steps: int) -> list[dict]:
+    """``[{"op", "function", "calls", "us_per_step"}]``: the own ``key`` time of the ops (CPU events: on a GPU,
+    the kernels each launched itself) by op and :func:`calling_function`, the largest first."""
+    rows: dict[tuple[str, str], dict] = {}
+    for e in events:
+        time_us = getattr(e, key)
+        if e.device_type == DeviceType.CUDA or time_us <= 0 or ".py(" in e.name:
+            continue  # kernels (their ops carry them) and Python calls
+        function = calling_function(python_frames(e))
+        row = rows.setdefault((e.name, function), {"op": e.name, "function": function, "calls": 0.0,
+                                                   "us_per_step": 0.0})
+        row["calls"] += 1 / steps
+        row["us_per_step"] += time_us / steps
+    return sorted(rows.values(), key=lambda r: -r["us_per_step"])
+
+
+def profile_setting(trial: Trial, rows: int, stacks: bool = False) -> dict:
+    """Step time of ``trial.steps`` profiled steps and the ``rows`` ops with the most own time; with ``stacks``,
+    the ``rows`` largest of :func:`by_function` too."""
     cuda = trial.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     step, _, _ = prepare_step(trial)
@@ -91,7 +136,7 @@ def profile_setting(trial: Trial, rows: int) -> dict:
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=stacks) as prof:
         for _ in range(trial.steps):
             step()
         sync()
@@ -105,9 +150,12 @@ def profile_setting(trial: Trial, rows: int) -> dict:
     top = [{"name": e.key, "calls": e.count, "self_us_per_step": getattr(e, key) / trial.steps,
             "share": getattr(e, key) / total, "cpu_us_per_step": e.self_cpu_time_total / trial.steps}
            for e in events[:rows]]
-    return {"setting": trial.setting, "step_ms_profiled": 1000 * elapsed / trial.steps,
-            "self_total_ms_per_step": total / 1000 / trial.steps, "top": top,
-            "families": by_family(kernels, key, trial.steps)}
+    result = {"setting": trial.setting, "step_ms_profiled": 1000 * elapsed / trial.steps,
+              "self_total_ms_per_step": total / 1000 / trial.steps, "top": top,
+              "families": by_family(kernels, key, trial.steps)}
+    if stacks:
+        result["functions"] = by_function(prof.events(), key, trial.steps)[:rows]
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--rows", type=int, default=30, help="ops listed per setting (default 30)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--stacks", action="store_true",
+                        help="record Python calls and table the ops' own time by the act_hf function that called "
+                             "them")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     for name in args.settings:
@@ -132,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.settings:
         trial = Trial(args.model, name, args.batch, steps=args.steps, warmup=args.warmup, seq=args.seq,
                       image_size=args.image_size, dtype=args.dtype, device=args.device)
-        results.append(profile_setting(trial, args.rows))
+        results.append(profile_setting(trial, args.rows, args.stacks))
         print(f"{args.model} {name}: {results[-1]['step_ms_profiled']:.1f} ms/step profiled", flush=True)
     meta = _meta(torch.device(args.device)) | {k: getattr(args, k) for k in ("model", "batch", "seq", "dtype")}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"| {t['name'][:90].replace('|', '/')} | {t['calls']} | {t['self_us_per_step']:.0f} | "
                   f"{t['share']:.1%} | {t['cpu_us_per_step']:.0f} |" for t in r["top"]]
         lines.append("")
+        if "functions" in r:
+            lines += [f"### {r['setting']}: own {what} time by op and the function that called it", "",
+                      f"| op | called in | calls a step | own {what} us a step |", "|---|---|---|---|"]
+            lines += [f"| {t['op'][:60]} | {t['function'][:100].replace('|', '/')} | {t['calls']:g} | "
+                      f"{t['us_per_step']:.0f} |" for t in r["functions"]]
+            lines.append("")
     base = results[0]
     for r in results[1:]:
         diff = family_differences(base["families"], r["families"])

@@ -293,6 +293,25 @@ def test_profile_step_writes_the_hot_ops_on_cpu(tmp_path):
     assert diff["ActConvFunction"]["calls"] == 53  # resnet50's convolutions, all patched
 
 
+def test_profile_step_names_the_act_hf_function_that_called_each_op(tmp_path):
+    """``--stacks``: a patched step's convolutions are attributed to act_hf's conv Function, the unpatched step's to
+    timm or to no act_hf or model code (autograd's own backward nodes)."""
+    profile_step = _load("profile_step")
+    assert profile_step.main(["--model", "resnet50", "--settings", "unpatched", "bits3", "--batch", "2",
+                              "--image-size", "32", "--steps", "1", "--warmup", "0", "--dtype", "fp32", "--rows", "400",
+                              "--device", "cpu", "--stacks", "--out", str(tmp_path)]) == 0
+    unpatched, patched = json.loads((tmp_path / "profile_resnet50.json").read_text())["results"]
+    assert not any(r["function"].startswith("act_hf/") for r in unpatched["functions"])
+    convs = [r for r in patched["functions"] if r["op"] == "aten::convolution_backward"]
+    assert convs and all(r["function"].startswith("act_hf/ops/linear.py(") for r in convs)
+    assert sum(r["calls"] for r in convs) == 53
+    assert "### bits3: own CPU time by op and the function that called it" in (
+        tmp_path / "profile_resnet50.md").read_text()
+    assert profile_step.calling_function(["torch/nn/modules/module.py(1): _call_impl",
+                                          "timm/models/resnet.py(9): forward", "/x/act_hf/ops/norm.py(5): backward"]
+                                         ) == "act_hf/ops/norm.py(5): backward"
+
+
 def test_profile_step_sorts_kernels_into_families():
     """Kernel names as torch.profiler reports them on an H200 (torch 2.11) go to the families the differences
     between settings are summed by."""
