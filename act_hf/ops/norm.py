@@ -562,6 +562,13 @@ def writes_in_place(x: Tensor, weight: Tensor | None, bias: Tensor | None, runni
         == torch._C._BatchNormBackend.Native
 
 
+def _split_kernels(t: Tensor) -> bool:
+    """Whether aten's split BatchNorm kernels serve ``t`` (a CUDA tensor): ``batch_norm_update_stats`` with running
+    statistics, ``batch_norm_elemt``, ``batch_norm_backward_reduce`` and ``batch_norm_backward_elemt``, the kernels
+    ``native_batch_norm`` and its backward run inside (the last three exist for CUDA alone)."""
+    return t.is_cuda
+
+
 def _bn_statistics(x: Tensor, eps: float, dtype: torch.dtype, running_mean: Tensor | None = None,
                    running_var: Tensor | None = None, momentum: float = 0.0) -> tuple[Tensor, Tensor]:
     """The per-channel ``(mean, invstd)`` of training-mode BatchNorm over ``x``, in ``dtype`` (the accumulation
@@ -570,7 +577,7 @@ def _bn_statistics(x: Tensor, eps: float, dtype: torch.dtype, running_mean: Tens
     (``batch_norm_update_stats`` runs its statistics kernel and its update; ``invstd`` is its ``rsqrt(var + eps)``),
     so that :func:`_bn_forward_into` writes the output from them, with no second statistics pass over ``x``. On the
     CPU the running statistics are left alone: :func:`_bn_forward_into` takes its own statistics and updates them."""
-    if x.is_cuda:
+    if _split_kernels(x):
         mean, var = torch.ops.aten.batch_norm_update_stats(x, running_mean, running_var, momentum)
         return mean, torch.rsqrt(var + eps)
     c = x.shape[1]
@@ -661,7 +668,7 @@ def _bn_backward_by_items(grad_out: Tensor, packed: PackedTensor, weight: Tensor
     sum_dy = torch.zeros(c, dtype=acc, device=grad_out.device)
     sum_dy_xhat = torch.zeros_like(sum_dy)
     grad_x = torch.empty_like(grad_out) if mask[0] else None
-    if grad_out.is_cuda:
+    if _split_kernels(grad_out):
         zeros, ones = zeros_and_ones((c,), scale)  # x_hat's statistics: mean 0, invstd 1
         for start, stop in chunks:
             x_hat = dequantize_items(packed, start, stop, grad_out.dtype)
@@ -752,7 +759,7 @@ class ActBatchNormFunction(torch.autograd.Function):
         else:
             packed = None
         if in_place:
-            statistics = (mean, invstd) if x.is_cuda and (need_x or need_w) else None
+            statistics = (mean, invstd) if _split_kernels(x) and (need_x or need_w) else None
             invstd = _bn_forward_into(x, weight, bias, running_mean, running_var, momentum, eps, statistics)
             ctx.mark_dirty(x)
             y = x

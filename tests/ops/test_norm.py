@@ -827,6 +827,113 @@ def test_batch_norm_writes_into_an_input_its_caller_owns(x_dtype, bn_dtype, chan
     _check_grads(f"BN in place {x_dtype}/{bn_dtype}", leaf.grad.cpu(), grads, rx, rp, _min_db(x_dtype))
 
 
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _by_channel(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return v.reshape((1, -1) + (1,) * (like.dim() - 2)).to(_acc(like))
+
+
+def _elemt(x, weight, bias, mean, invstd, eps):
+    y = (x.to(_acc(x)) - _by_channel(mean, x)) * _by_channel(invstd, x)
+    if weight is not None:
+        y = y * _by_channel(weight, x)
+    if bias is not None:
+        y = y + _by_channel(bias, x)
+    return y.to(x.dtype)
+
+
+def _elemt_out(x, weight, bias, mean, invstd, eps, *, out):
+    return out.copy_(_elemt(x, weight, bias, mean, invstd, eps))
+
+
+def _backward_reduce(grad_out, x, mean, invstd, weight, input_g, weight_g, bias_g):
+    dims = [0, *range(2, x.dim())]
+    g = grad_out.to(_acc(x))
+    sum_dy, sum_dy_xmu = g.sum(dims), (g * (x.to(_acc(x)) - _by_channel(mean, x))).sum(dims)
+    empty = mean.new_empty(0)
+    return (sum_dy if input_g else empty, sum_dy_xmu if input_g else empty,
+            sum_dy_xmu * invstd if weight_g else empty, sum_dy if bias_g else empty)
+
+
+def _backward_elemt(grad_out, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    n = count.sum().to(_acc(x))
+    factor = _by_channel(invstd, x) if weight is None else _by_channel(invstd * weight, x)
+    centred = x.to(_acc(x)) - _by_channel(mean, x)
+    grad = grad_out.to(_acc(x)) - _by_channel(sum_dy / n, x) \
+        - centred * _by_channel(invstd * invstd * sum_dy_xmu / n, x)
+    return (grad * factor).to(grad_out.dtype)
+
+
+@pytest.fixture
+def split_kernels_on_cpu(monkeypatch):
+    """act_hf's CUDA BatchNorm paths on CPU tensors: aten's split kernels, CUDA-only, stood in for by their formulas
+    (aten/src/ATen/native/cuda/Normalization.cuh, accumulated in fp32, fp64 for fp64), so that what act_hf passes
+    them and how it joins their results is checked where no GPU is; their own bits are the GPU tests'."""
+    lib = torch.library.Library("aten", "IMPL")
+    for name, kernel in (("batch_norm_elemt", _elemt), ("batch_norm_elemt.out", _elemt_out),
+                         ("batch_norm_backward_reduce", _backward_reduce),
+                         ("batch_norm_backward_elemt", _backward_elemt)):
+        lib.impl(name, kernel, "CPU")
+    monkeypatch.setattr(norm_ops, "_split_kernels", lambda t: True)
+    yield
+    lib._destroy()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype,bn_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                            (torch.float64, torch.float64)])
+def test_batch_norm_cuda_paths_on_cpu_stand_ins(split_kernels_on_cpu, monkeypatch, dtype, bn_dtype, channels_last):
+    """The CUDA paths of BatchNorm, run on the CPU with aten's split kernels stood in for: writing into an owned
+    input, the statistics are read once (``batch_norm_update_stats``, which updates the running statistics) and
+    the output written by ``batch_norm_elemt`` from them, the module's output and running statistics to rounding
+    (the CPU's packing normalizes by inference-mode BatchNorms, which the GPU's kernel does as it reads);
+    past ``BATCH_NORM_CHUNK_ELEMENTS`` the backward runs ``batch_norm_backward_reduce`` and then
+    ``batch_norm_backward_elemt`` over each slice of the normalized input, decoded in the gradient's dtype, and its
+    gradients are the CPU path's to rounding."""
+    torch.manual_seed(25)
+    bn = _randomize(nn.BatchNorm2d(8)).to(bn_dtype)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    base = (torch.randn(6, 8, 8, 8, dtype=torch.float64) * 2 + 0.3).to(dtype).contiguous(memory_format=layout)
+    g = torch.randn(6, 8, 8, 8, dtype=torch.float64).to(dtype).contiguous(memory_format=layout)
+    monkeypatch.setenv("ACT_HF_SLICING", "always")
+    monkeypatch.setattr(norm_ops, "BATCH_NORM_CHUNK_ELEMENTS", 2 * 8 * 8 * 8)  # slices of 2 items
+    runs = []
+    for split in (True, False):
+        monkeypatch.setattr(norm_ops, "_split_kernels", lambda t, split=split: split)
+        act = _act(bn, ActBatchNormMixin)
+        leaf = base.clone(memory_format=torch.preserve_format).requires_grad_()
+        owned = leaf * 1.0
+        act_hf.manual_seed(0)
+        out: list[torch.Tensor] = []
+        forward = [func.overloadpacket.__name__ for func, _ in dispatched(
+            lambda: out.append(act(owned, act_input_owned=True)))]
+        assert out[0] is owned
+        backward = dispatched(functools.partial(out[0].backward, g))
+        runs.append((forward, backward, out[0].detach(), leaf.grad, {n: p.grad for n, p in act.named_parameters()},
+                     dict(act.named_buffers())))
+    (forward, backward, y, gx, gp, buffers), (_, _, y_cpu, gx_cpu, gp_cpu, buffers_cpu) = runs
+    assert forward.count("batch_norm_update_stats") == 1 and forward.count("batch_norm_elemt") == 1, forward
+    assert "batch_norm_stats" not in forward, forward
+    slice_ops = [func.overloadpacket.__name__ for func, out in backward if not func.is_view
+                 and any(isinstance(t, torch.Tensor) and t.numel() == base.numel() // 3 for t in out)]
+    assert slice_ops == ["unpack_dequantize"] * 3 + ["unpack_dequantize", "batch_norm_backward_elemt", "copy_"] * 3
+    names = [func.overloadpacket.__name__ for func, _ in backward]
+    assert names.count("batch_norm_backward_reduce") == 3, names
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    with torch.no_grad():
+        expected = bn(base)
+    torch.testing.assert_close(y, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(y, y_cpu, rtol=tol, atol=tol)
+    for name, buffer in buffers_cpu.items():
+        torch.testing.assert_close(buffers[name], buffer, rtol=tol, atol=tol, msg=name)
+    assert gx.dtype == dtype and gx.stride() == gx_cpu.stride()
+    torch.testing.assert_close(gx, gx_cpu, rtol=tol, atol=tol * gx_cpu.abs().max().item())
+    for name, grad in gp_cpu.items():
+        torch.testing.assert_close(gp[name], grad, rtol=tol, atol=tol * grad.abs().max().item(), msg=name)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("bias", [True, False])
 def test_batch_norm_in_place_on_cuda_takes_its_statistics_once(bias):
