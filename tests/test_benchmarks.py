@@ -298,8 +298,8 @@ def test_profile_step_names_the_act_hf_function_that_called_each_op(tmp_path):
     timm or to no act_hf or model code (autograd's own backward nodes)."""
     profile_step = _load("profile_step")
     assert profile_step.main(["--model", "resnet50", "--settings", "unpatched", "bits3", "--batch", "2",
-                              "--image-size", "32", "--steps", "1", "--warmup", "0", "--dtype", "fp32", "--rows", "400",
-                              "--device", "cpu", "--stacks", "--out", str(tmp_path)]) == 0
+                              "--image-size", "32", "--steps", "1", "--warmup", "0", "--dtype", "fp32", "--rows",
+                              "400", "--device", "cpu", "--stacks", "--out", str(tmp_path)]) == 0
     unpatched, patched = json.loads((tmp_path / "profile_resnet50.json").read_text())["results"]
     assert not any(r["function"].startswith("act_hf/") for r in unpatched["functions"])
     convs = [r for r in patched["functions"] if r["op"] == "aten::convolution_backward"]

@@ -908,7 +908,7 @@ def test_batch_norm_cuda_paths_on_cpu_stand_ins(split_kernels_on_cpu, monkeypatc
         act_hf.manual_seed(0)
         out: list[torch.Tensor] = []
         forward = [func.overloadpacket.__name__ for func, _ in dispatched(
-            lambda: out.append(act(owned, act_input_owned=True)))]
+            lambda act=act, owned=owned, out=out: out.append(act(owned, act_input_owned=True)))]
         assert out[0] is owned
         backward = dispatched(functools.partial(out[0].backward, g))
         runs.append((forward, backward, out[0].detach(), leaf.grad, {n: p.grad for n, p in act.named_parameters()},
