@@ -32,6 +32,7 @@ from ..derived import (
     note_packed,
 )
 from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
+from ._shared_decodes import shared_decodes
 
 __all__ = ["ActConvFunction", "ActLinearFunction", "ActScaleFunction", "ActStandardizedConvFunction",
            "act_channel_scale", "act_conv", "act_linear", "act_scale", "act_standardized_conv", "standardize_weight"]
@@ -98,6 +99,8 @@ class ActLinearFunction(torch.autograd.Function):
         out = owned_output(_transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias))
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         packed = saved_input(x, settings) if need_w else None
+        if isinstance(packed, PackedTensor):
+            shared_decodes.expect(packed)  # Q, K and V decode their one input once
         save_context(ctx, packed, weight if need_x else None)
         ctx.transposed, ctx.weight_dtype = transposed, weight.dtype
         return out
@@ -112,10 +115,11 @@ class ActLinearFunction(torch.autograd.Function):
         # to every batch index, a copy of it each (convnext-tiny's last stage: 33 MiB a sample on the CPU)
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
         # the weight gradient first: the dequantized input is freed before the input gradient is allocated,
-        # so the two full-size buffers are never alive together
+        # so the two full-size buffers are never alive together (but for readers of a shared decode before the last)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             if ctx.needs_input_grad[1]:
-                x2d, factors = _input_values_and_factors(packed, dtype)
+                x2d, factors = (shared_decodes.decode(packed, dtype, lambda: _input_values_and_factors(packed, dtype))
+                                if isinstance(packed, PackedTensor) else _input_values_and_factors(packed, dtype))
                 x2d = x2d.reshape(-1, x2d.shape[-1])
                 grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
                 del x2d

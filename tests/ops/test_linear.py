@@ -172,6 +172,41 @@ def test_channel_scaled_weight_grad_under_autocast_lands_in_the_weights_dtype(tr
     assert torch.equal(weight.grad, (q.t() @ g2d if transposed else g2d.t() @ q).float())
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_linears_reading_one_input_decode_it_once(monkeypatch, autocast):
+    """Q, K and V projections of one hidden state (a LayerNorm's output, packed once): their backwards decode it
+    once between them, the first keeping the decode for the next two and the last letting it go, and their
+    gradients are those of three decodes bit for bit (under autocast: the channel-scaled fp32 input, decoded in
+    bf16 with its factors). A fourth linear on another input decodes its own."""
+    from act_hf.ops import _shared_decodes
+    from act_hf.ops._shared_decodes import shared_decodes
+
+    torch.manual_seed(3)
+    norm, other = nn.LayerNorm(64), nn.Linear(64, 64)
+    projections = [nn.Linear(64, 32) for _ in range(3)]
+    act = [convert(copy.deepcopy(m), ActLinearMixin, slot=f"m{i}", bits=3) for i, m in enumerate(projections)]
+    act_other = convert(copy.deepcopy(other), ActLinearMixin, slot="o", bits=3)
+    x = torch.randn(4, 16, 64)
+    runs = []
+    for shared in (True, False):
+        if not shared:  # each reader decodes for itself
+            monkeypatch.setattr(_shared_decodes.SharedDecodes, "decode", lambda self, packed, dtype, decode: decode())
+        for m in act:
+            m.zero_grad()
+        act_hf.manual_seed(0)
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            h = norm(xx)
+            y = sum(m(h).float().sum() for m in act) + act_other(h.detach().sin()).float().sum()
+        decodes = [func for func, _ in dispatched(y.backward) if func.overloadpacket.__name__ == "unpack_dequantize"]
+        runs.append((len(decodes), xx.grad, [p.grad.clone() for m in act for p in m.parameters()]))
+        del h, y
+        assert not any(r.decoded for r in shared_decodes._readers.values())  # no decode outlives its readers
+    (shared_count, gx, gp), (alone_count, gx_alone, gp_alone) = runs
+    assert (shared_count, alone_count) == (2, 4)
+    assert torch.equal(gx, gx_alone) and all(torch.equal(a, b) for a, b in zip(gp, gp_alone))
+
+
 def test_saved_bytes_formula_and_needs_input_grad():
     act = ActLinear(256, 64).act_configure(slot="lin", bits=3)
     x = torch.randn(8, 100, 256)
