@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -54,7 +55,7 @@ enum class Wait { kNone, kWarp, kBlock };
 
 struct Fiber {
   ucontext_t context;
-  std::vector<char> stack;
+  char* stack = nullptr;
   Wait wait = Wait::kNone;
   bool done = false;
 };
@@ -114,8 +115,8 @@ inline void run_block(Block& block, int threads) {
     f.wait = Wait::kNone;
     f.done = false;
     getcontext(&f.context);
-    f.context.uc_stack.ss_sp = f.stack.data();
-    f.context.uc_stack.ss_size = f.stack.size();
+    f.context.uc_stack.ss_sp = f.stack;
+    f.context.uc_stack.ss_size = kStackBytes;
     f.context.uc_link = &block.scheduler;
     makecontext(&f.context, fiber_entry, 0);
   }
@@ -139,6 +140,14 @@ inline void run_block(Block& block, int threads) {
   }
 }
 
+// Thread t's fiber stack, kept from one launch to the next (launches do not nest): allocating and clearing a
+// block's stacks took most of a small launch's time.
+inline char* fiber_stack(int t) {
+  static std::vector<std::unique_ptr<char[]>> pool;
+  while (static_cast<int>(pool.size()) <= t) pool.emplace_back(new char[kStackBytes]);
+  return pool[t].get();
+}
+
 // `launch(grid, block, smem, stream)(kernel, args...)`: kernel(args...) for every thread of a 1-D grid.
 struct Launch {
   int64_t grid;
@@ -152,7 +161,7 @@ struct Launch {
     const std::function<void()> body = [&] { kernel(args...); };
     Block block;
     block.fibers.resize(threads);
-    for (Fiber& f : block.fibers) f.stack.resize(kStackBytes);
+    for (int t = 0; t < threads; ++t) block.fibers[t].stack = fiber_stack(t);
     block.slots.resize(threads);
     block.body = &body;
     Block* outer = running;
