@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "octets.cuh"
+
 namespace act_hf {
 namespace {
 
@@ -19,11 +21,8 @@ __device__ __forceinline__ T from_float(float v) { return static_cast<T>(v); }  
 template <typename T>
 __device__ __forceinline__ void load8(const T* __restrict__ p, int cnt, bool vec, float (&v)[8]) {
   if (vec && cnt == 8) {
-    constexpr int kVec = sizeof(T) * 8 / 16;
-    uint4 raw[kVec];
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) raw[k] = reinterpret_cast<const uint4*>(p)[k];
-    const T* e = reinterpret_cast<const T*>(raw);
+    T e[8];
+    load_octet_values(p, 8, true, e);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = to_float(e[j]);
   } else {

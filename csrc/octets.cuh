@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define ACT_HD __host__ __device__ __forceinline__
@@ -104,31 +106,95 @@ ACT_HD uint32_t octet_code(uint64_t word, int j) {
   }
 }
 
-// An octet of 2-byte values (c10::Half, c10::BFloat16: their bits in `.x`) in one 16-byte word and back, by shifts
-// and masks: a T[8] reinterpreted as a uint4 instead has its address taken and lives in local memory.
+// A float's or a double's bits and back, as values. A local array of one type read or written through a pointer
+// to another is undefined: the host compiler's strict aliasing (-O2) dropped such stores, so that the emulated
+// kernels read values never written (tests/compress/emulated_kernels.py), and on the device an array whose address
+// is taken lives in local memory.
+ACT_HD uint32_t float_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+#endif
+}
+
+ACT_HD float bits_float(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  float v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+#endif
+}
+
+ACT_HD uint64_t double_bits(double v) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint64_t>(__double_as_longlong(v));
+#else
+  uint64_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+#endif
+}
+
+ACT_HD double bits_double(uint64_t b) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(b));
+#else
+  double v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+#endif
+}
+
+// The 16-byte words an octet of T fills: one for 2-byte values, two for float, four for double.
 template <typename T>
-ACT_HD void octet_from_word(const uint4& w, T (&vals)[8]) {
-  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+constexpr int kOctetWords = static_cast<int>(sizeof(T)) / 2;
+
+// An octet of values from its 16-byte words and back, by shifts, masks and the bit conversions above: 2-byte
+// values (c10::Half, c10::BFloat16) by their bits in `.x`, float and double by float_bits / double_bits.
+template <typename T>
+ACT_HD void octet_from_words(const uint4 (&w)[kOctetWords<T>], T (&vals)[8]) {
+  uint32_t words[4 * kOctetWords<T>];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    vals[2 * k] = T(static_cast<uint16_t>(words[k] & 0xFFFFu), T::from_bits());
-    vals[2 * k + 1] = T(static_cast<uint16_t>(words[k] >> 16), T::from_bits());
+  for (int k = 0; k < kOctetWords<T>; ++k) {
+    words[4 * k] = w[k].x, words[4 * k + 1] = w[k].y, words[4 * k + 2] = w[k].z, words[4 * k + 3] = w[k].w;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      vals[j] = bits_float(words[j]);
+    } else if constexpr (std::is_same_v<T, double>) {
+      vals[j] = bits_double(words[2 * j] | (static_cast<uint64_t>(words[2 * j + 1]) << 32));
+    } else {
+      static_assert(sizeof(T) == 2, "an octet of 2-, 4- or 8-byte floating values");
+      vals[j] = T(static_cast<uint16_t>(j % 2 ? words[j / 2] >> 16 : words[j / 2] & 0xFFFFu), T::from_bits());
+    }
   }
 }
 
 template <typename T>
-ACT_HD uint32_t pair_word(const T& even, const T& odd) {
-  return static_cast<uint32_t>(even.x) | (static_cast<uint32_t>(odd.x) << 16);
-}
-
-template <typename T>
-ACT_HD uint4 word_from_octet(const T (&vals)[8]) {
-  uint4 w;
-  w.x = pair_word(vals[0], vals[1]);
-  w.y = pair_word(vals[2], vals[3]);
-  w.z = pair_word(vals[4], vals[5]);
-  w.w = pair_word(vals[6], vals[7]);
-  return w;
+ACT_HD void words_from_octet(const T (&vals)[8], uint4 (&w)[kOctetWords<T>]) {
+  uint32_t words[4 * kOctetWords<T>];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if constexpr (std::is_same_v<T, float>) {
+      words[j] = float_bits(vals[j]);
+    } else if constexpr (std::is_same_v<T, double>) {
+      const uint64_t b = double_bits(vals[j]);
+      words[2 * j] = static_cast<uint32_t>(b), words[2 * j + 1] = static_cast<uint32_t>(b >> 32);
+    } else {
+      static_assert(sizeof(T) == 2, "an octet of 2-, 4- or 8-byte floating values");
+      if (j % 2 == 0) words[j / 2] = static_cast<uint32_t>(vals[j].x) | (static_cast<uint32_t>(vals[j + 1].x) << 16);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kOctetWords<T>; ++k) {
+    w[k].x = words[4 * k], w[k].y = words[4 * k + 1], w[k].z = words[4 * k + 2], w[k].w = words[4 * k + 3];
+  }
 }
 
 // Reads src[0..cnt) into vals (the rest left as they are); 16-byte loads when `vec` (src 16-byte aligned) and the
@@ -136,13 +202,10 @@ ACT_HD uint4 word_from_octet(const T (&vals)[8]) {
 template <typename T>
 ACT_HD void load_octet_values(const T* src, int cnt, bool vec, T (&vals)[8]) {
   if (vec && cnt == 8) {
-    if constexpr (sizeof(T) == 2) {
-      octet_from_word(*reinterpret_cast<const uint4*>(src), vals);
-    } else {
-      constexpr int kVec = sizeof(T) * 8 / 16;
+    uint4 w[kOctetWords<T>];
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(vals)[k] = reinterpret_cast<const uint4*>(src)[k];
-    }
+    for (int k = 0; k < kOctetWords<T>; ++k) w[k] = reinterpret_cast<const uint4*>(src)[k];
+    octet_from_words(w, vals);
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {  // constant indices keep vals in registers
@@ -155,13 +218,10 @@ ACT_HD void load_octet_values(const T* src, int cnt, bool vec, T (&vals)[8]) {
 template <typename T>
 ACT_HD void store_octet_values(T* dst, const T (&vals)[8], int cnt, bool vec) {
   if (vec && cnt == 8) {
-    if constexpr (sizeof(T) == 2) {
-      *reinterpret_cast<uint4*>(dst) = word_from_octet(vals);
-    } else {
-      constexpr int kVec = sizeof(T) * 8 / 16;
+    uint4 w[kOctetWords<T>];
+    words_from_octet(vals, w);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) reinterpret_cast<uint4*>(dst)[k] = reinterpret_cast<const uint4*>(vals)[k];
-    }
+    for (int k = 0; k < kOctetWords<T>; ++k) reinterpret_cast<uint4*>(dst)[k] = w[k];
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {

@@ -9,7 +9,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "octets.cuh"
@@ -19,26 +18,6 @@ namespace act_hf {
 constexpr uint16_t kBf16Nan = 0x7FC0;
 constexpr uint16_t kFp16Nan = 0x7E00;
 constexpr uint16_t kBf16MinNormal = 0x0080;  // 2^-126: a nonzero scale is at least this, so 1/scale is finite
-
-ACT_HD uint32_t float_bits(float v) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(v);
-#else
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof b);
-  return b;
-#endif
-}
-
-ACT_HD float bits_float(uint32_t b) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(b);
-#else
-  float v;
-  std::memcpy(&v, &b, sizeof v);
-  return v;
-#endif
-}
 
 // Correctly rounded fp32 operations, never contracted into a fused multiply-add.
 ACT_HD float add_rn(float a, float b) {

@@ -71,4 +71,4 @@ def build() -> ModuleType | None:
             sources.append(str(path))
     return cpp_extension.load(name=f"act_hf_emulated_{tag}", sources=sources,
                               extra_include_paths=[str(src), str(Path(cuda_home) / "include")],
-                              extra_cflags=["-O1", "-ffp-contract=off"], build_directory=str(root))
+                              extra_cflags=["-O2", "-ffp-contract=off"], build_directory=str(root))
