@@ -106,56 +106,39 @@ ACT_HD uint32_t octet_code(uint64_t word, int j) {
   }
 }
 
-// A float's or a double's bits and back, as values. A local array of one type read or written through a pointer
-// to another is undefined: the host compiler's strict aliasing (-O2) dropped such stores, so that the emulated
-// kernels read values never written (tests/compress/emulated_kernels.py), and on the device an array whose address
-// is taken lives in local memory.
-ACT_HD uint32_t float_bits(float v) {
+// A value's bits as a value of another type of its size (a float's as uint32_t, a double's as uint64_t, and
+// back). A local array of one type read or written through a pointer to another is undefined: the host compiler's
+// strict aliasing (-O2) dropped such stores, so that the emulated kernels read values never written
+// (tests/compress/emulated_kernels.py), and on the device an array whose address is taken lives in local memory.
+template <typename To, typename From>
+ACT_HD To bits_as(From v) {
+  static_assert(sizeof(To) == sizeof(From), "bits_as: a type of the same size");
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(v);
+  if constexpr (std::is_same_v<From, float>) {
+    return __float_as_uint(v);
+  } else if constexpr (std::is_same_v<To, float>) {
+    return __uint_as_float(v);
+  } else if constexpr (std::is_same_v<From, double>) {
+    return static_cast<To>(__double_as_longlong(v));
+  } else {
+    return __longlong_as_double(static_cast<long long>(v));
+  }
 #else
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof b);
-  return b;
+  To out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
 #endif
 }
 
-ACT_HD float bits_float(uint32_t b) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(b);
-#else
-  float v;
-  std::memcpy(&v, &b, sizeof v);
-  return v;
-#endif
-}
-
-ACT_HD uint64_t double_bits(double v) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<uint64_t>(__double_as_longlong(v));
-#else
-  uint64_t b;
-  std::memcpy(&b, &v, sizeof b);
-  return b;
-#endif
-}
-
-ACT_HD double bits_double(uint64_t b) {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(static_cast<long long>(b));
-#else
-  double v;
-  std::memcpy(&v, &b, sizeof v);
-  return v;
-#endif
-}
+ACT_HD uint32_t float_bits(float v) { return bits_as<uint32_t>(v); }
+ACT_HD float bits_float(uint32_t b) { return bits_as<float>(b); }
 
 // The 16-byte words an octet of T fills: one for 2-byte values, two for float, four for double.
 template <typename T>
 constexpr int kOctetWords = static_cast<int>(sizeof(T)) / 2;
 
 // An octet of values from its 16-byte words and back, by shifts, masks and the bit conversions above: 2-byte
-// values (c10::Half, c10::BFloat16) by their bits in `.x`, float and double by float_bits / double_bits.
+// values (c10::Half, c10::BFloat16) by their bits in `.x`, float and double by bits_as.
 template <typename T>
 ACT_HD void octet_from_words(const uint4 (&w)[kOctetWords<T>], T (&vals)[8]) {
   uint32_t words[4 * kOctetWords<T>];
@@ -168,7 +151,7 @@ ACT_HD void octet_from_words(const uint4 (&w)[kOctetWords<T>], T (&vals)[8]) {
     if constexpr (std::is_same_v<T, float>) {
       vals[j] = bits_float(words[j]);
     } else if constexpr (std::is_same_v<T, double>) {
-      vals[j] = bits_double(words[2 * j] | (static_cast<uint64_t>(words[2 * j + 1]) << 32));
+      vals[j] = bits_as<double>(words[2 * j] | (static_cast<uint64_t>(words[2 * j + 1]) << 32));
     } else {
       static_assert(sizeof(T) == 2, "an octet of 2-, 4- or 8-byte floating values");
       vals[j] = T(static_cast<uint16_t>(j % 2 ? words[j / 2] >> 16 : words[j / 2] & 0xFFFFu), T::from_bits());
@@ -184,7 +167,7 @@ ACT_HD void words_from_octet(const T (&vals)[8], uint4 (&w)[kOctetWords<T>]) {
     if constexpr (std::is_same_v<T, float>) {
       words[j] = float_bits(vals[j]);
     } else if constexpr (std::is_same_v<T, double>) {
-      const uint64_t b = double_bits(vals[j]);
+      const uint64_t b = bits_as<uint64_t>(vals[j]);
       words[2 * j] = static_cast<uint32_t>(b), words[2 * j + 1] = static_cast<uint32_t>(b >> 32);
     } else {
       static_assert(sizeof(T) == 2, "an octet of 2-, 4- or 8-byte floating values");
