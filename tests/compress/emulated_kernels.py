@@ -15,7 +15,9 @@ So the launch code (grid sizes, alignment tests, the per-launch constants such a
 kernel body are the ones nvcc compiles; what differs is the arithmetic's host build (the header's intrinsics, and
 the ``#if defined(__CUDA_ARCH__)`` branches of the ``.cuh`` files take their host side) and that nothing runs
 concurrently. Tests compare the module against ``act_hf.compress.reference`` as ``test_kernels_cuda.py`` compares
-the GPU's, so a kernel's indexing, tails and reductions are checked on every CI run, not only on a lent GPU.
+the GPU's, so a kernel's indexing, tails and reductions are checked on every CI run, not only on a lent GPU. The
+build is optimized (-O2), so that the host compiler holds the kernels to C++'s aliasing rules: it found octets read
+through pointers of another type, which nvcc's device code had let pass (f211ea4).
 """
 
 from __future__ import annotations
