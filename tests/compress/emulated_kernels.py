@@ -63,11 +63,10 @@ def build() -> ModuleType | None:
     root = Path(os.environ.get("ACT_HF_CACHE", Path.home() / ".cache" / "act_hf")) / "emulated" / tag
     src = root / "src"
     src.mkdir(parents=True, exist_ok=True)
-    (src / SHIM.name).write_text(SHIM.read_text())
     sources = []
-    for name, text in texts.items():
+    for name, text in {SHIM.name: SHIM.read_text(), **texts}.items():
         path = src / (name[:-3] + ".cpp" if name.endswith(".cu") else name)
-        if not path.is_file() or path.read_text() != text:
+        if not path.is_file() or path.read_text() != text:  # rewritten only when changed: ninja goes by the times
             path.write_text(text)
         if name in _ext.SOURCES:
             sources.append(str(path))
