@@ -18,6 +18,14 @@ concurrently. Tests compare the module against ``act_hf.compress.reference`` as 
 the GPU's, so a kernel's indexing, tails and reductions are checked on every CI run, not only on a lent GPU. The
 build is optimized (-O2), so that the host compiler holds the kernels to C++'s aliasing rules: it found octets read
 through pointers of another type, which nvcc's device code had let pass (f211ea4).
+
+``ACT_HF_EMULATION_FLAGS`` adds compiler and linker flags, for the sanitizers (a build of its own)::
+
+    ACT_HF_EMULATION_FLAGS="-fsanitize=undefined -fno-sanitize-recover=undefined" \
+        python -m pytest -q tests/compress/test_kernels_cuda.py -k emulated
+    LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+        ACT_HF_EMULATION_FLAGS="-fsanitize=address -fno-omit-frame-pointer" \
+        python -m pytest -s -q tests/compress/test_kernels_cuda.py -k emulated   # -s: the report is on stderr
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ def build() -> ModuleType | None:
         return None
     names = _ext.SOURCES + _ext.HEADERS
     texts = {name: rewritten(name, (_ext.CSRC_DIR / name).read_text()) for name in names}
-    digest = hashlib.sha256(SHIM.read_bytes())
+    flags = os.environ.get("ACT_HF_EMULATION_FLAGS", "").split()
+    digest = hashlib.sha256(SHIM.read_bytes() + " ".join(flags).encode())
     for name in names:
         digest.update(name.encode() + texts[name].encode())
     tag = digest.hexdigest()[:12]
@@ -72,4 +81,5 @@ def build() -> ModuleType | None:
             sources.append(str(path))
     return cpp_extension.load(name=f"act_hf_emulated_{tag}", sources=sources,
                               extra_include_paths=[str(src), str(Path(cuda_home) / "include")],
-                              extra_cflags=["-O2", "-ffp-contract=off"], build_directory=str(root))
+                              extra_cflags=["-O2", "-ffp-contract=off", *flags], extra_ldflags=flags,
+                              build_directory=str(root))
