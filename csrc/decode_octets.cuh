@@ -78,11 +78,6 @@ ACT_HD void affine_octet_at(float (&v)[8], const ChannelAffine& affine, AffinePo
   }
 }
 
-// `affine` applied to v, the decoded values of the octet of elements [i, i + 8) (i a multiple of 8).
-ACT_HD void affine_octet(float (&v)[8], const ChannelAffine& affine, int64_t i) {
-  affine_octet_at(v, affine, affine_position(affine, i));
-}
-
 // One packed tensor of a chain: its payload, zero points and scales (raw 16-bit patterns), its channel factors
 // (fp32, one a channel of dim 1) and the 1-bit mask (bit k for element k of the output; nullptr: none) applied
 // after it is added.

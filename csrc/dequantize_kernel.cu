@@ -25,7 +25,7 @@
 namespace act_hf {
 namespace {
 
-// One thread per octet; with Affine, each value then mapped by `affine` (affine_octet).
+// One thread per octet; with Affine, each value then mapped by `affine` (affine_octet_at).
 template <typename T, int B, bool Affine>
 __global__ void __launch_bounds__(kThreads) unpack_dequantize_kernel(
     const uint8_t* __restrict__ payload, const uint16_t* __restrict__ lo_in, const uint16_t* __restrict__ scale_in,

@@ -211,7 +211,7 @@ at::Tensor chain(at::Tensor out, const std::vector<at::Tensor>& payloads, const 
 }
 
 // The affine decode kernel's octets (unpack_dequantize_kernel with Affine): fp32 values lo + code * scale, then
-// affine_octet; `divisor` empty for none.
+// affine_position and affine_octet_at; `divisor` empty for none.
 at::Tensor affine(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& scale, int64_t bits,
                   int64_t group_size, int64_t n, const at::Tensor& mult, const at::Tensor& shift,
                   const at::Tensor& divisor) {
@@ -230,7 +230,7 @@ at::Tensor affine(const at::Tensor& payload, const at::Tensor& lo, const at::Ten
       for (int j = 0; j < 8; ++j) {
         v[j] = act_hf::add_rn(l, act_hf::mul_rn(static_cast<float>(act_hf::octet_code<B>(word, j)), s));
       }
-      act_hf::affine_octet(v, map, i);
+      act_hf::affine_octet_at(v, map, act_hf::affine_position(map, i));
       for (int j = 0; j < cnt; ++j) out.data_ptr<float>()[i + j] = v[j];
     }
   });
