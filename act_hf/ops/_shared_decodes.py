@@ -44,8 +44,11 @@ class SharedDecodes:
         self._readers: dict[int, _Readers] = {}
         self._lock = threading.RLock()  # a payload freed inside a locked block calls _forget
 
-    def expect(self, packed: PackedTensor) -> None:
-        """One more op's backward will decode ``packed`` through :meth:`decode`."""
+    def expect(self, packed: object) -> None:
+        """One more op's backward will decode ``packed`` through :meth:`decode` (a context other than a
+        :class:`PackedTensor`, a derived one, is not counted)."""
+        if not isinstance(packed, PackedTensor):
+            return
         payload = packed.payload
         key = id(payload)
         with self._lock:
@@ -55,9 +58,11 @@ class SharedDecodes:
                 self._readers[key] = readers
             readers.count += 1
 
-    def decode(self, packed: PackedTensor, dtype: torch.dtype, decode: Callable[[], Decoded]) -> Decoded:
+    def decode(self, packed: object, dtype: torch.dtype, decode: Callable[[], Decoded]) -> Decoded:
         """``decode()`` of ``packed`` in ``dtype``, made once for all the readers :meth:`expect` counted: kept from
         the first reader's call and let go at the last one's. The caller must not write into what it gets."""
+        if not isinstance(packed, PackedTensor):
+            return decode()
         payload = packed.payload
         with self._lock:
             readers = self._readers.get(id(payload))

@@ -99,8 +99,7 @@ class ActLinearFunction(torch.autograd.Function):
         out = owned_output(_transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias))
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         packed = saved_input(x, settings) if need_w else None
-        if isinstance(packed, PackedTensor):
-            shared_decodes.expect(packed)  # Q, K and V decode their one input once
+        shared_decodes.expect(packed)  # Q, K and V decode their one input once
         save_context(ctx, packed, weight if need_x else None)
         ctx.transposed, ctx.weight_dtype = transposed, weight.dtype
         return out
@@ -118,8 +117,7 @@ class ActLinearFunction(torch.autograd.Function):
         # so the two full-size buffers are never alive together (but for readers of a shared decode before the last)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             if ctx.needs_input_grad[1]:
-                x2d, factors = (shared_decodes.decode(packed, dtype, lambda: _input_values_and_factors(packed, dtype))
-                                if isinstance(packed, PackedTensor) else _input_values_and_factors(packed, dtype))
+                x2d, factors = shared_decodes.decode(packed, dtype, lambda: _input_values_and_factors(packed, dtype))
                 x2d = x2d.reshape(-1, x2d.shape[-1])
                 grad_w = x2d.t().matmul(g2d) if ctx.transposed else g2d.t().matmul(x2d)
                 del x2d
