@@ -1,6 +1,7 @@
 """Linear and convolution with a quantized saved input.
 
-Forward is the original op (``F.linear`` / ``torch.convolution``, autocast applying as usual). The context is
+Forward is the original op (``F.linear`` / ``torch.convolution``, autocast applying as usual; linears reading one
+float32 input in a row under autocast share its cast, :mod:`act_hf.ops._shared_casts`). The context is
 the input, quantized through the context store (shared with every other op that saves the same tensor) or,
 after BatchNorm and ReLU, read from what they saved (:mod:`act_hf.derived`), and the weight *parameter*
 itself (never autocast's copy: backward casts it again). Following
@@ -31,7 +32,16 @@ from ..derived import (
     items_decodable,
     note_packed,
 )
-from ._saving import OpSettings, autocast_state, load_context, owned_output, save_context
+from ._saving import (
+    OpSettings,
+    autocast_casts,
+    autocast_dtype,
+    autocast_state,
+    load_context,
+    owned_output,
+    save_context,
+)
+from ._shared_casts import shared_casts
 from ._shared_decodes import shared_decodes
 
 __all__ = ["ActConvFunction", "ActLinearFunction", "ActScaleFunction", "ActStandardizedConvFunction",
@@ -96,7 +106,11 @@ class ActLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, settings: OpSettings,
                 transposed: bool = False) -> Tensor:
-        out = owned_output(_transposed_linear(x, weight, bias) if transposed else F.linear(x, weight, bias))
+        cast = autocast_dtype(x.device.type)
+        # autocast's cast of x, made once for Q, K and V (gate and up): the same bits as each making its own
+        x_in = shared_casts.cast(x, cast, settings.slot) if autocast_casts(x, cast) else x
+        out = owned_output(_transposed_linear(x_in, weight, bias) if transposed else F.linear(x_in, weight, bias))
+        del x_in
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         packed = saved_input(x, settings) if need_w else None
         shared_decodes.expect(packed)  # Q, K and V decode their one input once

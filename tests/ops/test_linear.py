@@ -207,6 +207,68 @@ def test_linears_reading_one_input_decode_it_once(monkeypatch, autocast):
     assert torch.equal(gx, gx_alone) and all(torch.equal(a, b) for a, b in zip(gp, gp_alone))
 
 
+def test_linears_reading_one_input_cast_it_once():
+    """Under autocast, Q, K and V projections of one float32 hidden state (a LayerNorm's output) cast it to bf16
+    once between them from the second forward on (the first learns which readers share): one ``_to_copy`` of the
+    hidden state where there were three; the outputs and the input's gradient are the unpatched ones bit for bit,
+    the weights' gradients those of the first forward's three casts, and no cast is kept past the last reader
+    (V). A cast kept for a next reader that never comes is let go of with its source."""
+    from act_hf.ops._shared_casts import SharedCasts, shared_casts
+
+    torch.manual_seed(3)
+    norm = nn.LayerNorm(64)
+    projections = [nn.Linear(64, 32) for _ in range(3)]
+    act = [convert(copy.deepcopy(m), ActLinearMixin, slot=f"m{i}", bits=3) for i, m in enumerate(projections)]
+    x = torch.randn(4, 16, 64)
+    g = torch.randn(3, 4, 16, 32)
+
+    def step(modules):
+        xx = x.clone().requires_grad_()
+        for m in modules:
+            m.zero_grad()
+        act_hf.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = norm(xx)
+            assert h.dtype == torch.float32
+            outs = []
+            casts = [f for f, outs_ in dispatched(lambda: outs.extend(m(h) for m in modules))
+                     if f.overloadpacket.__name__ == "_to_copy" and outs_[0].shape == h.shape]
+        torch.autograd.backward(outs, list(g.to(outs[0].dtype)))
+        return (len(casts), [o.detach() for o in outs], xx.grad,
+                [p.grad.clone() for m in modules for p in m.parameters()])
+
+    shared_casts.clear()
+    learning = step(act)
+    shared = step(act)
+    assert shared_casts._last.cast is None  # V, the last reader, keeps none
+    ref = step(projections)
+    assert (learning[0], shared[0], ref[0]) == (3, 1, 3)
+    for run in (learning, shared):  # the outputs and the input's gradient are the unpatched ones
+        assert all(torch.equal(a, b) for a, b in zip(run[1], ref[1])) and torch.equal(run[2], ref[2])
+    assert all(torch.equal(a, b) for a, b in zip(shared[3], learning[3]))  # the weights' too, unshared ones
+
+    casts = SharedCasts()  # one tensor's cast is never another's, nor an older version's
+    h, other = torch.randn(8, 4), torch.randn(8, 4)
+
+    def learn():  # "b" reads what "a" read: "a" keeps its casts from then on
+        casts.cast(h, torch.bfloat16, "a")
+        casts.cast(h, torch.bfloat16, "b")
+
+    learn()
+    casts.cast(h, torch.bfloat16, "a")  # kept for "b"
+    assert torch.equal(casts.cast(other, torch.bfloat16, "b"), other.to(torch.bfloat16))  # not h's
+    learn()
+    casts.cast(h, torch.bfloat16, "a")
+    h.mul_(2)  # a new version of h: cast again
+    assert torch.equal(casts.cast(h, torch.bfloat16, "b"), h.to(torch.bfloat16))
+    learn()  # a cast kept for a next reader that never comes is freed with its source
+    source = torch.randn(8, 4)
+    kept = casts.cast(source, torch.bfloat16, "a")
+    assert casts._last.cast is kept
+    del source
+    assert casts._last.cast is None
+
+
 def test_saved_bytes_formula_and_needs_input_grad():
     act = ActLinear(256, 64).act_configure(slot="lin", bits=3)
     x = torch.randn(8, 100, 256)
