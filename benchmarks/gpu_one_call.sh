@@ -10,6 +10,7 @@
 # tests: the quantize kernel's new draws (one splitmix64 for four elements, 16-bit), its NaN-propagating range and
 # fixed-width payload accesses, the affine and chain decodes' octets, the few-bit encode's binary search,
 # BatchNorm's CUDA paths (the in-place forward's one statistics pass; the sliced backward on aten's split kernels),
+# the in-place ReLU fused with its code (CUDA relu's bits, -0 written as +0),
 # ACT_HF_SLICING's test and the convolutions' (the input gradient as a transposed convolution); the kernels'
 # throughput against a copy (benchmark_quantize.py at 256 MiB: the quantize was 0.31-0.35 of a copy, bound by
 # issuing instructions) and Nsight Compute's count of the quantize kernel's instructions (about 43 a value in the
@@ -48,7 +49,8 @@ echo "build exit $? in $((SECONDS - b0)) s" | tee -a "$W/build.log"; tail -n 3 "
 
 part "the kernel tests, BatchNorm's, the ResNet block's, ACT_HF_SLICING's and the convolutions' CUDA tests"
 timeout "$(cap 75)" "$PY" -m pytest -q -m cuda tests/compress/test_kernels_cuda.py tests/ops/test_norm.py \
-  tests/patches/test_owned_batch_norm.py tests/test_chunks.py tests/ops/test_linear.py -p no:cacheprovider -rfEs \
+  tests/patches/test_owned_batch_norm.py tests/test_chunks.py tests/ops/test_linear.py tests/ops/test_activation.py \
+  -p no:cacheprovider -rfEs \
   >"$W/tests.log" 2>&1
 echo "tests exit $?"; grep -E "passed|failed|FAILED|rror" "$W/tests.log" | tail -n 12; bundle
 

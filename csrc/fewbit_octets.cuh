@@ -124,6 +124,25 @@ ACT_HD void zero_unmasked_octet(const T* src, unsigned bits, int cnt, bool vec, 
   store_octet_values(dst, vals, cnt, vec);
 }
 
+// A ReLU written into x[0..cnt) and its 1-bit code: bit j of the returned byte is !(x[j] <= 0) (NaN: 1), and x[j]
+// becomes +0 where that bit is 0 (-0 too, as torch's CUDA relu gives; NaN stays), its bits otherwise.
+template <typename T>
+ACT_HD unsigned relu_octet(T* x, int cnt, bool vec) {
+  alignas(16) T vals[8];
+  load_octet_values(x, cnt, vec, vals);
+  unsigned bits = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (j < cnt && !(static_cast<acc_t<T>>(vals[j]) <= acc_t<T>(0))) {
+      bits |= 1u << j;
+    } else {
+      vals[j] = T(0);
+    }
+  }
+  store_octet_values(x, vals, cnt, vec);
+  return bits;
+}
+
 // dst[j] = (bit j of `bits`) * grad[j] * scale for j < cnt, in acc_t<T> and rounded once to T: aten's
 // native_dropout_backward of a mask read packed, bit for bit (its masked_scale_kernel computes
 // (float)mask * grad * scale, left to right), so a dropped element is 0 * grad: -0 for a negative grad, NaN for a

@@ -209,6 +209,25 @@ def test_a_conv_at_other_bits_packs_its_own_input():
     assert saved.by_slot.get("conv:input", 0) > 0
 
 
+def test_fused_in_place_relu_gives_the_conv_the_same_codes(monkeypatch):
+    """BatchNorm -> in-place ReLU -> conv with the ReLU fused with its code (``act_hf::relu_inplace_code``, forced
+    here for CPU tensors) and unfused: the conv, rebuilding its input from BatchNorm's packed input and the ReLU's
+    code, gets the same gradients, bit for bit, and so does everything else."""
+    from act_hf.ops import activation as act_ops
+
+    x = _input()
+    grads = []
+    for fused in (True, False):
+        monkeypatch.setattr(act_ops, "_fuses_relu", lambda t, fused=fused: fused and t.is_contiguous())
+        _, model = _chain(bits=3)
+        act_hf.manual_seed(0)
+        xm = x.clone().requires_grad_()
+        out = model(xm)
+        out.backward(torch.ones_like(out))
+        grads.append([xm.grad, *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_share_bn_relu_is_validated():
     with pytest.raises(TypeError, match="share_bn_relu must be True or False"):
         act_hf.ActConfig(share_bn_relu="yes")

@@ -548,6 +548,22 @@ def zero_unmasked(values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | 
     return torch.where(keep, values, zero) if out is None else torch.where(keep, values, zero, out=out)
 
 
+def relu_inplace_code(x: torch.Tensor, chunk: int = 1 << 18) -> torch.Tensor:
+    """A ReLU written into a flat ``x`` and its 1-bit code, ``not (x <= 0)`` of the values before (NaN: 1), packed
+    (:func:`pack_bits` at 1 bit): the elements whose code is 0 become ``+0`` (``-0`` too, as torch's CUDA ``relu``
+    gives; the CPU's keeps ``-0``), NaN stays. Over runs of ``chunk`` elements (a multiple of 8: whole bytes of
+    the code), its temporaries bounded by the chunk."""
+    n = x.numel()
+    out = torch.empty(math.ceil(n / 8), dtype=torch.uint8, device=x.device)
+    step = max(8, chunk // 8 * 8)
+    for start in range(0, n, step):
+        part = x[start : start + step]
+        dropped = part <= 0
+        out[start // 8 : start // 8 + math.ceil(part.numel() / 8)] = pack_bits(~dropped, 1)
+        part.masked_fill_(dropped, 0)
+    return out
+
+
 def masked_scale(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """``aten.native_dropout_backward(grad, keep, scale)`` for a flat ``grad`` and its 1-bit ``keep`` packed in
     ``mask``: dropout's input gradient, the kept elements ``grad * scale``, the dropped ``0 * grad``."""

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from ..errors import ActHFValueError
-from ..ops.activation import ACTIVATION_NAMES, ActivationSpec, act_activation, check_activation_name
+from ..ops.activation import ACTIVATION_NAMES, ActivationSpec, act_activation, check_activation_name, relu_inplace
 from ._base import ActModule, register_act_class
 
 __all__ = [
@@ -289,8 +289,13 @@ class ActReLUMixin(ActActivationMixin):
     act_fn_name = "relu"
 
     def act_inplace_forward(self) -> Callable[[Tensor], Tensor] | None:
-        """``F.relu(x, inplace=True)``: ``F.relu``'s kernel writing into its input."""
-        return functools.partial(F.relu, inplace=True)
+        """``F.relu(x, inplace=True)``: ``F.relu``'s kernel writing into its input (:data:`relu_inplace`, which
+        the activation runs together with its code where it can)."""
+        return relu_inplace
+
+    def act_output_fn(self, x: Tensor) -> Callable[[Tensor], Tensor]:
+        """``nn.ReLU(inplace=True)``'s forward as :data:`relu_inplace`, the same call; the module's own otherwise."""
+        return relu_inplace if getattr(self, "inplace", False) else super().act_output_fn(x)
 
 
 class ActLeakyReLUMixin(ActActivationMixin):

@@ -22,8 +22,9 @@ from ..compress import reference
 from ..errors import ActHFWarning
 
 __all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "masked_scale", "pack_bits", "quantize_pack",
-           "quantize_pack_normalized", "quantize_pack_scaled", "run", "unpack_bits", "unpack_dequantize",
-           "unpack_dequantize_affine", "unpack_dequantize_chain", "zero_unmasked", "zero_unmasked_inplace"]
+           "quantize_pack_normalized", "quantize_pack_scaled", "relu_inplace_code", "run", "unpack_bits",
+           "unpack_dequantize", "unpack_dequantize_affine", "unpack_dequantize_chain", "zero_unmasked",
+           "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -361,6 +362,26 @@ def _(values: Tensor, mask: Tensor) -> None:
     return None
 
 
+def _relu_inplace_code(x: Tensor) -> Tensor:
+    """A ReLU written into a flat ``x`` (``-0`` becomes ``+0``, NaN stays), returning the 1-bit codes
+    ``not (x <= 0)`` of its values before, packed (chunked without the extension)."""
+    return reference.relu_inplace_code(x)
+
+
+def _relu_inplace_code_cuda(x: Tensor) -> Tensor:
+    module = _cuda_ext()
+    return (_relu_inplace_code if module is None else module.relu_inplace_code)(x)
+
+
+relu_inplace_code = torch.library.custom_op("act_hf::relu_inplace_code", _relu_inplace_code, mutates_args=("x",))
+relu_inplace_code.register_kernel("cuda", _relu_inplace_code_cuda)
+
+
+@relu_inplace_code.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(_ceil_div(x.numel(), 8), dtype=torch.uint8)
+
+
 def _masked_scale(grad: Tensor, mask: Tensor, scale: float) -> Tensor:
     """``aten.native_dropout_backward`` of a flat ``grad`` and its packed 1-bit keep-mask (the reference's
     ``masked_scale``)."""
@@ -396,6 +417,7 @@ _IMPLEMENTATIONS = {
     fewbit_grad: {"cpu": _fewbit_grad, "cuda": _fewbit_grad_cuda},
     zero_unmasked: {"cpu": _zero_unmasked, "cuda": _zero_unmasked_cuda},
     zero_unmasked_inplace: {"cpu": _zero_unmasked_inplace, "cuda": _zero_unmasked_inplace_cuda},
+    relu_inplace_code: {"cpu": _relu_inplace_code, "cuda": _relu_inplace_code_cuda},
     masked_scale: {"cpu": _masked_scale, "cuda": _masked_scale_cuda},
 }
 

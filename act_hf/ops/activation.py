@@ -40,7 +40,9 @@ backward evaluates the branch the code names at the dequantized input, clamped i
 
 In place. The code is computed from ``x`` *before* the forward function runs, so a function that modifies
 its input (``nn.ReLU(inplace=True)``, timm's in-place swish, ...) works: the input is marked dirty and
-returned, exactly as the original in-place op returns it.
+returned, exactly as the original in-place op returns it. An in-place ReLU (:data:`relu_inplace`) of a contiguous
+CUDA tensor writes its output and its code in one pass over ``x`` (``act_hf::relu_inplace_code``), where ``relu_``
+and the code read it twice: the values of CUDA's ``relu``, ``-0`` becoming ``+0`` as there.
 
 "Store once". An activation's output is usually the next Linear's input, which that Linear quantizes itself
 through the context store; the activation saves only its own codes (never shared, never the output), so the
@@ -79,6 +81,7 @@ __all__ = [
     "ActivationSpec",
     "act_activation",
     "check_activation_name",
+    "relu_inplace",
 ]
 
 logger = logging.getLogger(__name__)
@@ -104,6 +107,26 @@ MAX_TABLE_BITS = max(fewbit.SUPPORTED_BITS)
 QUANTIZED_INPUT_MIN_BITS = 6
 
 _QUICK_GELU_COEF = 1.702
+
+#: ``F.relu(x, inplace=True)``: an in-place ReLU's forward that :class:`ActActivationFunction` runs together with its
+#: code where it can (:func:`_fuses_relu`); the ReLU modules and :func:`act_activation` hand this very function.
+relu_inplace = functools.partial(F.relu, inplace=True)
+
+
+def _fuses_relu(x: Tensor) -> bool:
+    """Whether :data:`relu_inplace` of ``x`` and its code run as one ``act_hf::relu_inplace_code``: a contiguous
+    CUDA tensor. The CPU's ``relu`` keeps a ``-0`` input's sign, which the fused op does not, so it runs unfused."""
+    return x.is_cuda and x.is_contiguous()
+
+
+def _relu_with_code(x: Tensor) -> Tensor:
+    """:data:`relu_inplace` of ``x`` and the packed 1-bit code ``not (x <= 0)`` of its values before, in one pass;
+    ``x``'s version moves on as ``relu_``'s would (the kernel writes it through its pointer)."""
+    version = x._version
+    code = _library.run(_library.relu_inplace_code, x.view(-1))
+    if x._version == version:
+        torch.autograd.graph.increment_version(x)
+    return code
 
 
 def check_activation_name(name: object, argument: str = "act_fn_name") -> str:
@@ -360,16 +383,20 @@ class ActActivationFunction(torch.autograd.Function):
         ctx.quantized_input = spec.uses_quantized_input(settings.bits)
         bits = settings.bits if ctx.quantized_input else spec.code_bits(settings.bits)
         payload = packed = region = None
+        fused = need and not ctx.quantized_input and fn is relu_inplace and _fuses_relu(x)
         if need and ctx.quantized_input:  # before fn: fn may overwrite x
             packed = store.compress_as(x, settings)  # bits is settings.bits here
             if spec.region_bits:
                 region = spec.region_packed(x)
-        elif need:
+        elif need and not fused:
             payload = spec.encode_packed(x, bits)
         rectifier = need and spec.name in _RECTIFIERS
         affine = affine_of(x) if rectifier else None  # x = batch_norm(.): see act_hf.derived
         version = x._version
-        out = fn(x)
+        if fused:
+            payload, out = _relu_with_code(x), x
+        else:
+            out = fn(x)
         if x._version != version:
             if out is not x:
                 raise ActHFRuntimeError(
@@ -439,7 +466,9 @@ def act_activation(
         spec = ActivationSpec(spec)
     elif not isinstance(spec, ActivationSpec):
         raise ActHFValueError(f"spec must be an ActivationSpec or a name, got {type(spec).__name__}")
-    if fn is None:
+    if fn is None and inplace and spec.name == "relu":
+        fn = relu_inplace
+    elif fn is None:
         fn = spec.forward if not inplace else (lambda t: spec.forward(t, inplace=True))
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and _inplace_would_fail(x)):
         return fn(x)  # nothing to save, or the original op raises autograd's in-place error itself

@@ -358,6 +358,61 @@ def test_inplace_semantics(factory, dtype):
         assert torch.equal(gx, _expected_fewbit_grad(leaf, g, name.name, 3))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_in_place_relu_writes_its_output_and_code_in_one_pass(monkeypatch, dtype):
+    """Where the fused form runs (a contiguous CUDA tensor; here forced for CPU tensors, the reference kernel
+    standing in), an in-place ReLU is one ``act_hf::relu_inplace_code``: no ``relu_``, no separate encode; its
+    output is ``relu``'s (``-0`` written as ``+0``, which the CPU's ``relu`` keeps), in place with the version
+    moved on, the same 1-bit context saved, and the gradient the unfused path's bit for bit. A non-contiguous
+    input runs unfused."""
+    from act_hf.ops import activation as act_ops
+    from tests.utils import dispatched
+
+    x0 = (torch.randn(6, 131) * 3).to(dtype)
+    tiny = torch.ones(1, dtype=torch.int32 if dtype == torch.float32 else torch.int16).view(dtype)[0]
+    x0[0, :6] = torch.tensor([0.0, -0.0, math.inf, -math.inf, tiny, -tiny], dtype=dtype)
+    g = torch.randn_like(x0)
+
+    def run(fused: bool, transpose: bool = False):
+        monkeypatch.setattr(act_ops, "_fuses_relu", lambda t: fused and t.is_contiguous())
+        leaf = x0.clone().requires_grad_()
+        x = (leaf.t() * 1.0).contiguous().t() if transpose else leaf * 1.0
+        version, out = x._version, []
+        with track_saved() as saved:
+            ops = {f.overloadpacket.__name__ for f, _ in dispatched(lambda: out.append(_convert(nn.ReLU(True))(x)))}
+        assert out[0] is x and x._version > version
+        (gx,) = torch.autograd.grad(x, leaf, g)
+        return ops, x.detach(), gx, saved.bytes
+
+    ops, y, gx, nbytes = run(fused=True)
+    assert "relu_inplace_code" in ops and not ops & {"relu_", "clamp_min_", "fewbit_encode_pack"}
+    unfused_ops, y_ref, gx_ref, nbytes_ref = run(fused=False)
+    assert "relu_inplace_code" not in unfused_ops and "fewbit_encode_pack" in unfused_ops
+    assert torch.equal(y, y_ref) and not torch.signbit(y[y == 0]).any()
+    assert torch.equal(gx, gx_ref) and torch.equal(gx, torch.where(x0 > 0, g, 0))
+    assert nbytes == nbytes_ref == math.ceil(x0.numel() / 8)
+    assert "relu_inplace_code" not in run(fused=True, transpose=True)[0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_in_place_relu_on_cuda_is_fused_with_torchs_bits(dtype):
+    """On a GPU an in-place ReLU runs fused with its code (one ``act_hf::relu_inplace_code``) and writes CUDA's
+    ``relu`` bits, the sign of zero included; its gradient is ``relu``'s."""
+    from tests.utils import dispatched
+
+    x0 = (torch.randn(6, 131, device="cuda") * 3).to(dtype)
+    x0[0, :4] = torch.tensor([0.0, -0.0, math.inf, -math.inf], dtype=dtype)
+    leaf = x0.clone().requires_grad_()
+    x, out = leaf * 1.0, []
+    ops = {f.overloadpacket.__name__ for f, _ in dispatched(lambda: out.append(_convert(nn.ReLU(True))(x)))}
+    assert "relu_inplace_code" in ops and "fewbit_encode_pack" not in ops and out[0] is x
+    assert torch.equal(x.detach().view(torch.uint8), F.relu(x0).view(torch.uint8))
+    g = torch.randn_like(x0)
+    (gx,) = torch.autograd.grad(x, leaf, g)
+    assert torch.equal(gx, torch.where(x0 > 0, g, 0))
+
+
 def test_inplace_on_leaf_raises_like_original():
     leaf = torch.randn(10, requires_grad=True)
     with pytest.raises(RuntimeError, match="leaf Variable"):
