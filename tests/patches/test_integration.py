@@ -113,6 +113,38 @@ def test_autocast(name, dtype):
     assert_grads_match(ref, model, cos=0.99, tol=1e-2, name=f"{name} {dtype}")  # grads stay fp32 (checked)
 
 
+@pytest.mark.parametrize("name", ["bert-seqcls", "llama", "flan-t5", "vit-hf"])
+def test_autocast_shared_casts_keep_the_bits(monkeypatch, name):
+    """From the second forward under autocast on, the linears reading one float32 input (Q, K, V; gate and up)
+    cast it once between them (``act_hf.ops._shared_casts``): the loss is still the unpatched model's, and the loss
+    and every gradient are those of the same step with each linear casting for itself, bit for bit."""
+    from act_hf.ops import linear as linear_ops
+    from act_hf.ops._shared_casts import shared_casts
+
+    case, ref, model, inputs = _pair(name, bits=3)
+    ref.train()
+    model.train()
+
+    def step(m):
+        m.zero_grad()
+        act_hf.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(case, m, inputs)
+        loss.backward()
+        return loss.detach(), [p.grad for p in m.parameters()]
+
+    shared_casts.clear()
+    step(model)  # learns which readers share
+    shared = step(model)
+    assert any(shared_casts._keeps.values())
+    monkeypatch.setattr(linear_ops, "autocast_casts", lambda t, dtype: False)
+    alone = step(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unpatched = loss_of(case, ref, inputs)
+    assert torch.equal(shared[0], unpatched) and torch.equal(shared[0], alone[0])
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(shared[1], alone[1]))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_three_bit_training_lowers_the_loss_like_unpatched(name):
     case, ref, model, inputs = _pair(name, bits=3)
