@@ -7,9 +7,10 @@ into fp32 with LayerNorm's per-channel map (``unpack_dequantize_affine``, rows o
 term decoded by channel into a bf16 sum and masked (``unpack_dequantize_into``, items of 256 x 56 x 56: the sum read
 and written, the codes standing for the mask); a block input of four such terms, each masked, in one pass
 (``unpack_dequantize_chain``: four payloads and masks read, the sum written once; per term, one ``into`` call each);
-and, in the
+in the
 1-bit rows, dropout's gradient from its packed keep-mask (``masked_scale``: the gradient and the mask read, the
-input gradient written).
+input gradient written); and once a size, an in-place ReLU written with its 1-bit code (``relu_inplace_code``: x
+read and written, the code written) beside aten's ``relu_`` of the same tensor.
 Target: each direction >= 70% of copy bandwidth. Writes JSON and a markdown table under ``benchmarks/results/``.
 
     python benchmarks/benchmark_quantize.py [--sizes-mib 64 256 1024] [--bits 1 2 3 4 8] [--out DIR]
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,6 +55,14 @@ def _quantiles(times: list[float]) -> dict:
     return {"p20": pick(0.2), "p50": pick(0.5), "p80": pick(0.8)}
 
 
+def _row(op: str, mib: int, bits: int, times: list[float], nbytes: int, copy_gbs: float) -> dict:
+    """A table row: ``op``'s bandwidth moving ``nbytes`` in the median of ``times`` (ms), against a copy's; printed."""
+    gbs = nbytes / (times[len(times) // 2] * 1e-3) / 1e9
+    print(f"{op:24s} {mib:5d} MiB {bits} bit: {gbs:7.1f} GB/s = {gbs / copy_gbs:.2f} x copy")
+    return {"op": op, "size_mib": mib, "bits": bits, "ms": _quantiles(times), "gb_per_s": gbs,
+            "copy_gb_per_s": copy_gbs, "fraction_of_copy": gbs / copy_gbs}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256, 1024])
@@ -74,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         dst = torch.empty_like(x)
         copy_ms = _time_ms(lambda: dst.copy_(x), args.repeat)
         copy_gbs = 2 * x.nbytes / (copy_ms[len(copy_ms) // 2] * 1e-3) / 1e9
+        rectified = x.clone()  # relu of a relu: the same passes over memory as the first
+        rows.append(_row("relu_inplace_code", mib, 1, _time_ms(partial(ext.relu_inplace_code, rectified), args.repeat),
+                         2 * x.nbytes + -(-n // 8), copy_gbs))
+        rows.append(_row("relu_ (aten)", mib, 1, _time_ms(rectified.relu_, args.repeat), 2 * x.nbytes, copy_gbs))
         for bits in args.bits:
             packed = ext.quantize_pack(x, bits, args.group_size, 1)
             packed_bytes = sum(t.nbytes for t in packed)
@@ -106,11 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 bounds = torch.linspace(-2, 2, (1 << bits) - 1, device="cuda", dtype=x.dtype)
                 e_ms = _time_ms(lambda x=x, b=bounds, k=bits: ext.fewbit_encode_pack(x, b, k), args.repeat)
                 timed.append(("fewbit_encode_pack", e_ms, x.nbytes + -(-n * bits // 8)))
-            for direction, times, nbytes in timed:
-                gbs = nbytes / (times[len(times) // 2] * 1e-3) / 1e9
-                rows.append({"op": direction, "size_mib": mib, "bits": bits, "ms": _quantiles(times),
-                             "gb_per_s": gbs, "copy_gb_per_s": copy_gbs, "fraction_of_copy": gbs / copy_gbs})
-                print(f"{direction:24s} {mib:5d} MiB {bits} bit: {gbs:7.1f} GB/s = {gbs / copy_gbs:.2f} x copy")
+            rows += [_row(direction, mib, bits, times, nbytes, copy_gbs) for direction, times, nbytes in timed]
         del x, dst
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -135,7 +145,8 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     styles = (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^"),
               ("unpack_dequantize_affine", "-.d"), ("unpack_dequantize_into", "-.v"),
-              ("unpack_dequantize_chain", "-.>"), ("masked_scale", "x"))
+              ("unpack_dequantize_chain", "-.>"), ("masked_scale", "x"), ("relu_inplace_code", "P"),
+              ("relu_ (aten)", "*"))
     for op, style in styles:
         for mib in sorted({r["size_mib"] for r in rows}):
             points = sorted((r["bits"], r["fraction_of_copy"]) for r in rows if r["op"] == op and r["size_mib"] == mib)
