@@ -1,7 +1,8 @@
 """Elementwise activations whose backward context is a few-bit derivative code.
 
 Forward is the original op, called as is (the same torch function, or the original module's own ``forward``),
-so the output is bit-identical and in-place activations stay in place. The context is not ``x`` but the
+so the output is bit-identical and in-place activations stay in place (an in-place ReLU on CUDA runs act_hf's kernel
+for CUDA's ``relu`` values: see "In place"). The context is not ``x`` but the
 ``b``-bit index of ``x``'s interval in an optimal piecewise-constant approximation of ``f'``
 (:mod:`act_hf.fewbit`, Novikov et al., 2022), packed into a dense stream of ``b`` bits an element with
 :func:`act_hf.compress.pack_bits` (no metadata). Backward is ``grad * table.values[code]`` in ``grad``'s dtype.
@@ -383,7 +384,7 @@ class ActActivationFunction(torch.autograd.Function):
         ctx.quantized_input = spec.uses_quantized_input(settings.bits)
         bits = settings.bits if ctx.quantized_input else spec.code_bits(settings.bits)
         payload = packed = region = None
-        fused = need and not ctx.quantized_input and fn is relu_inplace and _fuses_relu(x)
+        fused = need and spec.name == "relu" and fn is relu_inplace and _fuses_relu(x)
         if need and ctx.quantized_input:  # before fn: fn may overwrite x
             packed = store.compress_as(x, settings)  # bits is settings.bits here
             if spec.region_bits:
