@@ -49,7 +49,7 @@ at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds
 at::Tensor fewbit_grad_cuda(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values,
                             int64_t bits);
 at::Tensor zero_unmasked_cuda(const at::Tensor& values, const at::Tensor& mask, bool in_place);
-at::Tensor relu_inplace_code_cuda(const at::Tensor& x);
+at::Tensor relu_inplace_code_cuda(const at::Tensor& x, const at::Tensor& negative_zero_out);
 at::Tensor masked_scale_cuda(const at::Tensor& grad, const at::Tensor& mask, double scale);
 }  // namespace act_hf
 
@@ -349,12 +349,15 @@ at::Tensor zero_unmasked(const at::Tensor& values, const at::Tensor& mask, bool 
   return act_hf::zero_unmasked_cuda(values, mask, in_place);
 }
 
-at::Tensor relu_inplace_code(const at::Tensor& x) {
+at::Tensor relu_inplace_code(const at::Tensor& x, const at::Tensor& negative_zero_out) {
   CHECK_CUDA(x);
   CHECK_CONTIGUOUS(x);
   check_flat_float(x, "x");
+  check_same_device(x, negative_zero_out, "negative_zero_out");
+  CHECK_DTYPE(negative_zero_out, x.scalar_type());
+  CHECK_LENGTH(negative_zero_out, 1);
   py::gil_scoped_release no_gil;
-  return act_hf::relu_inplace_code_cuda(x);
+  return act_hf::relu_inplace_code_cuda(x, negative_zero_out);
 }
 
 at::Tensor masked_scale(const at::Tensor& grad, const at::Tensor& mask, double scale) {
@@ -409,8 +412,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "torch.where(mask, values, 0) for a flat tensor and its 1-bit mask, packed; in place or a new tensor",
         py::arg("values"), py::arg("mask"), py::arg("in_place"));
   m.def("relu_inplace_code", &relu_inplace_code,
-        "relu of a flat tensor written into it (-0 becomes +0, NaN stays); returns the 1-bit codes not (x <= 0) of "
-        "its values before, packed", py::arg("x"));
+        "relu of a flat tensor written into it (a -0 becomes negative_zero_out[0], NaN stays); returns the 1-bit "
+        "codes not (x <= 0) of its values before, packed", py::arg("x"), py::arg("negative_zero_out"));
   m.def("masked_scale", &masked_scale,
         "native_dropout_backward(grad, mask, scale) of a flat tensor and its 1-bit keep-mask, packed",
         py::arg("grad"), py::arg("mask"), py::arg("scale"));

@@ -4,7 +4,8 @@
 //   - grad: grad * values[code], unpacked and looked up in registers, computed as torch.mul computes it (in fp32 for
 //     fp32, fp16 and bf16, in fp64 for fp64) and rounded once to grad's dtype;
 // a ReLU written in place with its 1-bit code in the same pass (relu_inplace_code: the forward of a ReLU whose
-// backward keeps the code, reading x once where relu_ and the code's encode read it twice);
+// backward keeps the code, reading x once where relu_ and the code's encode read it twice; a -0 becomes the value
+// given for it, torch's own relu(-0) on that device);
 // and a 1-bit mask applied straight from its packed bits (zero_unmasked: torch.where(mask, values, 0), in place or
 // into a new tensor): a ReLU's input gradient, a rectified input rebuilt for a conv's weight gradient; and
 // dropout's input gradient from its packed keep-mask (masked_scale: aten's native_dropout_backward).
@@ -97,11 +98,12 @@ __global__ void __launch_bounds__(kThreads) zero_unmasked_kernel(const T* src, c
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) relu_inplace_code_kernel(T* __restrict__ x, int64_t n, bool vec,
+                                                                       const T* __restrict__ negative_zero_out,
                                                                        uint8_t* __restrict__ code) {
   const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t i = o * 8;
   if (i >= n) return;
-  code[o] = static_cast<uint8_t>(relu_octet(x + i, static_cast<int>(n - i < 8 ? n - i : 8), vec));
+  code[o] = static_cast<uint8_t>(relu_octet(x + i, static_cast<int>(n - i < 8 ? n - i : 8), vec, *negative_zero_out));
 }
 
 template <typename T>
@@ -173,7 +175,7 @@ at::Tensor zero_unmasked_cuda(const at::Tensor& values, const at::Tensor& mask, 
   return out;
 }
 
-at::Tensor relu_inplace_code_cuda(const at::Tensor& x) {
+at::Tensor relu_inplace_code_cuda(const at::Tensor& x, const at::Tensor& negative_zero_out) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
   auto code = at::empty({ceil_div(n, 8)}, x.options().dtype(at::kByte));
@@ -182,8 +184,8 @@ at::Tensor relu_inplace_code_cuda(const at::Tensor& x) {
   const bool vec = aligned16(x.data_ptr());
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_hf_relu_inplace_code", [&] {
-    relu_inplace_code_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(x.data_ptr<scalar_t>(), n, vec,
-                                                                          code.data_ptr<uint8_t>());
+    relu_inplace_code_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+        x.data_ptr<scalar_t>(), n, vec, negative_zero_out.data_ptr<scalar_t>(), code.data_ptr<uint8_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return code;

@@ -124,19 +124,31 @@ ACT_HD void zero_unmasked_octet(const T* src, unsigned bits, int cnt, bool vec, 
   store_octet_values(dst, vals, cnt, vec);
 }
 
-// A ReLU written into x[0..cnt) and its 1-bit code: bit j of the returned byte is !(x[j] <= 0) (NaN: 1), and x[j]
-// becomes +0 where that bit is 0 (-0 too, as torch's CUDA relu gives; NaN stays), its bits otherwise.
+// Whether a is -0 (its sign bit set, the rest zero).
+template <typename A>
+ACT_HD bool is_negative_zero(A a) {
+  if constexpr (std::is_same_v<A, double>) {
+    return bits_as<uint64_t>(a) == (uint64_t{1} << 63);
+  } else {
+    return float_bits(a) == 0x80000000u;
+  }
+}
+
+// A ReLU written into x[0..cnt) and its 1-bit code: bit j of the returned byte is !(x[j] <= 0) (NaN: 1), and where
+// it is 0, x[j] becomes +0, or `negative_zero_out` for a -0 (torch's relu(-0): +0 from CUDA's before torch fixed it
+// to keep the sign, as the CPU's does); NaN and the positives stay as they are.
 template <typename T>
-ACT_HD unsigned relu_octet(T* x, int cnt, bool vec) {
+ACT_HD unsigned relu_octet(T* x, int cnt, bool vec, T negative_zero_out) {
   alignas(16) T vals[8];
   load_octet_values(x, cnt, vec, vals);
   unsigned bits = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    if (j < cnt && !(static_cast<acc_t<T>>(vals[j]) <= acc_t<T>(0))) {
+    const acc_t<T> v = static_cast<acc_t<T>>(vals[j]);
+    if (j < cnt && !(v <= acc_t<T>(0))) {
       bits |= 1u << j;
     } else {
-      vals[j] = T(0);
+      vals[j] = is_negative_zero(v) ? negative_zero_out : T(0);
     }
   }
   store_octet_values(x, vals, cnt, vec);

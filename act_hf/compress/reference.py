@@ -548,19 +548,22 @@ def zero_unmasked(values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | 
     return torch.where(keep, values, zero) if out is None else torch.where(keep, values, zero, out=out)
 
 
-def relu_inplace_code(x: torch.Tensor, chunk: int = 1 << 18) -> torch.Tensor:
+def relu_inplace_code(x: torch.Tensor, negative_zero_out: torch.Tensor, chunk: int = 1 << 18) -> torch.Tensor:
     """A ReLU written into a flat ``x`` and its 1-bit code, ``not (x <= 0)`` of the values before (NaN: 1), packed
-    (:func:`pack_bits` at 1 bit): the elements whose code is 0 become ``+0`` (``-0`` too, as torch's CUDA ``relu``
-    gives; the CPU's keeps ``-0``), NaN stays. Over runs of ``chunk`` elements (a multiple of 8: whole bytes of
-    the code), its temporaries bounded by the chunk."""
+    (:func:`pack_bits` at 1 bit): where the code is 0 the element becomes ``+0``, or ``negative_zero_out[0]`` for a
+    ``-0`` (``torch.relu(-0.0)`` on ``x``'s device: ``+0`` from CUDA's ``relu`` before torch kept the sign there,
+    ``-0`` from the CPU's), NaN and the positives stay. Over runs of ``chunk`` elements (a multiple of 8: whole
+    bytes of the code), its temporaries bounded by the chunk."""
     n = x.numel()
     out = torch.empty(math.ceil(n / 8), dtype=torch.uint8, device=x.device)
     step = max(8, chunk // 8 * 8)
     for start in range(0, n, step):
         part = x[start : start + step]
         dropped = part <= 0
+        negative_zero = (part == 0) & torch.signbit(part)
         out[start // 8 : start // 8 + math.ceil(part.numel() / 8)] = pack_bits(~dropped, 1)
-        part.masked_fill_(dropped, 0)
+        part.masked_fill_(dropped & ~negative_zero, 0)
+        part.copy_(torch.where(negative_zero, negative_zero_out, part))
     return out
 
 

@@ -362,15 +362,15 @@ def _(values: Tensor, mask: Tensor) -> None:
     return None
 
 
-def _relu_inplace_code(x: Tensor) -> Tensor:
-    """A ReLU written into a flat ``x`` (``-0`` becomes ``+0``, NaN stays), returning the 1-bit codes
-    ``not (x <= 0)`` of its values before, packed (chunked without the extension)."""
-    return reference.relu_inplace_code(x)
+def _relu_inplace_code(x: Tensor, negative_zero_out: Tensor) -> Tensor:
+    """A ReLU written into a flat ``x`` (a ``-0`` becomes ``negative_zero_out[0]``, NaN stays), returning the 1-bit
+    codes ``not (x <= 0)`` of its values before, packed (chunked without the extension)."""
+    return reference.relu_inplace_code(x, negative_zero_out)
 
 
-def _relu_inplace_code_cuda(x: Tensor) -> Tensor:
+def _relu_inplace_code_cuda(x: Tensor, negative_zero_out: Tensor) -> Tensor:
     module = _cuda_ext()
-    return (_relu_inplace_code if module is None else module.relu_inplace_code)(x)
+    return (_relu_inplace_code if module is None else module.relu_inplace_code)(x, negative_zero_out)
 
 
 relu_inplace_code = torch.library.custom_op("act_hf::relu_inplace_code", _relu_inplace_code, mutates_args=("x",))
@@ -378,7 +378,7 @@ relu_inplace_code.register_kernel("cuda", _relu_inplace_code_cuda)
 
 
 @relu_inplace_code.register_fake
-def _(x: Tensor) -> Tensor:
+def _(x: Tensor, negative_zero_out: Tensor) -> Tensor:
     return x.new_empty(_ceil_div(x.numel(), 8), dtype=torch.uint8)
 
 

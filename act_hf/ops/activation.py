@@ -1,8 +1,8 @@
 """Elementwise activations whose backward context is a few-bit derivative code.
 
 Forward is the original op, called as is (the same torch function, or the original module's own ``forward``),
-so the output is bit-identical and in-place activations stay in place (an in-place ReLU on CUDA runs act_hf's kernel
-for CUDA's ``relu`` values: see "In place"). The context is not ``x`` but the
+so the output is bit-identical and in-place activations stay in place (an in-place ReLU on CUDA runs act_hf's kernel,
+which writes ``relu``'s bits: see "In place"). The context is not ``x`` but the
 ``b``-bit index of ``x``'s interval in an optimal piecewise-constant approximation of ``f'``
 (:mod:`act_hf.fewbit`, Novikov et al., 2022), packed into a dense stream of ``b`` bits an element with
 :func:`act_hf.compress.pack_bits` (no metadata). Backward is ``grad * table.values[code]`` in ``grad``'s dtype.
@@ -43,7 +43,9 @@ In place. The code is computed from ``x`` *before* the forward function runs, so
 its input (``nn.ReLU(inplace=True)``, timm's in-place swish, ...) works: the input is marked dirty and
 returned, exactly as the original in-place op returns it. An in-place ReLU (:data:`relu_inplace`) of a contiguous
 CUDA tensor writes its output and its code in one pass over ``x`` (``act_hf::relu_inplace_code``), where ``relu_``
-and the code read it twice: the values of CUDA's ``relu``, ``-0`` becoming ``+0`` as there.
+and the code read it twice: ``relu``'s values, bit for bit, a ``-0`` included (it becomes what the installed
+torch's ``relu`` makes of it on that device, ``+0`` or ``-0``: torch's CUDA ``relu`` gave ``+0`` where the CPU's
+keeps ``-0``).
 
 "Store once". An activation's output is usually the next Linear's input, which that Linear quantizes itself
 through the context store; the activation saves only its own codes (never shared, never the output), so the
@@ -116,15 +118,23 @@ relu_inplace = functools.partial(F.relu, inplace=True)
 
 def _fuses_relu(x: Tensor) -> bool:
     """Whether :data:`relu_inplace` of ``x`` and its code run as one ``act_hf::relu_inplace_code``: a contiguous
-    CUDA tensor. The CPU's ``relu`` keeps a ``-0`` input's sign, which the fused op does not, so it runs unfused."""
+    CUDA tensor (on the CPU the op is the reference's few torch ops, no faster than ``relu_`` and the encode)."""
     return x.is_cuda and x.is_contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _relu_of_negative_zero(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``[torch.relu(-0.0)]`` in ``dtype`` on ``device``, as the installed torch computes it there: what the fused
+    ReLU writes for a ``-0``. Made on the device (a fill and a relu), so no copy from the host waits for it."""
+    return torch.relu(torch.full((1,), -0.0, dtype=dtype, device=device))
 
 
 def _relu_with_code(x: Tensor) -> Tensor:
     """:data:`relu_inplace` of ``x`` and the packed 1-bit code ``not (x <= 0)`` of its values before, in one pass;
     ``x``'s version moves on as ``relu_``'s would (the kernel writes it through its pointer)."""
     version = x._version
-    code = _library.run(_library.relu_inplace_code, x.view(-1))
+    negative_zero_out = reused(_relu_of_negative_zero, x, x.device, x.dtype)
+    code = _library.run(_library.relu_inplace_code, x.view(-1), negative_zero_out)
     if x._version == version:
         torch.autograd.graph.increment_version(x)
     return code
