@@ -135,8 +135,8 @@ ACT_HD bool is_negative_zero(A a) {
 }
 
 // A ReLU written into x[0..cnt) and its 1-bit code: bit j of the returned byte is !(x[j] <= 0) (NaN: 1), and where
-// it is 0, x[j] becomes +0, or `negative_zero_out` for a -0 (torch's relu(-0): +0 from CUDA's before torch fixed it
-// to keep the sign, as the CPU's does); NaN and the positives stay as they are.
+// it is 0, x[j] becomes +0, or `negative_zero_out` for a -0 (torch's relu(-0) on the device: +0 from torch 2.11's
+// CUDA relu, -0 from the CPU's); NaN and the positives stay as they are.
 template <typename T>
 ACT_HD unsigned relu_octet(T* x, int cnt, bool vec, T negative_zero_out) {
   alignas(16) T vals[8];
@@ -144,8 +144,9 @@ ACT_HD unsigned relu_octet(T* x, int cnt, bool vec, T negative_zero_out) {
   unsigned bits = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
+    if (j >= cnt) break;  // vals past cnt were never loaded
     const acc_t<T> v = static_cast<acc_t<T>>(vals[j]);
-    if (j < cnt && !(v <= acc_t<T>(0))) {
+    if (!(v <= acc_t<T>(0))) {
       bits |= 1u << j;
     } else {
       vals[j] = is_negative_zero(v) ? negative_zero_out : T(0);
