@@ -223,7 +223,7 @@ def test_fused_in_place_relu_gives_the_conv_the_same_codes(monkeypatch):
         _, model = _chain(bits=3)
         act_hf.manual_seed(0)
         xm, outs = x.clone().requires_grad_(), []
-        ops = {f.overloadpacket.__name__ for f, _ in dispatched(lambda: outs.append(model(xm)))}
+        ops = {f.overloadpacket.__name__ for f, _ in dispatched(lambda m=model, x=xm, o=outs: o.append(m(x)))}
         assert ("relu_inplace_code" in ops) == fused
         outs[0].backward(torch.ones_like(outs[0]))
         grads.append([xm.grad, *(p.grad for p in model.parameters())])
