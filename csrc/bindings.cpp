@@ -49,6 +49,7 @@ at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds
 at::Tensor fewbit_grad_cuda(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values,
                             int64_t bits);
 at::Tensor zero_unmasked_cuda(const at::Tensor& values, const at::Tensor& mask, bool in_place);
+at::Tensor gelu_inplace_code_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits);
 at::Tensor relu_inplace_code_cuda(const at::Tensor& x, const at::Tensor& negative_zero_out);
 at::Tensor masked_scale_cuda(const at::Tensor& grad, const at::Tensor& mask, double scale);
 }  // namespace act_hf
@@ -297,7 +298,8 @@ at::Tensor unpack_bits(const at::Tensor& payload, int64_t bits, int64_t numel) {
   return act_hf::unpack_bits_cuda(payload, bits, numel);
 }
 
-at::Tensor fewbit_encode_pack(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
+// A contiguous flat float CUDA tensor x and bounds of its dtype on its device, fewer than 2**bits of them.
+void check_encode_args(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
   CHECK_CUDA(x);
   CHECK_CONTIGUOUS(x);
   CHECK_CONTIGUOUS(bounds);
@@ -308,8 +310,19 @@ at::Tensor fewbit_encode_pack(const at::Tensor& x, const at::Tensor& bounds, int
   TORCH_CHECK(bounds.dim() == 1 && bounds.numel() < (int64_t{1} << bits),
               "bounds must be flat with fewer than 2**bits = " + std::to_string(int64_t{1} << bits) +
                   " elements (the codes must fit in bits), got shape " + act_hf::shape_str(bounds.sizes()));
+}
+
+at::Tensor fewbit_encode_pack(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
+  check_encode_args(x, bounds, bits);
   py::gil_scoped_release no_gil;
   return act_hf::fewbit_encode_pack_cuda(x, bounds, bits);
+}
+
+at::Tensor gelu_inplace_code(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
+  TORCH_CHECK(bits >= 1 && bits <= 4, "bits must be 1..4 (GELU's derivative tables), got " + std::to_string(bits));
+  check_encode_args(x, bounds, bits);
+  py::gil_scoped_release no_gil;
+  return act_hf::gelu_inplace_code_cuda(x, bounds, bits);
 }
 
 at::Tensor fewbit_grad(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values, int64_t bits) {
@@ -411,6 +424,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("zero_unmasked", &zero_unmasked,
         "torch.where(mask, values, 0) for a flat tensor and its 1-bit mask, packed; in place or a new tensor",
         py::arg("values"), py::arg("mask"), py::arg("in_place"));
+  m.def("gelu_inplace_code", &gelu_inplace_code,
+        "fewbit_encode_pack of a flat tensor, whose values then become their GELU (erf form) in place",
+        py::arg("x"), py::arg("bounds"), py::arg("bits"));
   m.def("relu_inplace_code", &relu_inplace_code,
         "relu of a flat tensor written into it (a -0 becomes negative_zero_out[0], NaN stays); returns the 1-bit "
         "codes not (x <= 0) of its values before, packed", py::arg("x"), py::arg("negative_zero_out"));

@@ -3,6 +3,7 @@
 // compares them with the reference (act_hf/compress/reference.py) where no GPU is at hand.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -122,6 +123,29 @@ ACT_HD void zero_unmasked_octet(const T* src, unsigned bits, int cnt, bool vec, 
     if (!((bits >> j) & 1u)) vals[j] = T(0);
   }
   store_octet_values(dst, vals, cnt, vec);
+}
+
+// GELU's exact form, x * 0.5 * (1 + erf(x / sqrt(2))), as torch's CUDA kernel (GeluCUDAKernelImpl) evaluates it:
+// in A (float for the 16-bit types), the products left to right, the constant 1/sqrt(2) rounded to A, CUDA's erff
+// (erf for double). Whether the result rounds to torch's bits on a device is checked there, for every 16-bit value,
+// before act_hf uses it (act_hf/ops/activation.py: _gelu_kernel_matches_torch).
+template <typename A>
+ACT_HD A gelu_erf(A v) {
+  constexpr A kSqrtHalf = static_cast<A>(0.70710678118654752440);
+  if constexpr (std::is_same_v<A, double>) {
+    return v * A(0.5) * (A(1) + erf(v * kSqrtHalf));
+  } else {
+    return v * A(0.5) * (A(1) + erff(v * kSqrtHalf));
+  }
+}
+
+// x[j] = gelu_erf(v[j]) rounded to T, for j < cnt: the GELU of an octet whose values, widened, are v.
+template <typename T>
+ACT_HD void store_gelu_octet(const acc_t<T> (&v)[8], int cnt, bool vec, T* __restrict__ x) {
+  alignas(16) T vals[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) vals[j] = static_cast<T>(gelu_erf(v[j]));
+  store_octet_values(x, vals, cnt, vec);
 }
 
 // Whether a is -0 (its sign bit set, the rest zero).

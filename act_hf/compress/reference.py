@@ -548,6 +548,16 @@ def zero_unmasked(values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | 
     return torch.where(keep, values, zero) if out is None else torch.where(keep, values, zero, out=out)
 
 
+def gelu_inplace_code(x: torch.Tensor, bounds: torch.Tensor, bits: int, chunk: int = 1 << 18) -> torch.Tensor:
+    """The packed codes of a flat ``x`` against ``bounds`` (:func:`fewbit_encode_pack`), ``x`` then written as
+    ``torch.nn.functional.gelu(x)`` (the exact, erf form) in place: GELU's forward and its few-bit code, where the
+    kernel computes ``x * 0.5 * (1 + erf(x / sqrt(2)))`` as torch's CUDA kernel does. Over runs of ``chunk``
+    elements (:func:`fewbit_encode_pack_chunked`)."""
+    payload = fewbit_encode_pack_chunked(x, bounds, bits, chunk)
+    torch._C._nn.gelu_(x)
+    return payload
+
+
 def relu_inplace_code(x: torch.Tensor, negative_zero_out: torch.Tensor, chunk: int = 1 << 18) -> torch.Tensor:
     """A ReLU written into a flat ``x`` and its 1-bit code, ``not (x <= 0)`` of the values before (NaN: 1), packed
     (:func:`pack_bits` at 1 bit): where the code is 0 the element becomes ``+0``, or ``negative_zero_out[0]`` for a
