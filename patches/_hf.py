@@ -29,6 +29,7 @@ from act_hf.nn.activation import (
     output_is_owned,
 )
 from act_hf.nn.linear import ActLinearMixin
+from act_hf.ops.activation import gelu_inplace
 from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output, output_embeddings
 from act_hf.ops.product import act_product
 from act_hf.patcher import (
@@ -73,7 +74,7 @@ class ActHFGELUMixin(ActActivationMixin):
     ``use_gelu_python``)."""
 
     def act_inplace_forward(self):
-        return torch._C._nn.gelu_ if getattr(self, "act", None) is F.gelu else None
+        return gelu_inplace if getattr(self, "act", None) is F.gelu else None
 
 
 class ActHFSiLUMixin(ActActivationMixin):

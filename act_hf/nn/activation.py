@@ -28,7 +28,14 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from ..errors import ActHFValueError
-from ..ops.activation import ACTIVATION_NAMES, ActivationSpec, act_activation, check_activation_name, relu_inplace
+from ..ops.activation import (
+    ACTIVATION_NAMES,
+    ActivationSpec,
+    act_activation,
+    check_activation_name,
+    gelu_inplace,
+    relu_inplace,
+)
 from ._base import ActModule, register_act_class
 
 __all__ = [
@@ -221,7 +228,10 @@ class ActGELUMixin(ActActivationMixin):
         return ActivationSpec("gelu_tanh" if self.approximate == "tanh" else "gelu")
 
     def act_inplace_forward(self) -> Callable[[Tensor], Tensor] | None:
-        """``aten::gelu_``: ``F.gelu``'s kernel writing into its input (autocast casts neither)."""
+        """``aten::gelu_``: ``F.gelu``'s kernel writing into its input (autocast casts neither); the exact form as
+        :data:`~act_hf.ops.activation.gelu_inplace`, which the activation runs together with its code where it can."""
+        if self.approximate == "none":
+            return gelu_inplace
         return functools.partial(torch._C._nn.gelu_, approximate=self.approximate)
 
 

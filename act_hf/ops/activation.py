@@ -45,7 +45,9 @@ returned, exactly as the original in-place op returns it. An in-place ReLU (:dat
 CUDA tensor writes its output and its code in one pass over ``x`` (``act_hf::relu_inplace_code``), where ``relu_``
 and the code read it twice: ``relu``'s values, bit for bit, a ``-0`` included (it becomes what the installed
 torch's ``relu`` makes of it on that device, ``+0`` or ``-0``: torch's CUDA ``relu`` gave ``+0`` where the CPU's
-keeps ``-0``).
+keeps ``-0``). So does an in-place exact GELU (:data:`gelu_inplace`, ``aten::gelu_``) of a contiguous bf16 or fp16
+CUDA tensor (``act_hf::gelu_inplace_code``), on a device where act_hf's GELU was found to give ``F.gelu``'s bits for
+each of the dtype's 65536 values (:func:`_gelu_kernel_matches_torch`; else ``gelu_`` and the encode run).
 
 "Store once". An activation's output is usually the next Linear's input, which that Linear quantizes itself
 through the context store; the activation saves only its own codes (never shared, never the output), so the
@@ -84,6 +86,7 @@ __all__ = [
     "ActivationSpec",
     "act_activation",
     "check_activation_name",
+    "gelu_inplace",
     "relu_inplace",
 ]
 
@@ -115,6 +118,16 @@ _QUICK_GELU_COEF = 1.702
 #: code where it can (:func:`_fuses_relu`); the ReLU modules and :func:`act_activation` hand this very function.
 relu_inplace = functools.partial(F.relu, inplace=True)
 
+#: ``aten::gelu_`` (the exact, erf form): an in-place GELU's forward that :class:`ActActivationFunction` runs
+#: together with its code where it can (:func:`_fuses_gelu`); the GELU modules hand this very function.
+gelu_inplace = torch._C._nn.gelu_
+
+#: The dtypes whose every value :func:`_gelu_kernel_matches_torch` checks: the fused GELU runs for these alone.
+_FUSED_GELU_DTYPES = (torch.bfloat16, torch.float16)
+
+#: (device, dtype) -> whether the fused GELU gives ``F.gelu``'s bits there (:func:`_gelu_kernel_matches_torch`).
+_gelu_checked: dict[tuple[torch.device, torch.dtype], bool] = {}
+
 
 def _fuses_relu(x: Tensor) -> bool:
     """Whether :data:`relu_inplace` of ``x`` and its code run as one ``act_hf::relu_inplace_code``: a contiguous
@@ -129,12 +142,49 @@ def _relu_of_negative_zero(device: torch.device, dtype: torch.dtype) -> Tensor:
     return torch.relu(torch.full((1,), -0.0, dtype=dtype, device=device))
 
 
-def _relu_with_code(x: Tensor) -> Tensor:
-    """:data:`relu_inplace` of ``x`` and the packed 1-bit code ``not (x <= 0)`` of its values before, in one pass;
-    ``x``'s version moves on as ``relu_``'s would (the kernel writes it through its pointer)."""
+def _fuses_gelu(x: Tensor) -> bool:
+    """Whether :data:`gelu_inplace` of ``x`` and its code run as one ``act_hf::gelu_inplace_code``: a contiguous
+    CUDA tensor of a 16-bit dtype on whose device act_hf's GELU gives ``F.gelu``'s bits for every value of that
+    dtype (:func:`_gelu_kernel_matches_torch`, checked at the first such call; not while a CUDA graph is captured
+    or torch.compile traces, which run unfused until a check has run outside them)."""
+    return x.is_cuda and x.is_contiguous() and x.dtype in _FUSED_GELU_DTYPES and _gelu_checked_on(x.device, x.dtype)
+
+
+def _gelu_checked_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`_gelu_kernel_matches_torch` on ``device`` in ``dtype``, run once and remembered; ``False`` without
+    running it while a CUDA graph is captured or torch.compile traces (a comparison synchronizes)."""
+    key = (device, dtype)
+    matches = _gelu_checked.get(key)
+    if matches is None:
+        if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return False
+        matches = _gelu_checked[key] = _gelu_kernel_matches_torch(device, dtype)
+    return matches
+
+
+def _gelu_kernel_matches_torch(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``act_hf::gelu_inplace_code`` writes ``F.gelu``'s bits on ``device`` for each of the 65536 values of
+    the 16-bit ``dtype`` (NaNs and infinities included), and so for every tensor of it: GELU is elementwise, each
+    output a function of its input alone. The kernel evaluates the formula of torch's CUDA kernel, but the bits
+    also depend on the math library and the compiler's contractions, which this compares on the device (one
+    synchronizing comparison, once a device and dtype); where they differ the GELU runs unfused (logged)."""
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
+        want = F.gelu(every)
+        got = every.clone()
+        _library.run(_library.gelu_inplace_code, got, torch.zeros(1, dtype=dtype, device=device), 1)
+        matches = torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if not matches:
+        logger.info("act_hf's fused GELU differs from torch's F.gelu on %s in %s; GELU runs unfused there",
+                    device, dtype)
+    return matches
+
+
+def _in_place_with_code(x: Tensor, op: Callable[..., Tensor], *args) -> Tensor:
+    """``op(x.view(-1), *args)``, a custom op writing an activation into ``x`` and returning its packed code; ``x``'s
+    version moves on as the in-place activation's would (the kernel writes it through its pointer)."""
     version = x._version
-    negative_zero_out = reused(_relu_of_negative_zero, x, x.device, x.dtype)
-    code = _library.run(_library.relu_inplace_code, x.view(-1), negative_zero_out)
+    code = _library.run(op, x.view(-1), *args)
     if x._version == version:
         torch.autograd.graph.increment_version(x)
     return code
@@ -349,6 +399,21 @@ class ActivationSpec:
             return None
         return fewbit.encode_bounds(self.table(bits), x)
 
+    def fuses_in_place(self, fn: Callable[[Tensor], Tensor], x: Tensor) -> bool:
+        """Whether ``fn(x)`` and the code of ``x`` run as one kernel (:meth:`in_place_with_code`): ``fn`` is
+        :data:`relu_inplace` (:func:`_fuses_relu`) or :data:`gelu_inplace` (:func:`_fuses_gelu`) of this spec."""
+        if self.name == "relu":
+            return fn is relu_inplace and _fuses_relu(x)
+        return self.name == "gelu" and fn is gelu_inplace and _fuses_gelu(x)
+
+    def in_place_with_code(self, x: Tensor, bits: int) -> Tensor:
+        """The in-place activation written into ``x`` and ``encode_packed(x, bits)`` of its values before, in one
+        pass (where :meth:`fuses_in_place`)."""
+        if self.name == "relu":
+            return _in_place_with_code(x, _library.relu_inplace_code,
+                                       reused(_relu_of_negative_zero, x, x.device, x.dtype))
+        return _in_place_with_code(x, _library.gelu_inplace_code, self._code_bounds(x, bits), bits)
+
     def region_packed(self, x: Tensor) -> Tensor:
         """``pack_bits(self.region(x), self.region_bits)``, chunk by chunk as :meth:`encode_packed`."""
         return _pack_chunked(self.region, x, self.region_bits)
@@ -394,7 +459,7 @@ class ActActivationFunction(torch.autograd.Function):
         ctx.quantized_input = spec.uses_quantized_input(settings.bits)
         bits = settings.bits if ctx.quantized_input else spec.code_bits(settings.bits)
         payload = packed = region = None
-        fused = need and spec.name == "relu" and fn is relu_inplace and _fuses_relu(x)
+        fused = need and not ctx.quantized_input and spec.fuses_in_place(fn, x)
         if need and ctx.quantized_input:  # before fn: fn may overwrite x
             packed = store.compress_as(x, settings)  # bits is settings.bits here
             if spec.region_bits:
@@ -405,7 +470,7 @@ class ActActivationFunction(torch.autograd.Function):
         affine = affine_of(x) if rectifier else None  # x = batch_norm(.): see act_hf.derived
         version = x._version
         if fused:
-            payload, out = _relu_with_code(x), x
+            payload, out = spec.in_place_with_code(x, bits), x
         else:
             out = fn(x)
         if x._version != version:
@@ -477,8 +542,8 @@ def act_activation(
         spec = ActivationSpec(spec)
     elif not isinstance(spec, ActivationSpec):
         raise ActHFValueError(f"spec must be an ActivationSpec or a name, got {type(spec).__name__}")
-    if fn is None and inplace and spec.name == "relu":
-        fn = relu_inplace
+    if fn is None and inplace and spec.name in ("relu", "gelu"):
+        fn = relu_inplace if spec.name == "relu" else gelu_inplace
     elif fn is None:
         fn = spec.forward if not inplace else (lambda t: spec.forward(t, inplace=True))
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and _inplace_would_fail(x)):

@@ -414,6 +414,108 @@ def test_in_place_relu_on_cuda_is_fused_with_torchs_bits(dtype):
     assert torch.equal(gx, torch.where(x0 > 0, g, 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_in_place_gelu_writes_its_output_and_code_in_one_pass(monkeypatch, dtype, bits):
+    """Where the fused form runs (forced here for CPU tensors, the reference kernel standing in), an owned exact
+    GELU is one ``act_hf::gelu_inplace_code``: no ``gelu_``, no separate encode; its output is ``F.gelu``'s bit for
+    bit, in place with the version moved on, the same codes saved, and the gradient the unfused path's bit for bit.
+    The tanh form, a non-contiguous input and the 6..8-bit context (the quantized input) run unfused."""
+    from act_hf.ops import activation as act_ops
+    from tests.utils import dispatched
+
+    x0 = (torch.randn(6, 131) * 3).to(dtype)
+    x0[0, :4] = torch.tensor([0.0, -0.0, math.inf, -math.inf], dtype=dtype)
+    g = torch.randn_like(x0)
+
+    def run(fused: bool, approximate: str = "none", transpose: bool = False, bits: int = bits):
+        monkeypatch.setattr(act_ops, "_fuses_gelu", lambda t: fused and t.is_contiguous())
+        leaf = x0.clone().requires_grad_()
+        x = (leaf.t() * 1.0).contiguous().t() if transpose else leaf * 1.0
+        version, out, module = x._version, [], _convert(nn.GELU(approximate), bits=bits)
+        with track_saved() as saved:
+            ops = {f.overloadpacket.__name__ for f, _ in dispatched(
+                lambda: out.append(module(x, act_input_owned=True)))}
+        assert out[0] is x and x._version > version
+        (gx,) = torch.autograd.grad(x, leaf, g)
+        return ops, x.detach(), gx, saved.bytes
+
+    ops, y, gx, nbytes = run(fused=True)
+    assert "gelu_inplace_code" in ops and not ops & {"gelu_", "gelu", "fewbit_encode_pack"}
+    unfused_ops, y_ref, gx_ref, nbytes_ref = run(fused=False)
+    assert "gelu_inplace_code" not in unfused_ops and {"gelu_", "fewbit_encode_pack"} <= unfused_ops
+    assert torch.equal(y.view(torch.int16), F.gelu(x0).view(torch.int16))
+    assert torch.equal(y.view(torch.int16), y_ref.view(torch.int16))
+    assert torch.equal(gx, gx_ref) and torch.equal(gx, _expected_fewbit_grad(x0, g, "gelu", bits))
+    assert nbytes == nbytes_ref == math.ceil(x0.numel() * bits / 8)
+    assert "gelu_inplace_code" not in run(fused=True, approximate="tanh")[0]
+    assert "gelu_inplace_code" not in run(fused=True, transpose=True)[0]
+    assert "gelu_inplace_code" not in run(fused=True, bits=8)[0]
+
+
+def test_fused_gelu_runs_only_where_it_gave_torchs_bits_for_every_value(monkeypatch, caplog):
+    """The fused GELU's check compares it with ``F.gelu`` over every value of a 16-bit dtype, once a device and
+    dtype: it passes where the kernel is ``F.gelu`` (the CPU's reference), and one value off by one unit is enough
+    to fail it, which is logged and keeps that device and dtype unfused. No check runs while torch.compile traces
+    (or a CUDA graph is captured), and no answer is remembered from there. CPU tensors never fuse."""
+    from act_hf.ops import _library
+    from act_hf.ops import activation as act_ops
+
+    cpu = torch.device("cpu")
+    assert act_ops._gelu_kernel_matches_torch(cpu, torch.bfloat16)
+    assert act_ops._gelu_kernel_matches_torch(cpu, torch.float16)
+
+    def one_value_off(x, bounds, bits):
+        payload = _library._gelu_inplace_code(x, bounds, bits)
+        x.view(torch.int16)[40000] += 1  # a negative value one unit further from 0
+        return payload
+
+    monkeypatch.setitem(_library._IMPLEMENTATIONS[_library.gelu_inplace_code], "cpu", one_value_off)
+    with caplog.at_level("INFO", logger="act_hf.ops.activation"):
+        assert not act_ops._gelu_kernel_matches_torch(cpu, torch.bfloat16)
+    assert "fused GELU differs from torch's F.gelu on cpu in torch.bfloat16" in caplog.text
+
+    checks = []
+
+    def stand_in(device, dtype):  # passes for float16 alone
+        checks.append((device, dtype))
+        return dtype == torch.float16
+
+    monkeypatch.setattr(act_ops, "_gelu_checked", {})
+    monkeypatch.setattr(act_ops, "_gelu_kernel_matches_torch", stand_in)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not act_ops._gelu_checked_on(cpu, torch.float16) and checks == [] and act_ops._gelu_checked == {}
+    monkeypatch.undo()  # is_compiling and the implementations back; the stand-in check again:
+    monkeypatch.setattr(act_ops, "_gelu_checked", {})
+    monkeypatch.setattr(act_ops, "_gelu_kernel_matches_torch", stand_in)
+    assert act_ops._gelu_checked_on(cpu, torch.float16) and act_ops._gelu_checked_on(cpu, torch.float16)
+    assert not act_ops._gelu_checked_on(cpu, torch.bfloat16) and not act_ops._gelu_checked_on(cpu, torch.bfloat16)
+    assert checks == [(cpu, torch.float16), (cpu, torch.bfloat16)]
+    assert not act_ops._fuses_gelu(torch.zeros(8, dtype=torch.float16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_gelu_gives_torchs_bits_for_every_16_bit_value(dtype):
+    """On a GPU act_hf's GELU gives the installed torch's CUDA ``F.gelu`` bits for each of the dtype's 65536 values,
+    so the fused path runs there, and an owned exact GELU is one ``act_hf::gelu_inplace_code`` writing ``F.gelu``'s
+    bits with the few-bit gradient."""
+    from act_hf.ops import activation as act_ops
+    from tests.utils import dispatched
+
+    assert act_ops._gelu_checked_on(torch.device("cuda", torch.cuda.current_device()), dtype)
+    x0 = (torch.randn(6, 131, device="cuda") * 3).to(dtype)
+    leaf = x0.clone().requires_grad_()
+    x, out = leaf * 1.0, []
+    module = _convert(nn.GELU()).cuda()
+    ops = {f.overloadpacket.__name__ for f, _ in dispatched(lambda: out.append(module(x, act_input_owned=True)))}
+    assert "gelu_inplace_code" in ops and not ops & {"gelu_", "fewbit_encode_pack"} and out[0] is x
+    assert torch.equal(x.detach().view(torch.int16), F.gelu(x0).view(torch.int16))
+    g = torch.randn_like(x0)
+    (gx,) = torch.autograd.grad(x, leaf, g)
+    assert torch.equal(gx, _expected_fewbit_grad(x0, g, "gelu", 3))
+
+
 def test_inplace_on_leaf_raises_like_original():
     leaf = torch.randn(10, requires_grad=True)
     with pytest.raises(RuntimeError, match="leaf Variable"):
