@@ -7,10 +7,10 @@ into fp32 with LayerNorm's per-channel map (``unpack_dequantize_affine``, rows o
 term decoded by channel into a bf16 sum and masked (``unpack_dequantize_into``, items of 256 x 56 x 56: the sum read
 and written, the codes standing for the mask); a block input of four such terms, each masked, in one pass
 (``unpack_dequantize_chain``: four payloads and masks read, the sum written once; per term, one ``into`` call each);
-in the
-1-bit rows, dropout's gradient from its packed keep-mask (``masked_scale``: the gradient and the mask read, the
-input gradient written); and once a size, an in-place ReLU written with its 1-bit code (``relu_inplace_code``: x
-read and written, the code written) beside aten's ``relu_`` of the same tensor.
+in the 1-bit rows, dropout's gradient from its packed keep-mask (``masked_scale``: the gradient and the mask read,
+the input gradient written); up to 4 bits a GELU written in place with its codes (``gelu_inplace_code``: x read and
+written, the codes written); and once a size, an in-place ReLU written with its 1-bit code (``relu_inplace_code``)
+beside aten's ``relu_`` of the same tensor, and aten's ``gelu_`` (its row's bits 0: no code).
 Target: each direction >= 70% of copy bandwidth. Writes JSON and a markdown table under ``benchmarks/results/``.
 
     python benchmarks/benchmark_quantize.py [--sizes-mib 64 256 1024] [--bits 1 2 3 4 8] [--out DIR]
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -63,6 +64,56 @@ def _row(op: str, mib: int, bits: int, times: list[float], nbytes: int, copy_gbs
             "copy_gb_per_s": copy_gbs, "fraction_of_copy": gbs / copy_gbs}
 
 
+def size_ops(ext, x: torch.Tensor) -> list[tuple[str, int, Callable[[], object], int]]:
+    """The ops timed once a size, as ``(op, bits, call, bytes read and written)``: an in-place ReLU with its 1-bit
+    code against aten's ``relu_``, and aten's ``gelu_`` (the fused GELU's rows are :func:`bits_ops`'), each on a
+    copy of ``x`` that it keeps rewriting (a ReLU of a ReLU, a GELU of a GELU: the same passes over memory)."""
+    n = x.numel()
+    rectified, activated = x.clone(), x.clone()
+    negative_zero_out = torch.zeros(1, device=x.device, dtype=x.dtype)
+    return [("relu_inplace_code", 1, partial(ext.relu_inplace_code, rectified, negative_zero_out),
+             2 * x.nbytes + -(-n // 8)),
+            ("relu_ (aten)", 1, rectified.relu_, 2 * x.nbytes),
+            ("gelu_ (aten)", 0, partial(torch._C._nn.gelu_, activated), 2 * x.nbytes)]
+
+
+def bits_ops(ext, x: torch.Tensor, bits: int, group_size: int) -> list[tuple[str, int, Callable[[], object], int]]:
+    """The ops timed at ``bits`` on a flat bf16 ``x``, as :func:`size_ops` gives them: quantize, decodes (plain,
+    LayerNorm's affine, a residual term into a sum, a chain of four), at 1 bit dropout's gradient, up to 4 bits
+    the few-bit encode and a GELU written in place with its codes (``gelu_inplace_code``)."""
+    n = x.numel()
+    packed = ext.quantize_pack(x, bits, group_size, 1)
+    packed_bytes = sum(t.nbytes for t in packed)
+    moved = x.nbytes + packed_bytes  # bytes read + written, both directions
+    mult, shift = torch.rand(1024, device=x.device) + 0.5, torch.randn(1024, device=x.device)
+    # a residual block's term: decoded by channel of resnet50's stage 1 (256 x 56 x 56 an item), added to a bf16
+    # tensor (read and written) and masked by a ReLU's 1-bit code (the codes stand for the mask)
+    weight, bias = mult[:256], shift[:256]
+    sums = torch.randn(n // 802816 * 802816, device=x.device, dtype=torch.bfloat16)
+    mask = packed[0][:-(-sums.numel() // 8)]
+    terms = ([packed[0]] * 4, [packed[1]] * 4, [packed[2]] * 4, [weight] * 4, [bias] * 4, [mask] * 4)
+    ops = [("quantize_pack", bits, partial(ext.quantize_pack, x, bits, group_size, 1), moved),
+           ("unpack_dequantize", bits, partial(ext.unpack_dequantize, *packed, bits, group_size, n, x.dtype), moved),
+           ("unpack_dequantize_affine", bits,
+            partial(ext.unpack_dequantize_affine, *packed, bits, group_size, n, mult, shift), packed_bytes + 4 * n),
+           ("unpack_dequantize_into", bits, partial(ext.unpack_dequantize_into, sums, *packed, bits, group_size, n, 0,
+                                                    weight, bias, 3136, mask, True),
+            packed_bytes + 4 * sums.numel() + mask.nbytes),
+           ("unpack_dequantize_chain", bits,
+            partial(ext.unpack_dequantize_chain, sums, *terms, bits, group_size, n, 0, 3136, False),
+            4 * (packed_bytes + mask.nbytes) + 2 * sums.numel())]
+    if bits == 1:  # dropout's gradient: x stands for the gradient, the codes for its keep-mask
+        ops.append(("masked_scale", bits, partial(ext.masked_scale, x, packed[0], 1.25),
+                    2 * x.nbytes + packed[0].nbytes))
+    if bits <= 4:  # Few-Bit Backward's codes: x read, its codes at `bits` written; GELU's also x written
+        bounds = torch.linspace(-2, 2, (1 << bits) - 1, device=x.device, dtype=x.dtype)
+        codes = -(-n * bits // 8)
+        ops += [("fewbit_encode_pack", bits, partial(ext.fewbit_encode_pack, x, bounds, bits), x.nbytes + codes),
+                ("gelu_inplace_code", bits, partial(ext.gelu_inplace_code, x.clone(), bounds, bits),
+                 2 * x.nbytes + codes)]
+    return ops
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256, 1024])
@@ -79,49 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     ext = _ext.require()
     rows = []
     for mib in args.sizes_mib:
-        n = mib * 2**20 // 2
-        x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(mib * 2**20 // 2, device="cuda", dtype=torch.bfloat16)
         dst = torch.empty_like(x)
         copy_ms = _time_ms(lambda: dst.copy_(x), args.repeat)
         copy_gbs = 2 * x.nbytes / (copy_ms[len(copy_ms) // 2] * 1e-3) / 1e9
-        rectified = x.clone()  # relu of a relu: the same passes over memory as the first
-        rows.append(_row("relu_inplace_code", mib, 1, _time_ms(partial(ext.relu_inplace_code, rectified), args.repeat),
-                         2 * x.nbytes + -(-n // 8), copy_gbs))
-        rows.append(_row("relu_ (aten)", mib, 1, _time_ms(rectified.relu_, args.repeat), 2 * x.nbytes, copy_gbs))
-        for bits in args.bits:
-            packed = ext.quantize_pack(x, bits, args.group_size, 1)
-            packed_bytes = sum(t.nbytes for t in packed)
-            q_ms = _time_ms(lambda: ext.quantize_pack(x, bits, args.group_size, 1), args.repeat)
-            d_ms = _time_ms(lambda: ext.unpack_dequantize(*packed, bits, args.group_size, n, x.dtype), args.repeat)
-            moved = x.nbytes + packed_bytes  # bytes read + written, both directions
-            mult, shift = torch.rand(1024, device="cuda") + 0.5, torch.randn(1024, device="cuda")
-            a_ms = _time_ms(lambda p=packed, k=bits, count=n, m=mult, s=shift: ext.unpack_dequantize_affine(
-                *p, k, args.group_size, count, m, s), args.repeat)
-            # a residual block's term: decoded by channel of resnet50's stage 1 (256 x 56 x 56 an item), added to a
-            # bf16 tensor (read and written) and masked by a ReLU's 1-bit code (the codes stand for the mask)
-            weight, bias, sums = mult[:256], shift[:256], torch.randn(n // 802816 * 802816, device="cuda",
-                                                                       dtype=torch.bfloat16)
-            i_ms = _time_ms(lambda p=packed, k=bits, s=sums, w=weight, b=bias, m=packed[0], count=n:
-                            ext.unpack_dequantize_into(s, *p, k, args.group_size, count, 0, w, b, 3136,
-                                                       m[:-(-s.numel() // 8)], True), args.repeat)
-            terms = ([packed[0]] * 4, [packed[1]] * 4, [packed[2]] * 4, [weight] * 4, [bias] * 4,
-                     [packed[0][:-(-sums.numel() // 8)]] * 4)
-            c_ms = _time_ms(lambda t=terms, k=bits, s=sums, count=n: ext.unpack_dequantize_chain(
-                s, *t, k, args.group_size, count, 0, 3136, False), args.repeat)
-            mask_bytes = -(-sums.numel() // 8)
-            timed = [("quantize_pack", q_ms, moved), ("unpack_dequantize", d_ms, moved),
-                     ("unpack_dequantize_affine", a_ms, packed_bytes + 4 * n),
-                     ("unpack_dequantize_into", i_ms, packed_bytes + 4 * sums.numel() + mask_bytes),
-                     ("unpack_dequantize_chain", c_ms, 4 * (packed_bytes + mask_bytes) + 2 * sums.numel())]
-            if bits == 1:  # dropout's gradient: x stands for the gradient, the codes for its keep-mask
-                m_ms = _time_ms(lambda g=x, mask=packed[0]: ext.masked_scale(g, mask, 1.25), args.repeat)
-                timed.append(("masked_scale", m_ms, 2 * x.nbytes + packed[0].nbytes))
-            if bits <= 4:  # Few-Bit Backward's codes: x read, its codes at `bits` written
-                bounds = torch.linspace(-2, 2, (1 << bits) - 1, device="cuda", dtype=x.dtype)
-                e_ms = _time_ms(lambda x=x, b=bounds, k=bits: ext.fewbit_encode_pack(x, b, k), args.repeat)
-                timed.append(("fewbit_encode_pack", e_ms, x.nbytes + -(-n * bits // 8)))
-            rows += [_row(direction, mib, bits, times, nbytes, copy_gbs) for direction, times, nbytes in timed]
-        del x, dst
+        timed = size_ops(ext, x) + [op for bits in args.bits for op in bits_ops(ext, x, bits, args.group_size)]
+        rows += [_row(op, mib, bits, _time_ms(call, args.repeat), nbytes, copy_gbs)
+                 for op, bits, call, nbytes in timed]
+        del x, dst, timed
 
     args.out.mkdir(parents=True, exist_ok=True)
     meta = _versions()
@@ -146,7 +162,7 @@ def plot(rows: list[dict], path: Path) -> None:
     styles = (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^"),
               ("unpack_dequantize_affine", "-.d"), ("unpack_dequantize_into", "-.v"),
               ("unpack_dequantize_chain", "-.>"), ("masked_scale", "x"), ("relu_inplace_code", "P"),
-              ("relu_ (aten)", "*"))
+              ("relu_ (aten)", "*"), ("gelu_inplace_code", ":p"), ("gelu_ (aten)", "h"))
     for op, style in styles:
         for mib in sorted({r["size_mib"] for r in rows}):
             points = sorted((r["bits"], r["fraction_of_copy"]) for r in rows if r["op"] == op and r["size_mib"] == mib)

@@ -769,6 +769,29 @@ def test_probe_of_extension_errors_reports_how_each_case_ended(tmp_path, capsys)
     assert probe_extension_errors.run_case("no_such_case", tmp_path / "build").startswith("raised: AttributeError")
 
 
+def test_the_kernel_throughput_benchmark_calls_each_kernel_as_the_extension_takes_it():
+    """Each op ``benchmark_quantize.py`` times on a GPU, called once with the extension's CUDA sources built for
+    the CPU (``tests/compress/emulated_kernels.py``) on a tensor of the shapes it uses (a residual sum of one
+    resnet50 item): every call runs, with arguments the bindings take, and gives a tensor."""
+    from tests.compress import emulated_kernels
+
+    ext = emulated_kernels.build()
+    if ext is None:
+        pytest.skip("no CUDA toolkit headers (cuda_runtime.h) to build the emulated kernels with")
+    bench = _load("benchmark_quantize")
+    x = torch.randn(802816, dtype=torch.bfloat16)  # 784 rows of 1024 channels, one resnet50 item
+    ops = bench.size_ops(ext, x) + [op for bits in (1, 3) for op in bench.bits_ops(ext, x, bits, 256)]
+    assert [(op, bits) for op, bits, _, _ in ops] == [
+        ("relu_inplace_code", 1), ("relu_ (aten)", 1), ("gelu_ (aten)", 0),
+        *[(op, bits) for bits in (1, 3) for op in ("quantize_pack", "unpack_dequantize", "unpack_dequantize_affine",
+                                                    "unpack_dequantize_into", "unpack_dequantize_chain",
+                                                    *(("masked_scale",) if bits == 1 else ()), "fewbit_encode_pack",
+                                                    "gelu_inplace_code")]]
+    for op, _, call, nbytes in ops:
+        out = call()
+        assert nbytes > 0 and (out is None or isinstance(out, torch.Tensor | list | tuple)), op
+
+
 def test_the_gpu_and_long_benchmarks_plot_their_results(tmp_path):
     """The plots of the benchmarks the suite does not run (a GPU's kernel throughput, the adaptive probe's cost,
     GLUE training) from results shaped as theirs: each writes its PNG beside the JSON and table."""
