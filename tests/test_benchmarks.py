@@ -792,6 +792,47 @@ def test_the_kernel_throughput_benchmark_calls_each_kernel_as_the_extension_take
         assert nbytes > 0 and (out is None or isinstance(out, torch.Tensor | list | tuple)), op
 
 
+class _Parsed(Exception):
+    """Raised by a patched ``parse_args`` once a benchmark's options parsed: the script is not run further."""
+
+
+def _gpu_call_commands() -> list[tuple[str, list[str]]]:
+    """``(script, argv)`` of each benchmark ``gpu_one_call.sh`` runs: its lines joined at ``\\``, each call from
+    ``"$PY" <script>`` to its first redirection, ``$GT`` and ``speed256``'s model (``"$2"``) filled in, every
+    ``"$W/..."`` path a name under the run's folder."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_one_call.sh").read_text().replace("\\\n", " ")
+    text = text.replace("$GT", "benchmarks/benchmark_gpu_training.py").replace('"$2"', "resnet50")
+    calls = []
+    for line in text.splitlines():
+        if '"$PY" benchmarks/' not in line:
+            continue
+        words = shlex.split(line.split('"$PY" ', 1)[1].split(" >", 1)[0].replace('"$W', '"/tmp/w'))
+        calls.append((Path(words[0]).stem, words[1:]))
+    return calls
+
+
+def test_the_gpu_call_gives_each_benchmark_options_it_takes(monkeypatch):
+    """A GPU's time is short and lent to few sessions: every benchmark ``gpu_one_call.sh`` runs parses the options
+    it is given (an unknown or malformed one would end that part at once, on the GPU)."""
+    import argparse
+
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(parser, args=None, namespace=None):
+        raise _Parsed(original(parser, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    calls = _gpu_call_commands()
+    assert {script for script, _ in calls} == {"benchmark_gpu_training", "benchmark_quantize", "profile_step",
+                                               "memory_at_peak"}
+    for script, argv in calls:
+        with pytest.raises(_Parsed):
+            _load(script).main(argv)
+
+
 def test_the_gpu_and_long_benchmarks_plot_their_results(tmp_path):
     """The plots of the benchmarks the suite does not run (a GPU's kernel throughput, the adaptive probe's cost,
     GLUE training) from results shaped as theirs: each writes its PNG beside the JSON and table."""
