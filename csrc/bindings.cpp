@@ -49,7 +49,8 @@ at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds
 at::Tensor fewbit_grad_cuda(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values,
                             int64_t bits);
 at::Tensor zero_unmasked_cuda(const at::Tensor& values, const at::Tensor& mask, bool in_place);
-at::Tensor gelu_inplace_code_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits);
+at::Tensor activation_inplace_code_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits,
+                                        int64_t activation);
 at::Tensor relu_inplace_code_cuda(const at::Tensor& x, const at::Tensor& negative_zero_out);
 at::Tensor masked_scale_cuda(const at::Tensor& grad, const at::Tensor& mask, double scale);
 }  // namespace act_hf
@@ -318,11 +319,21 @@ at::Tensor fewbit_encode_pack(const at::Tensor& x, const at::Tensor& bounds, int
   return act_hf::fewbit_encode_pack_cuda(x, bounds, bits);
 }
 
-at::Tensor gelu_inplace_code(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
-  TORCH_CHECK(bits >= 1 && bits <= 4, "bits must be 1..4 (GELU's derivative tables), got " + std::to_string(bits));
+// The activations activation_inplace_code writes, by name, as fewbit_octets.cuh numbers them (ActivationKind).
+int64_t activation_kind(const std::string& activation) {
+  const int64_t kind = activation == "gelu" ? 1 : activation == "gelu_tanh" ? 2 : activation == "silu" ? 3 : 0;
+  TORCH_CHECK(kind != 0, "activation must be 'gelu', 'gelu_tanh' or 'silu', got '" + activation + "'");
+  return kind;
+}
+
+at::Tensor activation_inplace_code(const at::Tensor& x, const at::Tensor& bounds, int64_t bits,
+                                   const std::string& activation) {
+  TORCH_CHECK(bits >= 1 && bits <= 4,
+              "bits must be 1..4 (the activations' derivative tables), got " + std::to_string(bits));
+  const int64_t kind = activation_kind(activation);
   check_encode_args(x, bounds, bits);
   py::gil_scoped_release no_gil;
-  return act_hf::gelu_inplace_code_cuda(x, bounds, bits);
+  return act_hf::activation_inplace_code_cuda(x, bounds, bits, kind);
 }
 
 at::Tensor fewbit_grad(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values, int64_t bits) {
@@ -424,9 +435,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("zero_unmasked", &zero_unmasked,
         "torch.where(mask, values, 0) for a flat tensor and its 1-bit mask, packed; in place or a new tensor",
         py::arg("values"), py::arg("mask"), py::arg("in_place"));
-  m.def("gelu_inplace_code", &gelu_inplace_code,
-        "fewbit_encode_pack of a flat tensor, whose values then become their GELU (erf form) in place",
-        py::arg("x"), py::arg("bounds"), py::arg("bits"));
+  m.def("activation_inplace_code", &activation_inplace_code,
+        "fewbit_encode_pack of a flat tensor, whose values then become the activation's ('gelu', its erf form; "
+        "'gelu_tanh'; 'silu') in place", py::arg("x"), py::arg("bounds"), py::arg("bits"), py::arg("activation"));
   m.def("relu_inplace_code", &relu_inplace_code,
         "relu of a flat tensor written into it (a -0 becomes negative_zero_out[0], NaN stays); returns the 1-bit "
         "codes not (x <= 0) of its values before, packed", py::arg("x"), py::arg("negative_zero_out"));

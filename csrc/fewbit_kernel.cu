@@ -3,8 +3,9 @@
 //     bound), packed at B bits straight from x: no int32 indices, no uint8 codes in memory;
 //   - grad: grad * values[code], unpacked and looked up in registers, computed as torch.mul computes it (in fp32 for
 //     fp32, fp16 and bf16, in fp64 for fp64) and rounded once to grad's dtype;
-// a GELU written in place with its code in the same pass (gelu_inplace_code: the encode's kernel writing
-// store_gelu_octet's values back, where gelu_ and the encode read x twice);
+// an activation (GELU, its tanh form, SiLU) written in place with its code in the same pass
+// (activation_inplace_code: the encode's kernel writing the activation's values back, where the in-place
+// activation and the encode read x twice);
 // a ReLU written in place with its 1-bit code in the same pass (relu_inplace_code: the forward of a ReLU whose
 // backward keeps the code, reading x once where relu_ and the code's encode read it twice; a -0 becomes the value
 // given for it, torch's own relu(-0) on that device);
@@ -38,14 +39,15 @@ namespace {
 template <int B>
 constexpr int kEncodeOctets = B >= 4 ? 4 : 1;
 
-// GELU's codes are those of its derivative tables: up to 4 bits (act_hf.fewbit).
-constexpr int kMaxGeluBits = 4;
+// An activation's codes are those of its derivative tables: up to 4 bits (act_hf.fewbit).
+constexpr int kMaxActivationBits = 4;
 
-// With kGelu, x's values also become their GELU (store_gelu_octet), written back once they are encoded.
-template <typename T, int B, bool kGelu>
+// With an activation Act, x's values also become its values (store_activation_octet), written back once they are
+// encoded.
+template <typename T, int B, int Act>
 __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
-    std::conditional_t<kGelu, T, const T>* __restrict__ x, int64_t n, const T* __restrict__ bounds, int n_bounds,
-    bool vec, uint8_t* __restrict__ payload) {
+    std::conditional_t<Act == kNoActivation, const T, T>* __restrict__ x, int64_t n, const T* __restrict__ bounds,
+    int n_bounds, bool vec, uint8_t* __restrict__ payload) {
   constexpr int kBounds = (1 << B) - 1;
   __shared__ acc_t<T> sb[kBounds];
   for (int k = threadIdx.x; k < n_bounds; k += blockDim.x) sb[k] = static_cast<acc_t<T>>(bounds[k]);
@@ -66,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) fewbit_encode_pack_kernel(
       if (cnt[r] > 0) {
         const int64_t o = o0 + r * kThreads;
         store_octet<B>(payload + o * B, encode_values<B>(v[r], cnt[r], b, n_bounds), (cnt[r] * B + 7) / 8);
-        if constexpr (kGelu) store_gelu_octet(v[r], cnt[r], vec, x + o * 8);
+        if constexpr (Act != kNoActivation) store_activation_octet<Act>(v[r], cnt[r], vec, x + o * 8);
       }
     }
   };
@@ -125,8 +127,8 @@ __global__ void __launch_bounds__(kThreads) masked_scale_kernel(const T* __restr
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The packed codes of x against bounds; with kGelu, x's values then written as their GELU.
-template <bool kGelu>
+// The packed codes of x against bounds; with an activation Act, x's values then written as its values.
+template <int Act>
 at::Tensor encode_pack(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
@@ -137,11 +139,11 @@ at::Tensor encode_pack(const at::Tensor& x, const at::Tensor& bounds, int64_t bi
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "act_hf_fewbit_encode_pack", [&] {
     ACT_BITS_SWITCH(bits, B, [&] {
-      if constexpr (kGelu && B > kMaxGeluBits) {
-        TORCH_CHECK(false, "gelu_inplace_code takes bits 1..", kMaxGeluBits, ", got ", B);
+      if constexpr (Act != kNoActivation && B > kMaxActivationBits) {
+        TORCH_CHECK(false, "activation_inplace_code takes bits 1..", kMaxActivationBits, ", got ", B);
       } else {
         const int64_t blocks = ceil_div(ceil_div(n, 8), kEncodeOctets<B> * kThreads);
-        fewbit_encode_pack_kernel<scalar_t, B, kGelu><<<blocks, kThreads, 0, stream>>>(
+        fewbit_encode_pack_kernel<scalar_t, B, Act><<<blocks, kThreads, 0, stream>>>(
             x.data_ptr<scalar_t>(), n, bounds.data_ptr<scalar_t>(), n_bounds, vec, payload.data_ptr<uint8_t>());
       }
     });
@@ -153,11 +155,16 @@ at::Tensor encode_pack(const at::Tensor& x, const at::Tensor& bounds, int64_t bi
 }  // namespace
 
 at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
-  return encode_pack<false>(x, bounds, bits);
+  return encode_pack<kNoActivation>(x, bounds, bits);
 }
 
-at::Tensor gelu_inplace_code_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits) {
-  return encode_pack<true>(x, bounds, bits);
+at::Tensor activation_inplace_code_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits,
+                                        int64_t activation) {
+  TORCH_CHECK(activation == kGelu || activation == kGeluTanh || activation == kSilu, "activation must be ",
+              int{kGelu}, " (gelu), ", int{kGeluTanh}, " (gelu_tanh) or ", int{kSilu}, " (silu), got ", activation);
+  if (activation == kGelu) return encode_pack<kGelu>(x, bounds, bits);
+  if (activation == kGeluTanh) return encode_pack<kGeluTanh>(x, bounds, bits);
+  return encode_pack<kSilu>(x, bounds, bits);
 }
 
 at::Tensor fewbit_grad_cuda(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values,

@@ -125,26 +125,64 @@ ACT_HD void zero_unmasked_octet(const T* src, unsigned bits, int cnt, bool vec, 
   store_octet_values(dst, vals, cnt, vec);
 }
 
-// GELU's exact form, x * 0.5 * (1 + erf(x / sqrt(2))), as torch's CUDA kernel (GeluCUDAKernelImpl) evaluates it:
-// in A (float for the 16-bit types), the products left to right, the constant 1/sqrt(2) rounded to A, CUDA's erff
-// (erf for double). Whether the result rounds to torch's bits on a device is checked there, for every 16-bit value,
-// before act_hf uses it (act_hf/ops/activation.py: _gelu_kernel_matches_torch).
+// The activations an encode may write back into its input (fewbit_kernel.cu: activation_inplace_code), each
+// evaluated as torch's CUDA kernel evaluates it: in A (float for the 16-bit types), the same operations in the same
+// order, constants rounded to A as torch rounds them, CUDA's erff, tanhf and expf (erf, tanh, exp for double).
+// Whether the results round to torch's bits on a device is checked there, for every 16-bit value, before act_hf
+// uses them (act_hf/ops/activation.py: _kernel_matches_torch).
+enum ActivationKind : int { kNoActivation = 0, kGelu = 1, kGeluTanh = 2, kSilu = 3 };
+
 template <typename A>
-ACT_HD A gelu_erf(A v) {
-  constexpr A kSqrtHalf = static_cast<A>(0.70710678118654752440);
+ACT_HD A erf_of(A v) {
   if constexpr (std::is_same_v<A, double>) {
-    return v * A(0.5) * (A(1) + erf(v * kSqrtHalf));
+    return erf(v);
   } else {
-    return v * A(0.5) * (A(1) + erff(v * kSqrtHalf));
+    return erff(v);
   }
 }
 
-// x[j] = gelu_erf(v[j]) rounded to T, for j < cnt: the GELU of an octet whose values, widened, are v.
-template <typename T>
-ACT_HD void store_gelu_octet(const acc_t<T> (&v)[8], int cnt, bool vec, T* __restrict__ x) {
+template <typename A>
+ACT_HD A tanh_of(A v) {
+  if constexpr (std::is_same_v<A, double>) {
+    return tanh(v);
+  } else {
+    return tanhf(v);
+  }
+}
+
+template <typename A>
+ACT_HD A exp_of(A v) {
+  if constexpr (std::is_same_v<A, double>) {
+    return exp(v);
+  } else {
+    return expf(v);
+  }
+}
+
+// gelu: x * 0.5 * (1 + erf(x / sqrt(2))); gelu_tanh: 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)));
+// silu: x / (1 + exp(-x)).
+template <int Act, typename A>
+ACT_HD A activation_of(A v) {
+  static_assert(Act == kGelu || Act == kGeluTanh || Act == kSilu, "an activation to write");
+  if constexpr (Act == kGelu) {
+    constexpr A kSqrtHalf = static_cast<A>(0.70710678118654752440);
+    return v * A(0.5) * (A(1) + erf_of(v * kSqrtHalf));
+  } else if constexpr (Act == kGeluTanh) {
+    constexpr A kBeta = static_cast<A>(1.41421356237309504880 * 1.12837916709551257390 * 0.5);  // sqrt(2 / pi)
+    constexpr A kKappa = static_cast<A>(0.044715);
+    const A cube = v * v * v;
+    return A(0.5) * v * (A(1) + tanh_of(kBeta * (v + kKappa * cube)));
+  } else {
+    return v / (A(1) + exp_of(-v));
+  }
+}
+
+// x[j] = activation_of<Act>(v[j]) rounded to T, for j < cnt: the activation of an octet whose values, widened, are v.
+template <int Act, typename T>
+ACT_HD void store_activation_octet(const acc_t<T> (&v)[8], int cnt, bool vec, T* __restrict__ x) {
   alignas(16) T vals[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) vals[j] = static_cast<T>(gelu_erf(v[j]));
+  for (int j = 0; j < 8; ++j) vals[j] = static_cast<T>(activation_of<Act>(v[j]));
   store_octet_values(x, vals, cnt, vec);
 }
 

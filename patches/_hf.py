@@ -29,7 +29,7 @@ from act_hf.nn.activation import (
     output_is_owned,
 )
 from act_hf.nn.linear import ActLinearMixin
-from act_hf.ops.activation import gelu_inplace
+from act_hf.ops.activation import gelu_inplace, silu_inplace
 from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output, output_embeddings
 from act_hf.ops.product import act_product
 from act_hf.patcher import (
@@ -81,7 +81,7 @@ class ActHFSiLUMixin(ActActivationMixin):
     """transformers' ``SiLUActivation`` (``F.silu``), whose in-place form is ``F.silu(x, inplace=True)``."""
 
     def act_inplace_forward(self):
-        return functools.partial(F.silu, inplace=True)
+        return silu_inplace
 
 
 def new_gelu_with_one_temporary(x: torch.Tensor) -> torch.Tensor:

@@ -786,7 +786,7 @@ def test_the_kernel_throughput_benchmark_calls_each_kernel_as_the_extension_take
         *[(op, bits) for bits in (1, 3) for op in ("quantize_pack", "unpack_dequantize", "unpack_dequantize_affine",
                                                     "unpack_dequantize_into", "unpack_dequantize_chain",
                                                     *(("masked_scale",) if bits == 1 else ()), "fewbit_encode_pack",
-                                                    "gelu_inplace_code")]]
+                                                    "activation_inplace_code")]]
     for op, _, call, nbytes in ops:
         out = call()
         assert nbytes > 0 and (out is None or isinstance(out, torch.Tensor | list | tuple)), op

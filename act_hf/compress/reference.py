@@ -548,13 +548,22 @@ def zero_unmasked(values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | 
     return torch.where(keep, values, zero) if out is None else torch.where(keep, values, zero, out=out)
 
 
-def gelu_inplace_code(x: torch.Tensor, bounds: torch.Tensor, bits: int, chunk: int = 1 << 18) -> torch.Tensor:
-    """The packed codes of a flat ``x`` against ``bounds`` (:func:`fewbit_encode_pack`), ``x`` then written as
-    ``torch.nn.functional.gelu(x)`` (the exact, erf form) in place: GELU's forward and its few-bit code, where the
-    kernel computes ``x * 0.5 * (1 + erf(x / sqrt(2)))`` as torch's CUDA kernel does. Over runs of ``chunk``
-    elements (:func:`fewbit_encode_pack_chunked`)."""
+#: The activations :func:`activation_inplace_code` writes, by name: torch's in-place form of each.
+IN_PLACE_ACTIVATIONS = {
+    "gelu": torch._C._nn.gelu_,
+    "gelu_tanh": lambda x: torch._C._nn.gelu_(x, approximate="tanh"),
+    "silu": torch.ops.aten.silu_,
+}
+
+
+def activation_inplace_code(x: torch.Tensor, bounds: torch.Tensor, bits: int, activation: str,
+                            chunk: int = 1 << 18) -> torch.Tensor:
+    """The packed codes of a flat ``x`` against ``bounds`` (:func:`fewbit_encode_pack`), ``x`` then written as the
+    activation named (``"gelu"``, the exact form; ``"gelu_tanh"``; ``"silu"``: :data:`IN_PLACE_ACTIVATIONS`) in
+    place: an activation's forward and its few-bit code, where the kernel evaluates the activation as torch's CUDA
+    kernel does. Over runs of ``chunk`` elements (:func:`fewbit_encode_pack_chunked`)."""
     payload = fewbit_encode_pack_chunked(x, bounds, bits, chunk)
-    torch._C._nn.gelu_(x)
+    IN_PLACE_ACTIVATIONS[activation](x)
     return payload
 
 

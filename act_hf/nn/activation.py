@@ -18,12 +18,10 @@ Configurations without a matching derivative table run the original op unchanged
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
@@ -34,7 +32,9 @@ from ..ops.activation import (
     act_activation,
     check_activation_name,
     gelu_inplace,
+    gelu_tanh_inplace,
     relu_inplace,
+    silu_inplace,
 )
 from ._base import ActModule, register_act_class
 
@@ -228,11 +228,10 @@ class ActGELUMixin(ActActivationMixin):
         return ActivationSpec("gelu_tanh" if self.approximate == "tanh" else "gelu")
 
     def act_inplace_forward(self) -> Callable[[Tensor], Tensor] | None:
-        """``aten::gelu_``: ``F.gelu``'s kernel writing into its input (autocast casts neither); the exact form as
-        :data:`~act_hf.ops.activation.gelu_inplace`, which the activation runs together with its code where it can."""
-        if self.approximate == "none":
-            return gelu_inplace
-        return functools.partial(torch._C._nn.gelu_, approximate=self.approximate)
+        """``aten::gelu_``: ``F.gelu``'s kernel writing into its input (autocast casts neither), as
+        :data:`~act_hf.ops.activation.gelu_inplace` or ``gelu_tanh_inplace``, which the activation runs together
+        with its code where it can."""
+        return gelu_tanh_inplace if self.approximate == "tanh" else gelu_inplace
 
 
 class ActSiLUMixin(ActActivationMixin):
@@ -241,8 +240,10 @@ class ActSiLUMixin(ActActivationMixin):
     act_fn_name = "silu"
 
     def act_inplace_forward(self) -> Callable[[Tensor], Tensor] | None:
-        """``F.silu(x, inplace=True)``: ``F.silu``'s kernel writing into its input."""
-        return functools.partial(F.silu, inplace=True)
+        """``F.silu(x, inplace=True)``: ``F.silu``'s kernel writing into its input
+        (:data:`~act_hf.ops.activation.silu_inplace`, which the activation runs together with its code where it
+        can)."""
+        return silu_inplace
 
 
 class ActTanhMixin(ActActivationMixin):

@@ -21,10 +21,10 @@ from .. import _ext
 from ..compress import reference
 from ..errors import ActHFWarning
 
-__all__ = ["channel_shifts", "fewbit_encode_pack", "fewbit_grad", "gelu_inplace_code", "masked_scale", "pack_bits",
-           "quantize_pack", "quantize_pack_normalized", "quantize_pack_scaled", "relu_inplace_code", "run",
-           "unpack_bits", "unpack_dequantize", "unpack_dequantize_affine", "unpack_dequantize_chain", "zero_unmasked",
-           "zero_unmasked_inplace"]
+__all__ = ["activation_inplace_code", "channel_shifts", "fewbit_encode_pack", "fewbit_grad", "masked_scale",
+           "pack_bits", "quantize_pack", "quantize_pack_normalized", "quantize_pack_scaled", "relu_inplace_code",
+           "run", "unpack_bits", "unpack_dequantize", "unpack_dequantize_affine", "unpack_dequantize_chain",
+           "zero_unmasked", "zero_unmasked_inplace"]
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -362,23 +362,26 @@ def _(values: Tensor, mask: Tensor) -> None:
     return None
 
 
-def _gelu_inplace_code(x: Tensor, bounds: Tensor, bits: int) -> Tensor:
+def _activation_inplace_code(x: Tensor, bounds: Tensor, bits: int, activation: str) -> Tensor:
     """The packed few-bit codes of a flat ``x`` against ``bounds`` (:func:`fewbit_encode_pack`), ``x`` then written
-    as its GELU (erf form) in place (the reference: the encode, then ``gelu_``)."""
-    return reference.gelu_inplace_code(x, bounds, bits)
+    as the activation named (``"gelu"``, ``"gelu_tanh"``, ``"silu"``) in place (the reference: the encode, then
+    torch's in-place activation)."""
+    return reference.activation_inplace_code(x, bounds, bits, activation)
 
 
-def _gelu_inplace_code_cuda(x: Tensor, bounds: Tensor, bits: int) -> Tensor:
+def _activation_inplace_code_cuda(x: Tensor, bounds: Tensor, bits: int, activation: str) -> Tensor:
     module = _cuda_ext()
-    return (_gelu_inplace_code if module is None else module.gelu_inplace_code)(x, bounds, bits)
+    return (_activation_inplace_code if module is None else module.activation_inplace_code)(x, bounds, bits,
+                                                                                            activation)
 
 
-gelu_inplace_code = torch.library.custom_op("act_hf::gelu_inplace_code", _gelu_inplace_code, mutates_args=("x",))
-gelu_inplace_code.register_kernel("cuda", _gelu_inplace_code_cuda)
+activation_inplace_code = torch.library.custom_op("act_hf::activation_inplace_code", _activation_inplace_code,
+                                                  mutates_args=("x",))
+activation_inplace_code.register_kernel("cuda", _activation_inplace_code_cuda)
 
 
-@gelu_inplace_code.register_fake
-def _(x: Tensor, bounds: Tensor, bits: int) -> Tensor:
+@activation_inplace_code.register_fake
+def _(x: Tensor, bounds: Tensor, bits: int, activation: str) -> Tensor:
     return x.new_empty(_ceil_div(x.numel() * bits, 8), dtype=torch.uint8)
 
 
@@ -437,7 +440,7 @@ _IMPLEMENTATIONS = {
     fewbit_grad: {"cpu": _fewbit_grad, "cuda": _fewbit_grad_cuda},
     zero_unmasked: {"cpu": _zero_unmasked, "cuda": _zero_unmasked_cuda},
     zero_unmasked_inplace: {"cpu": _zero_unmasked_inplace, "cuda": _zero_unmasked_inplace_cuda},
-    gelu_inplace_code: {"cpu": _gelu_inplace_code, "cuda": _gelu_inplace_code_cuda},
+    activation_inplace_code: {"cpu": _activation_inplace_code, "cuda": _activation_inplace_code_cuda},
     relu_inplace_code: {"cpu": _relu_inplace_code, "cuda": _relu_inplace_code_cuda},
     masked_scale: {"cpu": _masked_scale, "cuda": _masked_scale_cuda},
 }

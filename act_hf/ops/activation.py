@@ -45,9 +45,9 @@ returned, exactly as the original in-place op returns it. An in-place ReLU (:dat
 CUDA tensor writes its output and its code in one pass over ``x`` (``act_hf::relu_inplace_code``), where ``relu_``
 and the code read it twice: ``relu``'s values, bit for bit, a ``-0`` included (it becomes what the installed
 torch's ``relu`` makes of it on that device, ``+0`` or ``-0``: torch's CUDA ``relu`` gave ``+0`` where the CPU's
-keeps ``-0``). So does an in-place exact GELU (:data:`gelu_inplace`, ``aten::gelu_``) of a contiguous bf16 or fp16
-CUDA tensor (``act_hf::gelu_inplace_code``), on a device where act_hf's GELU was found to give ``F.gelu``'s bits for
-each of the dtype's 65536 values (:func:`_gelu_kernel_matches_torch`; else ``gelu_`` and the encode run).
+keeps ``-0``). So do an in-place GELU (either form) and SiLU (:data:`FUSED_IN_PLACE`) of a contiguous bf16 or fp16
+CUDA tensor (``act_hf::activation_inplace_code``), on a device where act_hf's kernel was found to give torch's bits
+for each of the dtype's 65536 values (:func:`_kernel_matches_torch`; else the in-place op and the encode run).
 
 "Store once". An activation's output is usually the next Linear's input, which that Linear quantizes itself
 through the context store; the activation saves only its own codes (never shared, never the output), so the
@@ -80,6 +80,7 @@ from ._saving import OpSettings, load_context, save_context
 __all__ = [
     "ACTIVATION_NAMES",
     "EXACT_ACTIVATIONS",
+    "FUSED_IN_PLACE",
     "MAX_TABLE_BITS",
     "REGION_BITS",
     "ActActivationFunction",
@@ -87,7 +88,9 @@ __all__ = [
     "act_activation",
     "check_activation_name",
     "gelu_inplace",
+    "gelu_tanh_inplace",
     "relu_inplace",
+    "silu_inplace",
 ]
 
 logger = logging.getLogger(__name__)
@@ -118,15 +121,23 @@ _QUICK_GELU_COEF = 1.702
 #: code where it can (:func:`_fuses_relu`); the ReLU modules and :func:`act_activation` hand this very function.
 relu_inplace = functools.partial(F.relu, inplace=True)
 
-#: ``aten::gelu_`` (the exact, erf form): an in-place GELU's forward that :class:`ActActivationFunction` runs
-#: together with its code where it can (:func:`_fuses_gelu`); the GELU modules hand this very function.
+#: ``aten::gelu_`` (GELU's exact, erf form), GELU's tanh form and SiLU in place: forwards that
+#: :class:`ActActivationFunction` runs together with their codes where it can (:func:`_fuses_activation`); the
+#: activation modules' in-place forms are these very functions (:data:`FUSED_IN_PLACE`).
 gelu_inplace = torch._C._nn.gelu_
+gelu_tanh_inplace = functools.partial(torch._C._nn.gelu_, approximate="tanh")
+silu_inplace = functools.partial(F.silu, inplace=True)
 
-#: The dtypes whose every value :func:`_gelu_kernel_matches_torch` checks: the fused GELU runs for these alone.
-_FUSED_GELU_DTYPES = (torch.bfloat16, torch.float16)
+#: Activation name -> the in-place forward run as one ``act_hf::activation_inplace_code`` with its code.
+FUSED_IN_PLACE: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": gelu_inplace, "gelu_tanh": gelu_tanh_inplace, "silu": silu_inplace}
 
-#: (device, dtype) -> whether the fused GELU gives ``F.gelu``'s bits there (:func:`_gelu_kernel_matches_torch`).
-_gelu_checked: dict[tuple[torch.device, torch.dtype], bool] = {}
+#: The dtypes whose every value :func:`_kernel_matches_torch` checks: the fused activations run for these alone.
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+#: (device, dtype, activation) -> whether the fused activation gives torch's bits there
+#: (:func:`_kernel_matches_torch`).
+_checked: dict[tuple[torch.device, torch.dtype, str], bool] = {}
 
 
 def _fuses_relu(x: Tensor) -> bool:
@@ -142,41 +153,42 @@ def _relu_of_negative_zero(device: torch.device, dtype: torch.dtype) -> Tensor:
     return torch.relu(torch.full((1,), -0.0, dtype=dtype, device=device))
 
 
-def _fuses_gelu(x: Tensor) -> bool:
-    """Whether :data:`gelu_inplace` of ``x`` and its code run as one ``act_hf::gelu_inplace_code``: a contiguous
-    CUDA tensor of a 16-bit dtype on whose device act_hf's GELU gives ``F.gelu``'s bits for every value of that
-    dtype (:func:`_gelu_kernel_matches_torch`, checked at the first such call; not while a CUDA graph is captured
-    or torch.compile traces, which run unfused until a check has run outside them)."""
-    return x.is_cuda and x.is_contiguous() and x.dtype in _FUSED_GELU_DTYPES and _gelu_checked_on(x.device, x.dtype)
+def _fuses_activation(x: Tensor, name: str) -> bool:
+    """Whether ``FUSED_IN_PLACE[name]`` of ``x`` and its code run as one ``act_hf::activation_inplace_code``: a
+    contiguous CUDA tensor of a 16-bit dtype on whose device act_hf's kernel gives torch's bits for every value of
+    that dtype (:func:`_kernel_matches_torch`, checked at the first such call; not while a CUDA graph is captured or
+    torch.compile traces, which run unfused until a check has run outside them)."""
+    return x.is_cuda and x.is_contiguous() and x.dtype in _FUSED_DTYPES and _checked_on(x.device, x.dtype, name)
 
 
-def _gelu_checked_on(device: torch.device, dtype: torch.dtype) -> bool:
-    """:func:`_gelu_kernel_matches_torch` on ``device`` in ``dtype``, run once and remembered; ``False`` without
-    running it while a CUDA graph is captured or torch.compile traces (a comparison synchronizes)."""
-    key = (device, dtype)
-    matches = _gelu_checked.get(key)
+def _checked_on(device: torch.device, dtype: torch.dtype, name: str) -> bool:
+    """:func:`_kernel_matches_torch` on ``device`` in ``dtype`` for activation ``name``, run once and remembered;
+    ``False`` without running it while a CUDA graph is captured or torch.compile traces (a comparison
+    synchronizes)."""
+    key = (device, dtype, name)
+    matches = _checked.get(key)
     if matches is None:
         if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return False
-        matches = _gelu_checked[key] = _gelu_kernel_matches_torch(device, dtype)
+        matches = _checked[key] = _kernel_matches_torch(device, dtype, name)
     return matches
 
 
-def _gelu_kernel_matches_torch(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``act_hf::gelu_inplace_code`` writes ``F.gelu``'s bits on ``device`` for each of the 65536 values of
-    the 16-bit ``dtype`` (NaNs and infinities included), and so for every tensor of it: GELU is elementwise, each
-    output a function of its input alone. The kernel evaluates the formula of torch's CUDA kernel, but the bits
-    also depend on the math library and the compiler's contractions, which this compares on the device (one
-    synchronizing comparison, once a device and dtype); where they differ the GELU runs unfused (logged)."""
+def _kernel_matches_torch(device: torch.device, dtype: torch.dtype, name: str) -> bool:
+    """Whether ``act_hf::activation_inplace_code`` writes the bits of torch's in-place activation ``name``
+    (:data:`FUSED_IN_PLACE`) on ``device`` for each of the 65536 values of the 16-bit ``dtype`` (NaNs and
+    infinities included), and so for every tensor of it: the activation is elementwise, each output a function of
+    its input alone. The kernel evaluates the formula of torch's CUDA kernel, but the bits also depend on the math
+    library and the compiler's contractions, which this compares on the device (one synchronizing comparison, once
+    a device, dtype and activation); where they differ the activation runs unfused (logged)."""
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
-        want = F.gelu(every)
+        want = FUSED_IN_PLACE[name](every.clone())
         got = every.clone()
-        _library.run(_library.gelu_inplace_code, got, torch.zeros(1, dtype=dtype, device=device), 1)
+        _library.run(_library.activation_inplace_code, got, torch.zeros(1, dtype=dtype, device=device), 1, name)
         matches = torch.equal(got.view(torch.int16), want.view(torch.int16))
     if not matches:
-        logger.info("act_hf's fused GELU differs from torch's F.gelu on %s in %s; GELU runs unfused there",
-                    device, dtype)
+        logger.info("act_hf's fused %s differs from torch's on %s in %s; it runs unfused there", name, device, dtype)
     return matches
 
 
@@ -401,10 +413,12 @@ class ActivationSpec:
 
     def fuses_in_place(self, fn: Callable[[Tensor], Tensor], x: Tensor) -> bool:
         """Whether ``fn(x)`` and the code of ``x`` run as one kernel (:meth:`in_place_with_code`): ``fn`` is
-        :data:`relu_inplace` (:func:`_fuses_relu`) or :data:`gelu_inplace` (:func:`_fuses_gelu`) of this spec."""
+        :data:`relu_inplace` (:func:`_fuses_relu`) or this spec's entry of :data:`FUSED_IN_PLACE`
+        (:func:`_fuses_activation`)."""
         if self.name == "relu":
             return fn is relu_inplace and _fuses_relu(x)
-        return self.name == "gelu" and fn is gelu_inplace and _fuses_gelu(x)
+        fused = FUSED_IN_PLACE.get(self.name)
+        return fused is not None and fn is fused and _fuses_activation(x, self.name)
 
     def in_place_with_code(self, x: Tensor, bits: int) -> Tensor:
         """The in-place activation written into ``x`` and ``encode_packed(x, bits)`` of its values before, in one
@@ -412,7 +426,7 @@ class ActivationSpec:
         if self.name == "relu":
             return _in_place_with_code(x, _library.relu_inplace_code,
                                        reused(_relu_of_negative_zero, x, x.device, x.dtype))
-        return _in_place_with_code(x, _library.gelu_inplace_code, self._code_bounds(x, bits), bits)
+        return _in_place_with_code(x, _library.activation_inplace_code, self._code_bounds(x, bits), bits, self.name)
 
     def region_packed(self, x: Tensor) -> Tensor:
         """``pack_bits(self.region(x), self.region_bits)``, chunk by chunk as :meth:`encode_packed`."""
@@ -542,8 +556,8 @@ def act_activation(
         spec = ActivationSpec(spec)
     elif not isinstance(spec, ActivationSpec):
         raise ActHFValueError(f"spec must be an ActivationSpec or a name, got {type(spec).__name__}")
-    if fn is None and inplace and spec.name in ("relu", "gelu"):
-        fn = relu_inplace if spec.name == "relu" else gelu_inplace
+    if fn is None and inplace and (spec.name == "relu" or spec.name in FUSED_IN_PLACE):
+        fn = relu_inplace if spec.name == "relu" else FUSED_IN_PLACE[spec.name]
     elif fn is None:
         fn = spec.forward if not inplace else (lambda t: spec.forward(t, inplace=True))
     if not (torch.is_grad_enabled() and x.requires_grad) or (inplace and _inplace_would_fail(x)):

@@ -303,15 +303,25 @@ def test_zero_unmasked_matches_reference(ext, dtype):
             assert torch.equal(inplace.view(torch.uint8), want.view(torch.uint8)), f"in place differs (n={n})"
 
 
+def _activation_formula(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The activation as torch's CUDA kernel writes it, in ``x``'s dtype with torch's ``erf``, ``tanh``, ``exp``."""
+    if name == "gelu":
+        return x * 0.5 * (1 + torch.erf(x * math.sqrt(0.5)))
+    if name == "gelu_tanh":
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * (x * x * x))))
+    return x / (1 + torch.exp(-x))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_gelu_inplace_code_matches_reference(ext, bits, dtype):
-    """A GELU written in place with its few-bit code: the codes are the reference's (the encode's) bit for bit,
-    aligned and not, NaN and +-inf and ties with the bounds included, and the values the formula's,
-    ``x * 0.5 * (1 + erf(x / sqrt(2)))`` in float32 (float64 for float64) with torch's ``erf``, to 2 units of the
-    last place of the value and of an ``erf`` near -1 (the emulated build's host ``erff`` is not CUDA's, nor
-    torch's), and on a GPU ``F.gelu``'s bits for the 16-bit dtypes (every value of them:
-    ``test_fused_gelu_gives_torchs_bits_for_every_16_bit_value``)."""
+def test_activation_inplace_code_matches_reference(ext, activation, bits, dtype):
+    """An activation written in place with its few-bit code: the codes are the reference's (the encode's) bit for
+    bit, aligned and not, NaN and +-inf and ties with the bounds included, and the values the formula's in float32
+    (float64 for float64) with torch's ``erf``, ``tanh`` and ``exp``, to 2 units of the last place of the value
+    and of the function near the value's cancellation (the emulated build's host ``erff`` is not CUDA's, nor
+    torch's), and on a GPU the bits of torch's activation for the 16-bit dtypes (every value of them:
+    ``test_fused_activation_gives_torchs_bits_for_every_16_bit_value``)."""
     gen = torch.Generator().manual_seed(bits)
     bounds = (torch.randn((1 << bits) - 1, generator=gen, dtype=torch.float64) * 2).to(dtype).sort().values
     bounds = bounds.to(ext.device)
@@ -322,22 +332,23 @@ def test_gelu_inplace_code_matches_reference(ext, bits, dtype):
         for start in (0, 3):  # a view that breaks 16-byte alignment
             x = values.to(ext.device, copy=True)[start:start + n]
             want_x = x.cpu().clone()
-            want_code = R.gelu_inplace_code(want_x, bounds.cpu(), bits)
-            code = ext.gelu_inplace_code(x, bounds, bits)
+            want_code = R.activation_inplace_code(want_x, bounds.cpu(), bits, activation)
+            code = ext.activation_inplace_code(x, bounds, bits, activation)
             assert torch.equal(code.cpu(), want_code), f"codes differ (n={n}, start={start})"
             wide = values[start:start + n].to(torch.float64 if dtype == torch.float64 else torch.float32)
-            formula = wide * 0.5 * (1 + torch.erf(wide * math.sqrt(0.5)))  # gelu(-inf) = -inf * 0: NaN
+            formula = _activation_formula(activation, wide)  # gelu(-inf) = -inf * 0: NaN; silu(-inf) = -inf / inf
             got, nan = x.cpu(), formula.isnan()
             assert torch.equal(got.isnan(), nan), f"NaNs differ (n={n})"
             assert torch.equal(got[formula.isinf()], formula[formula.isinf()].to(dtype)), f"infinities differ (n={n})"
             finite = formula.isfinite()
-            # an erf one unit off moves 1 + erf by eps(wide) * 2, and the value by |x| times that
+            # a function one unit off near its cancellation (1 + erf or 1 + tanh near -1; exp's relative error
+            # scaled by x) moves the value by |x| times that unit
             bound = 2 * torch.finfo(dtype).eps * formula.abs() + 2 * torch.finfo(wide.dtype).eps * wide.abs()
             error = (got.to(wide.dtype) - formula).abs()
             assert bool((error <= bound)[finite].all()), f"values differ (n={n}, worst {float(error[finite].max())})"
             if ext.device == "cuda" and dtype.itemsize == 2:
-                gelu = torch.nn.functional.gelu(values.to(ext.device)[start:start + n])
-                assert torch.equal(x.view(torch.int16), gelu.view(torch.int16)), f"not F.gelu's bits (n={n})"
+                torchs = R.IN_PLACE_ACTIVATIONS[activation](values.to(ext.device, copy=True)[start:start + n])
+                assert torch.equal(x.view(torch.int16), torchs.view(torch.int16)), f"not torch's bits (n={n})"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -464,8 +475,9 @@ def test_kernel_errors_name_arguments(gpu_ext):
                  (ext.unpack_dequantize_chain, (x[:8], *([t] * 2 for t in ext.quantize_pack(x, 3, 8, 0)),
                                                 [bounds[:1], bounds[:2]], [bounds[:1], bounds[:2]], [None, None], 3,
                                                 8, 10, 0, 1, False)),
-                 (ext.gelu_inplace_code, (x, bounds[:1], 5)),
-                 (ext.gelu_inplace_code, (x[::2], bounds[:1], 1)),
+                 (ext.activation_inplace_code, (x, bounds[:1], 5, "gelu")),
+                 (ext.activation_inplace_code, (x, bounds[:1], 1, "relu")),
+                 (ext.activation_inplace_code, (x[::2], bounds[:1], 1, "silu")),
                  (ext.relu_inplace_code, (x[::2], x[:1])),
                  (ext.relu_inplace_code, (x.int(), x[:1].int())),
                  (ext.relu_inplace_code, (x, x[:1].double()))]
@@ -500,11 +512,12 @@ def test_kernel_errors_name_arguments(gpu_ext):
     assert "divisor must hold one value a row of 2 channels, 5 values, got 2" in lines[15]
     assert "payloads, los, scales, weights, biases and masks must hold 1 to 8 terms each" in lines[16]
     assert "weights[t] must hold one value a channel, as weights[0] (1), got 2 for term 1" in lines[17]
-    assert "bits must be 1..4 (GELU's derivative tables), got 5" in lines[18]
-    assert "x must be contiguous" in lines[19]
+    assert "bits must be 1..4 (the activations' derivative tables), got 5" in lines[18]
+    assert "activation must be 'gelu', 'gelu_tanh' or 'silu', got 'relu'" in lines[19]
     assert "x must be contiguous" in lines[20]
-    assert "x must be float32, float16, bfloat16 or float64, got Int" in lines[21]
-    assert "negative_zero_out must have dtype Float, got Double" in lines[22]
+    assert "x must be contiguous" in lines[21]
+    assert "x must be float32, float16, bfloat16 or float64, got Int" in lines[22]
+    assert "negative_zero_out must have dtype Float, got Double" in lines[23]
 
 
 @pytest.mark.cuda

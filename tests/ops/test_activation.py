@@ -414,25 +414,35 @@ def test_in_place_relu_on_cuda_is_fused_with_torchs_bits(dtype):
     assert torch.equal(gx, torch.where(x0 > 0, g, 0))
 
 
+#: The fused in-place activations: (name, module, its aten op in place, out of place)
+FUSED = [("gelu", lambda: nn.GELU(), "gelu_", "gelu"), ("gelu_tanh", lambda: nn.GELU("tanh"), "gelu_", "gelu"),
+         ("silu", lambda: nn.SiLU(), "silu_", "silu")]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_in_place_gelu_writes_its_output_and_code_in_one_pass(monkeypatch, dtype, bits):
-    """Where the fused form runs (forced here for CPU tensors, the reference kernel standing in), an owned exact
-    GELU is one ``act_hf::gelu_inplace_code``: no ``gelu_``, no separate encode; its output is ``F.gelu``'s bit for
-    bit, in place with the version moved on, the same codes saved, and the gradient the unfused path's bit for bit.
-    The tanh form, a non-contiguous input and the 6..8-bit context (the quantized input) run unfused."""
+@pytest.mark.parametrize("case", FUSED, ids=[c[0] for c in FUSED])
+def test_in_place_activation_writes_its_output_and_code_in_one_pass(monkeypatch, case, dtype, bits):
+    """Where the fused form runs (forced here for CPU tensors, the reference kernel standing in), an owned GELU
+    (either form) or SiLU is one ``act_hf::activation_inplace_code``: no in-place op, no separate encode; its
+    output is torch's bit for bit, in place with the version moved on, the same codes saved, and the gradient the
+    unfused path's bit for bit. A non-contiguous input and the 6..8-bit context (the quantized input) run unfused,
+    and so does an activation whose in-place form is not the one fused (GELU's tanh form as exact GELU's)."""
     from act_hf.ops import activation as act_ops
     from tests.utils import dispatched
 
+    name, factory, in_place, out_of_place = case
     x0 = (torch.randn(6, 131) * 3).to(dtype)
     x0[0, :4] = torch.tensor([0.0, -0.0, math.inf, -math.inf], dtype=dtype)
     g = torch.randn_like(x0)
 
-    def run(fused: bool, approximate: str = "none", transpose: bool = False, bits: int = bits):
-        monkeypatch.setattr(act_ops, "_fuses_gelu", lambda t: fused and t.is_contiguous())
+    def run(fused: bool, transpose: bool = False, bits: int = bits, fn=None):
+        monkeypatch.setattr(act_ops, "_fuses_activation", lambda t, n: fused and n == name and t.is_contiguous())
         leaf = x0.clone().requires_grad_()
         x = (leaf.t() * 1.0).contiguous().t() if transpose else leaf * 1.0
-        version, out, module = x._version, [], _convert(nn.GELU(approximate), bits=bits)
+        version, out, module = x._version, [], _convert(factory(), bits=bits)
+        if fn is not None:
+            monkeypatch.setattr(module, "act_inplace_forward", lambda: fn)
         with track_saved() as saved:
             ops = {f.overloadpacket.__name__ for f, _ in dispatched(
                 lambda: out.append(module(x, act_input_owned=True)))}
@@ -441,79 +451,86 @@ def test_in_place_gelu_writes_its_output_and_code_in_one_pass(monkeypatch, dtype
         return ops, x.detach(), gx, saved.bytes
 
     ops, y, gx, nbytes = run(fused=True)
-    assert "gelu_inplace_code" in ops and not ops & {"gelu_", "gelu", "fewbit_encode_pack"}
+    assert "activation_inplace_code" in ops and not ops & {in_place, out_of_place, "fewbit_encode_pack"}
     unfused_ops, y_ref, gx_ref, nbytes_ref = run(fused=False)
-    assert "gelu_inplace_code" not in unfused_ops and {"gelu_", "fewbit_encode_pack"} <= unfused_ops
-    assert torch.equal(y.view(torch.int16), F.gelu(x0).view(torch.int16))
+    assert "activation_inplace_code" not in unfused_ops and {in_place, "fewbit_encode_pack"} <= unfused_ops
+    assert torch.equal(y.view(torch.int16), factory()(x0).view(torch.int16))
     assert torch.equal(y.view(torch.int16), y_ref.view(torch.int16))
-    assert torch.equal(gx, gx_ref) and torch.equal(gx, _expected_fewbit_grad(x0, g, "gelu", bits))
+    assert torch.equal(gx, gx_ref) and torch.equal(gx, _expected_fewbit_grad(x0, g, name, bits))
     assert nbytes == nbytes_ref == math.ceil(x0.numel() * bits / 8)
-    assert "gelu_inplace_code" not in run(fused=True, approximate="tanh")[0]
-    assert "gelu_inplace_code" not in run(fused=True, transpose=True)[0]
-    assert "gelu_inplace_code" not in run(fused=True, bits=8)[0]
+    assert "activation_inplace_code" not in run(fused=True, transpose=True)[0]
+    assert "activation_inplace_code" not in run(fused=True, bits=8)[0]
+    if name == "gelu_tanh":
+        assert "activation_inplace_code" not in run(fused=True, fn=act_ops.gelu_inplace)[0]
 
 
-def test_fused_gelu_runs_only_where_it_gave_torchs_bits_for_every_value(monkeypatch, caplog):
-    """The fused GELU's check compares it with ``F.gelu`` over every value of a 16-bit dtype, once a device and
-    dtype: it passes where the kernel is ``F.gelu`` (the CPU's reference), and one value off by one unit is enough
-    to fail it, which is logged and keeps that device and dtype unfused. No check runs while torch.compile traces
-    (or a CUDA graph is captured), and no answer is remembered from there. CPU tensors never fuse."""
+def test_fused_activations_run_only_where_they_gave_torchs_bits_for_every_value(monkeypatch, caplog):
+    """The fused activations' check compares each with torch's over every value of a 16-bit dtype, once a device,
+    dtype and activation: it passes where the kernel is torch's op (the CPU's reference), and one value off by one
+    unit is enough to fail it, which is logged and keeps that device, dtype and activation unfused. No check runs
+    while torch.compile traces (or a CUDA graph is captured), and no answer is remembered from there. CPU tensors
+    never fuse."""
     from act_hf.ops import _library
     from act_hf.ops import activation as act_ops
 
     cpu = torch.device("cpu")
-    assert act_ops._gelu_kernel_matches_torch(cpu, torch.bfloat16)
-    assert act_ops._gelu_kernel_matches_torch(cpu, torch.float16)
+    for name in act_ops.FUSED_IN_PLACE:
+        assert act_ops._kernel_matches_torch(cpu, torch.bfloat16, name)
+        assert act_ops._kernel_matches_torch(cpu, torch.float16, name)
 
-    def one_value_off(x, bounds, bits):
-        payload = _library._gelu_inplace_code(x, bounds, bits)
+    def one_value_off(x, bounds, bits, activation):
+        payload = _library._activation_inplace_code(x, bounds, bits, activation)
         x.view(torch.int16)[40000] += 1  # a negative value one unit further from 0
         return payload
 
-    monkeypatch.setitem(_library._IMPLEMENTATIONS[_library.gelu_inplace_code], "cpu", one_value_off)
+    monkeypatch.setitem(_library._IMPLEMENTATIONS[_library.activation_inplace_code], "cpu", one_value_off)
     with caplog.at_level("INFO", logger="act_hf.ops.activation"):
-        assert not act_ops._gelu_kernel_matches_torch(cpu, torch.bfloat16)
-    assert "fused GELU differs from torch's F.gelu on cpu in torch.bfloat16" in caplog.text
+        assert not act_ops._kernel_matches_torch(cpu, torch.bfloat16, "silu")
+    assert "fused silu differs from torch's on cpu in torch.bfloat16" in caplog.text
 
     checks = []
 
-    def stand_in(device, dtype):  # passes for float16 alone
-        checks.append((device, dtype))
+    def stand_in(device, dtype, name):  # passes for float16 alone
+        checks.append((device, dtype, name))
         return dtype == torch.float16
 
-    monkeypatch.setattr(act_ops, "_gelu_checked", {})
-    monkeypatch.setattr(act_ops, "_gelu_kernel_matches_torch", stand_in)
+    monkeypatch.setattr(act_ops, "_checked", {})
+    monkeypatch.setattr(act_ops, "_kernel_matches_torch", stand_in)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not act_ops._gelu_checked_on(cpu, torch.float16) and checks == [] and act_ops._gelu_checked == {}
+    assert not act_ops._checked_on(cpu, torch.float16, "gelu") and checks == [] and act_ops._checked == {}
     monkeypatch.undo()  # is_compiling and the implementations back; the stand-in check again:
-    monkeypatch.setattr(act_ops, "_gelu_checked", {})
-    monkeypatch.setattr(act_ops, "_gelu_kernel_matches_torch", stand_in)
-    assert act_ops._gelu_checked_on(cpu, torch.float16) and act_ops._gelu_checked_on(cpu, torch.float16)
-    assert not act_ops._gelu_checked_on(cpu, torch.bfloat16) and not act_ops._gelu_checked_on(cpu, torch.bfloat16)
-    assert checks == [(cpu, torch.float16), (cpu, torch.bfloat16)]
-    assert not act_ops._fuses_gelu(torch.zeros(8, dtype=torch.float16))
+    monkeypatch.setattr(act_ops, "_checked", {})
+    monkeypatch.setattr(act_ops, "_kernel_matches_torch", stand_in)
+    assert act_ops._checked_on(cpu, torch.float16, "gelu") and act_ops._checked_on(cpu, torch.float16, "gelu")
+    assert not act_ops._checked_on(cpu, torch.bfloat16, "gelu")
+    assert not act_ops._checked_on(cpu, torch.bfloat16, "gelu")  # the answer remembered
+    assert act_ops._checked_on(cpu, torch.float16, "silu")
+    assert checks == [(cpu, torch.float16, "gelu"), (cpu, torch.bfloat16, "gelu"), (cpu, torch.float16, "silu")]
+    assert not act_ops._fuses_activation(torch.zeros(8, dtype=torch.float16), "gelu")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_gelu_gives_torchs_bits_for_every_16_bit_value(dtype):
-    """On a GPU act_hf's GELU gives the installed torch's CUDA ``F.gelu`` bits for each of the dtype's 65536 values,
-    so the fused path runs there, and an owned exact GELU is one ``act_hf::gelu_inplace_code`` writing ``F.gelu``'s
-    bits with the few-bit gradient."""
+@pytest.mark.parametrize("case", FUSED, ids=[c[0] for c in FUSED])
+def test_fused_activation_gives_torchs_bits_for_every_16_bit_value(case, dtype):
+    """On a GPU act_hf's GELU (either form) and SiLU give the installed torch's CUDA bits for each of the dtype's
+    65536 values, so the fused path runs there, and an owned activation is one ``act_hf::activation_inplace_code``
+    writing torch's bits, with the few-bit gradient."""
     from act_hf.ops import activation as act_ops
     from tests.utils import dispatched
 
-    assert act_ops._gelu_checked_on(torch.device("cuda", torch.cuda.current_device()), dtype)
+    name, factory, in_place, _ = case
+    assert act_ops._checked_on(torch.device("cuda", torch.cuda.current_device()), dtype, name)
     x0 = (torch.randn(6, 131, device="cuda") * 3).to(dtype)
     leaf = x0.clone().requires_grad_()
     x, out = leaf * 1.0, []
-    module = _convert(nn.GELU()).cuda()
+    module = _convert(factory()).cuda()
     ops = {f.overloadpacket.__name__ for f, _ in dispatched(lambda: out.append(module(x, act_input_owned=True)))}
-    assert "gelu_inplace_code" in ops and not ops & {"gelu_", "fewbit_encode_pack"} and out[0] is x
-    assert torch.equal(x.detach().view(torch.int16), F.gelu(x0).view(torch.int16))
+    assert "activation_inplace_code" in ops and not ops & {in_place, "fewbit_encode_pack"} and out[0] is x
+    assert torch.equal(x.detach().view(torch.int16), factory()(x0).view(torch.int16))
     g = torch.randn_like(x0)
     (gx,) = torch.autograd.grad(x, leaf, g)
-    assert torch.equal(gx, _expected_fewbit_grad(x0, g, "gelu", 3))
+    assert torch.equal(gx, _expected_fewbit_grad(x0, g, name, 3))
 
 
 def test_inplace_on_leaf_raises_like_original():

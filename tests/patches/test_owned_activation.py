@@ -85,26 +85,27 @@ def test_the_mlp_activation_runs_in_place_with_the_out_of_place_results(name, au
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ACTIVATION])
-def test_an_owned_gelu_writes_its_code_in_the_same_pass_with_the_same_results(monkeypatch, name, autocast):
-    """Where the fused GELU runs (on CUDA; forced here, the reference kernel standing in), each MLP's GELU is one
-    ``act_hf::gelu_inplace_code`` (no ``gelu_``, no separate encode), and the loss and every gradient are the
-    unfused run's bit for bit."""
+@pytest.mark.parametrize("name", [n for n in CASES if n != "t5"])
+def test_an_owned_activation_writes_its_code_in_the_same_pass_with_the_same_results(monkeypatch, name, autocast):
+    """Where the fused activations run (on CUDA; forced here, the reference kernel standing in), each MLP's GELU
+    (LLaMA's SiLU) is one ``act_hf::activation_inplace_code`` (no ``gelu_``, no separate encode), and the loss and
+    every gradient are the unfused run's bit for bit."""
     from act_hf.ops import activation as act_ops
     from tests.utils import dispatched
 
     model, inputs = _patched(name)
+    in_place = ACTIVATION.get(name, "gelu") + "_"
     runs = []
     for fused in (True, False):
-        monkeypatch.setattr(act_ops, "_fuses_gelu", lambda t, fused=fused: fused and t.is_contiguous())
+        monkeypatch.setattr(act_ops, "_fuses_activation", lambda t, n, fused=fused: fused and t.is_contiguous())
         step = []
         ops = [f.overloadpacket.__name__
                for f, _ in dispatched(lambda step=step: step.append(_step(name, model, inputs, autocast)))]
         runs.append((ops, *step[0]))
         gc.collect()  # else the dispatch mode's frames keep the batch's packed copy, which the next step would reuse
     (ops, loss, grads), (unfused_ops, loss_ref, grads_ref) = runs
-    assert ops.count("gelu_inplace_code") == len(_mlps(model, name)) and "gelu_" not in ops
-    assert "gelu_inplace_code" not in unfused_ops and unfused_ops.count("gelu_") == len(_mlps(model, name))
+    assert ops.count("activation_inplace_code") == len(_mlps(model, name)) and in_place not in ops
+    assert "activation_inplace_code" not in unfused_ops and unfused_ops.count(in_place) == len(_mlps(model, name))
     assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys()
     for key in grads:
         assert torch.equal(grads[key], grads_ref[key]), key
