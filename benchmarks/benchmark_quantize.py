@@ -8,9 +8,9 @@ term decoded by channel into a bf16 sum and masked (``unpack_dequantize_into``, 
 and written, the codes standing for the mask); a block input of four such terms, each masked, in one pass
 (``unpack_dequantize_chain``: four payloads and masks read, the sum written once; per term, one ``into`` call each);
 in the 1-bit rows, dropout's gradient from its packed keep-mask (``masked_scale``: the gradient and the mask read,
-the input gradient written); up to 4 bits a GELU written in place with its codes (``gelu_inplace_code``: x read and
-written, the codes written); and once a size, an in-place ReLU written with its 1-bit code (``relu_inplace_code``)
-beside aten's ``relu_`` of the same tensor, and aten's ``gelu_`` (its row's bits 0: no code).
+the input gradient written); up to 4 bits a GELU written in place with its codes (``activation_inplace_code``: x
+read and written, the codes written); and once a size, an in-place ReLU written with its 1-bit code
+(``relu_inplace_code``) beside aten's ``relu_`` of the same tensor, and aten's ``gelu_`` (its row's bits 0: no code).
 Target: each direction >= 70% of copy bandwidth. Writes JSON and a markdown table under ``benchmarks/results/``.
 
     python benchmarks/benchmark_quantize.py [--sizes-mib 64 256 1024] [--bits 1 2 3 4 8] [--out DIR]
@@ -80,7 +80,7 @@ def size_ops(ext, x: torch.Tensor) -> list[tuple[str, int, Callable[[], object],
 def bits_ops(ext, x: torch.Tensor, bits: int, group_size: int) -> list[tuple[str, int, Callable[[], object], int]]:
     """The ops timed at ``bits`` on a flat bf16 ``x``, as :func:`size_ops` gives them: quantize, decodes (plain,
     LayerNorm's affine, a residual term into a sum, a chain of four), at 1 bit dropout's gradient, up to 4 bits
-    the few-bit encode and a GELU written in place with its codes (``gelu_inplace_code``)."""
+    the few-bit encode and a GELU written in place with its codes (``activation_inplace_code``)."""
     n = x.numel()
     packed = ext.quantize_pack(x, bits, group_size, 1)
     packed_bytes = sum(t.nbytes for t in packed)
@@ -109,8 +109,8 @@ def bits_ops(ext, x: torch.Tensor, bits: int, group_size: int) -> list[tuple[str
         bounds = torch.linspace(-2, 2, (1 << bits) - 1, device=x.device, dtype=x.dtype)
         codes = -(-n * bits // 8)
         ops += [("fewbit_encode_pack", bits, partial(ext.fewbit_encode_pack, x, bounds, bits), x.nbytes + codes),
-                ("gelu_inplace_code", bits, partial(ext.gelu_inplace_code, x.clone(), bounds, bits),
-                 2 * x.nbytes + codes)]
+                ("activation_inplace_code", bits,
+                 partial(ext.activation_inplace_code, x.clone(), bounds, bits, "gelu"), 2 * x.nbytes + codes)]
     return ops
 
 
@@ -162,7 +162,7 @@ def plot(rows: list[dict], path: Path) -> None:
     styles = (("quantize_pack", "-o"), ("unpack_dequantize", "--s"), ("fewbit_encode_pack", ":^"),
               ("unpack_dequantize_affine", "-.d"), ("unpack_dequantize_into", "-.v"),
               ("unpack_dequantize_chain", "-.>"), ("masked_scale", "x"), ("relu_inplace_code", "P"),
-              ("relu_ (aten)", "*"), ("gelu_inplace_code", ":p"), ("gelu_ (aten)", "h"))
+              ("relu_ (aten)", "*"), ("activation_inplace_code", ":p"), ("gelu_ (aten)", "h"))
     for op, style in styles:
         for mib in sorted({r["size_mib"] for r in rows}):
             points = sorted((r["bits"], r["fraction_of_copy"]) for r in rows if r["op"] == op and r["size_mib"] == mib)

@@ -10,8 +10,8 @@
 # tests: the quantize kernel's new draws (one splitmix64 for four elements, 16-bit), its NaN-propagating range and
 # fixed-width payload accesses, the affine and chain decodes' octets, the few-bit encode's binary search,
 # BatchNorm's CUDA paths (the in-place forward's one statistics pass; the sliced backward on aten's split kernels),
-# the in-place ReLU fused with its code (torch's CUDA relu bits, a -0 included), the in-place GELU fused with its
-# codes (F.gelu's bits for each bf16 and fp16 value, the check act_hf runs before it fuses),
+# the in-place ReLU fused with its code (torch's CUDA relu bits, a -0 included), the in-place GELU and SiLU fused
+# with their codes (torch's bits for each bf16 and fp16 value, the check act_hf runs before it fuses),
 # ACT_HF_SLICING's test and the convolutions' (the input gradient as a transposed convolution); the kernels'
 # throughput against a copy (benchmark_quantize.py at 256 MiB: the quantize was 0.31-0.35 of a copy, bound by
 # issuing instructions) and Nsight Compute's count of the quantize kernel's instructions (about 43 a value in the
