@@ -29,7 +29,7 @@ from act_hf.nn.activation import (
     output_is_owned,
 )
 from act_hf.nn.linear import ActLinearMixin
-from act_hf.ops.activation import gelu_inplace, silu_inplace
+from act_hf.ops.activation import gelu_inplace, gelu_tanh_inplace, silu_inplace
 from act_hf.ops.loss import HeadLossScope, cast_head_input, causal_lm_loss, note_head_output, output_embeddings
 from act_hf.ops.product import act_product
 from act_hf.patcher import (
@@ -45,8 +45,9 @@ from act_hf.patcher import (
 __all__ = ["DENSE_ACT_DENSE_FORWARD", "FC_MLP_FORWARD", "FEED_FORWARD_CHUNK", "GATED_ACT_DENSE_FORWARD",
            "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "RESIDUAL_OUTPUT_FORWARD", "ActDenseActDenseMixin",
            "ActFcMLPMixin", "ActFeedForwardChunkMixin", "ActGatedActDenseMixin", "ActHFGELUMixin",
-           "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin", "disable_training_cache", "enable_lm_loss",
-           "hf_rules", "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
+           "ActHFGELUTanhMixin", "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin",
+           "disable_training_cache", "enable_lm_loss", "hf_rules", "new_gelu_with_one_temporary", "patch_hf",
+           "rms_norm_rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,17 @@ class ActHFGELUMixin(ActActivationMixin):
 
     def act_inplace_forward(self):
         return gelu_inplace if getattr(self, "act", None) is F.gelu else None
+
+
+class ActHFGELUTanhMixin(ActActivationMixin):
+    """transformers' ``GELUTanh`` (``gelu_pytorch_tanh``: Gemma's gated MLPs), whose in-place form is ``aten::gelu_``
+    of the tanh form when it calls ``F.gelu(approximate="tanh")`` (not with ``use_gelu_tanh_python``)."""
+
+    def act_inplace_forward(self):
+        act = getattr(self, "act", None)
+        calls_gelu = isinstance(act, functools.partial) and act.func is F.gelu and not act.args \
+            and act.keywords == {"approximate": "tanh"}
+        return gelu_tanh_inplace if calls_gelu else None
 
 
 class ActHFSiLUMixin(ActActivationMixin):
@@ -299,7 +311,7 @@ def _is_hf_code(m: nn.Module, suffixes: tuple[str, ...], code: str, method: str 
 #: transformers activation classes with an in-place form or a cheaper way to the same output (the others get
 #: ``ActActivationMixin``)
 _HF_ACTIVATION_MIXINS = {hf_act.GELUActivation: ActHFGELUMixin, hf_act.SiLUActivation: ActHFSiLUMixin,
-                         hf_act.NewGELUActivation: ActHFNewGELUMixin}
+                         hf_act.NewGELUActivation: ActHFNewGELUMixin, hf_act.GELUTanh: ActHFGELUTanhMixin}
 
 
 def _activation_rules() -> list[Rule]:

@@ -16,9 +16,10 @@ from tests.utils import forward_peak, stub_codec
 
 MLPS = {"timm-vit": "ActMlpMixin", "timm-swin": "ActMlpMixin", "bert-seqcls": "ActIntermediateMixin",
         "vit-hf": "ActFcMLPMixin", "llama": "ActGatedMLPMixin", "convnext-hf": "ActConvNextLayerMixin",
-        "timm-vit-swiglu": "ActSwiGLUMixin", "t5": "ActDenseActDenseMixin"}
+        "timm-vit-swiglu": "ActSwiGLUMixin", "t5": "ActDenseActDenseMixin", "gemma": "ActGatedMLPMixin"}
 CASES = {c.name: c for c in ALL_CASES if c.name in MLPS}
-ACTIVATION = {"llama": "silu", "t5": "relu"}  # the others' is GELU (timm's ViT passes GELU to SwiGLU too)
+ACTIVATION = {"llama": "silu", "t5": "relu"}  # the others' is GELU (timm's ViT passes GELU to SwiGLU too; Gemma's:
+# its tanh form, gelu_pytorch_tanh)
 
 
 class _GeluCalls(TorchDispatchMode):
@@ -109,6 +110,25 @@ def test_an_owned_activation_writes_its_code_in_the_same_pass_with_the_same_resu
     assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys()
     for key in grads:
         assert torch.equal(grads[key], grads_ref[key]), key
+
+
+def test_transformers_activations_hand_the_in_place_forms_that_fuse():
+    """A patched transformers activation whose forward is a torch call hands that call's in-place form, the very
+    function the fused path recognises (``FUSED_IN_PLACE``): ``GELUActivation`` exact GELU's, ``GELUTanh``
+    (``gelu_pytorch_tanh``) the tanh form's, ``SiLUActivation`` SiLU's; their Python formulas hand none."""
+    from torch import nn
+    from transformers import activations as hf_act
+
+    from act_hf.errors import ActHFWarning
+    from act_hf.ops.activation import FUSED_IN_PLACE
+
+    acts = nn.ModuleDict({"gelu": hf_act.GELUActivation(), "gelu_tanh": hf_act.GELUTanh(),
+                          "silu": hf_act.SiLUActivation(), "gelu_python": hf_act.GELUActivation(use_gelu_python=True),
+                          "gelu_tanh_python": hf_act.GELUTanh(use_gelu_tanh_python=True)})
+    with pytest.warns(ActHFWarning, match="no family for ModuleDict"):
+        act_hf.patch(acts, bits=3)
+    for name, act in acts.items():
+        assert act.act_inplace_forward() is FUSED_IN_PLACE.get(name), name
 
 
 @pytest.mark.parametrize("name", ["timm-vit", "bert-seqcls", "vit-hf", "llama", "t5"])
