@@ -132,30 +132,19 @@ ACT_HD void zero_unmasked_octet(const T* src, unsigned bits, int cnt, bool vec, 
 // uses them (act_hf/ops/activation.py: _kernel_matches_torch).
 enum ActivationKind : int { kNoActivation = 0, kGelu = 1, kGeluTanh = 2, kSilu = 3 };
 
-template <typename A>
-ACT_HD A erf_of(A v) {
-  if constexpr (std::is_same_v<A, double>) {
-    return erf(v);
-  } else {
-    return erff(v);
-  }
-}
+enum MathFunction : int { kErf, kTanh, kExp };
 
-template <typename A>
-ACT_HD A tanh_of(A v) {
+// erf, tanh or exp of v: the float function (erff, tanhf, expf) for a float, the double one for a double.
+template <int F, typename A>
+ACT_HD A math_of(A v) {
   if constexpr (std::is_same_v<A, double>) {
-    return tanh(v);
+    if constexpr (F == kErf) return erf(v);
+    if constexpr (F == kTanh) return tanh(v);
+    if constexpr (F == kExp) return exp(v);
   } else {
-    return tanhf(v);
-  }
-}
-
-template <typename A>
-ACT_HD A exp_of(A v) {
-  if constexpr (std::is_same_v<A, double>) {
-    return exp(v);
-  } else {
-    return expf(v);
+    if constexpr (F == kErf) return erff(v);
+    if constexpr (F == kTanh) return tanhf(v);
+    if constexpr (F == kExp) return expf(v);
   }
 }
 
@@ -166,14 +155,14 @@ ACT_HD A activation_of(A v) {
   static_assert(Act == kGelu || Act == kGeluTanh || Act == kSilu, "an activation to write");
   if constexpr (Act == kGelu) {
     constexpr A kSqrtHalf = static_cast<A>(0.70710678118654752440);
-    return v * A(0.5) * (A(1) + erf_of(v * kSqrtHalf));
+    return v * A(0.5) * (A(1) + math_of<kErf>(v * kSqrtHalf));
   } else if constexpr (Act == kGeluTanh) {
     constexpr A kBeta = static_cast<A>(1.41421356237309504880 * 1.12837916709551257390 * 0.5);  // sqrt(2 / pi)
     constexpr A kKappa = static_cast<A>(0.044715);
     const A cube = v * v * v;
-    return A(0.5) * v * (A(1) + tanh_of(kBeta * (v + kKappa * cube)));
+    return A(0.5) * v * (A(1) + math_of<kTanh>(kBeta * (v + kKappa * cube)));
   } else {
-    return v / (A(1) + exp_of(-v));
+    return v / (A(1) + math_of<kExp>(-v));
   }
 }
 
