@@ -59,6 +59,7 @@ import torch
 import act_hf
 from act_hf.checkpoint import enable_hf_checkpointing
 from act_hf.estimate import format_bytes, parse_size
+from act_hf.ops.activation import fused_activation_checks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from benchmark_saved_memory import MODELS, _meta, make_inputs, pyplot
@@ -250,6 +251,7 @@ def run_trial(trial: Trial) -> dict:
         out = {"oom": False} | info | _timed_steps(step, trial, trial.batch)
     except torch.OutOfMemoryError:
         return {"oom": True}
+    out["fused_activation_checks"] = fused_activation_checks()  # where one failed, that activation ran unfused
     if trial.sweep:
         out["sweep"] = {}
     for size in trial.sweep:
@@ -584,6 +586,16 @@ def write_results(rows: list[dict], meta: dict, out: Path) -> None:
                   + ("none in any speed trial." if not events else "; ".join(
                       f"{r['model']} {r['setting']} {counts(r)}" for r in events)
                      + " (each `cudaFree` and retry waits for the device).")]
+    checks = {f"{r['model']} {r['setting']}": r["equal_batch"]["fused_activation_checks"] for r in timed
+              if r["equal_batch"].get("fused_activation_checks")}
+    if timed:
+        any_failed = any(not passed for verdicts in checks.values() for passed in verdicts.values())
+        lines += ["", "Fused activations (their check of act_hf's kernel against torch's, every 16-bit value, before "
+                  "fusing): " + ("none checked in any speed trial." if not checks else "; ".join(
+                      f"{trial}: " + ", ".join(f"{name} {'passed' if passed else '**failed**'}"
+                                               for name, passed in verdicts.items())
+                      for trial, verdicts in checks.items())
+                      + (" (a failed one ran unfused)." if any_failed else "."))]
     curves = [r for r in rows if r.get("curve")]
     if curves:
         batches = sorted({int(b) for r in curves for b in r["curve"]})

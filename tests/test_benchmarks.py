@@ -224,6 +224,35 @@ def test_speed_trials_report_the_allocators_events_a_step(tmp_path):
     assert "(cudaMalloc, cudaFree, retries): none in any speed trial." in (tmp_path / "gpu_training.md").read_text()
 
 
+def test_speed_trials_report_the_fused_activations_checks(tmp_path):
+    """Which fused activations passed their check in each speed trial goes into the table's notes, a failed one
+    marked: it ran unfused, which the trial's speed shows."""
+    meta = {**gpu_training._meta(torch.device("cpu")), "dtype": "bf16", "seq": 128, "image_size": 224, "batch": 256,
+            "steps": 4, "warmup": 2, "cap_bytes": None, "resolution": 0.02}
+    trial = {"oom": False, "samples_per_s": 100.0, "peak_bytes": 2**30, "resident_bytes": 2**29,
+             "growth_bytes_per_step": 0.0, "fused_activation_checks": {}}
+    rows = [{"model": "swin-tiny", "setting": "unpatched", "equal_batch": trial},
+            {"model": "swin-tiny", "setting": "bits3", "equal_batch": trial | {"fused_activation_checks": {
+                "gelu bfloat16 on cuda:0": True, "silu bfloat16 on cuda:0": False}}}]
+    gpu_training.write_results(rows, meta, tmp_path)
+    text = (tmp_path / "gpu_training.md").read_text()
+    assert ("swin-tiny bits3: gelu bfloat16 on cuda:0 passed, silu bfloat16 on cuda:0 **failed** (a failed one ran "
+            "unfused).") in text and "swin-tiny unpatched:" not in text
+    gpu_training.write_results(rows[:1], meta, tmp_path)
+    assert "before fusing): none checked in any speed trial." in (tmp_path / "gpu_training.md").read_text()
+
+
+def test_a_trial_records_the_fused_activations_checks_it_ran(monkeypatch):
+    """A trial in this process returns the fused activations' checks run during it (none on the CPU, where nothing
+    fuses; here one stands in), beside its timing."""
+    from act_hf.ops import activation as act_ops
+
+    monkeypatch.setattr(act_ops, "_checked", {(torch.device("cuda", 0), torch.bfloat16, "gelu"): True})
+    out = gpu_training.run_trial(gpu_training.Trial("resnet50", "unpatched", 2, device="cpu", steps=1, warmup=0,
+                                                    image_size=32))
+    assert out["fused_activation_checks"] == {"gelu bfloat16 on cuda:0": True} and out["samples_per_s"] > 0
+
+
 def test_targets_start_the_search_and_are_answered_by_its_first_trial(monkeypatch, tmp_path):
     """``--targets`` with ``--no-speed``: each row's first trial is ratio x the given unpatched largest batch, and
     the row says whether it fit before the search goes on (the GPU played by a memory model, as above)."""

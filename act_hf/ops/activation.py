@@ -87,6 +87,7 @@ __all__ = [
     "ActivationSpec",
     "act_activation",
     "check_activation_name",
+    "fused_activation_checks",
     "gelu_inplace",
     "gelu_tanh_inplace",
     "relu_inplace",
@@ -190,6 +191,13 @@ def _kernel_matches_torch(device: torch.device, dtype: torch.dtype, name: str) -
     if not matches:
         logger.info("act_hf's fused %s differs from torch's on %s in %s; it runs unfused there", name, device, dtype)
     return matches
+
+
+def fused_activation_checks() -> dict[str, bool]:
+    """The fused activations' checks run in this process (:func:`_kernel_matches_torch`), as ``"<name> <dtype>
+    on <device>"`` -> passed: where one failed, that activation runs unfused there (a benchmark records these)."""
+    return {f"{name} {str(dtype).removeprefix('torch.')} on {device}": passed
+            for (device, dtype, name), passed in _checked.items()}
 
 
 def _in_place_with_code(x: Tensor, op: Callable[..., Tensor], *args) -> Tensor:
