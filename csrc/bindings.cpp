@@ -50,7 +50,7 @@ at::Tensor fewbit_grad_cuda(const at::Tensor& grad, const at::Tensor& payload, c
                             int64_t bits);
 at::Tensor zero_unmasked_cuda(const at::Tensor& values, const at::Tensor& mask, bool in_place);
 at::Tensor activation_inplace_code_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits,
-                                        int64_t activation);
+                                        const std::string& activation);
 at::Tensor relu_inplace_code_cuda(const at::Tensor& x, const at::Tensor& negative_zero_out);
 at::Tensor masked_scale_cuda(const at::Tensor& grad, const at::Tensor& mask, double scale);
 }  // namespace act_hf
@@ -319,21 +319,13 @@ at::Tensor fewbit_encode_pack(const at::Tensor& x, const at::Tensor& bounds, int
   return act_hf::fewbit_encode_pack_cuda(x, bounds, bits);
 }
 
-// The activations activation_inplace_code writes, by name, as fewbit_octets.cuh numbers them (ActivationKind).
-int64_t activation_kind(const std::string& activation) {
-  const int64_t kind = activation == "gelu" ? 1 : activation == "gelu_tanh" ? 2 : activation == "silu" ? 3 : 0;
-  TORCH_CHECK(kind != 0, "activation must be 'gelu', 'gelu_tanh' or 'silu', got '" + activation + "'");
-  return kind;
-}
-
 at::Tensor activation_inplace_code(const at::Tensor& x, const at::Tensor& bounds, int64_t bits,
                                    const std::string& activation) {
   TORCH_CHECK(bits >= 1 && bits <= 4,
               "bits must be 1..4 (the activations' derivative tables), got " + std::to_string(bits));
-  const int64_t kind = activation_kind(activation);
   check_encode_args(x, bounds, bits);
   py::gil_scoped_release no_gil;
-  return act_hf::activation_inplace_code_cuda(x, bounds, bits, kind);
+  return act_hf::activation_inplace_code_cuda(x, bounds, bits, activation);
 }
 
 at::Tensor fewbit_grad(const at::Tensor& grad, const at::Tensor& payload, const at::Tensor& values, int64_t bits) {

@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "dispatch.h"
 #include "fewbit_octets.cuh"
@@ -159,11 +160,11 @@ at::Tensor fewbit_encode_pack_cuda(const at::Tensor& x, const at::Tensor& bounds
 }
 
 at::Tensor activation_inplace_code_cuda(const at::Tensor& x, const at::Tensor& bounds, int64_t bits,
-                                        int64_t activation) {
-  TORCH_CHECK(activation == kGelu || activation == kGeluTanh || activation == kSilu, "activation must be ",
-              int{kGelu}, " (gelu), ", int{kGeluTanh}, " (gelu_tanh) or ", int{kSilu}, " (silu), got ", activation);
-  if (activation == kGelu) return encode_pack<kGelu>(x, bounds, bits);
-  if (activation == kGeluTanh) return encode_pack<kGeluTanh>(x, bounds, bits);
+                                        const std::string& activation) {
+  TORCH_CHECK(activation == "gelu" || activation == "gelu_tanh" || activation == "silu",
+              "activation must be 'gelu', 'gelu_tanh' or 'silu', got '", activation, "'");
+  if (activation == "gelu") return encode_pack<kGelu>(x, bounds, bits);
+  if (activation == "gelu_tanh") return encode_pack<kGeluTanh>(x, bounds, bits);
   return encode_pack<kSilu>(x, bounds, bits);
 }
 
