@@ -43,11 +43,11 @@ from act_hf.patcher import (
 )
 
 __all__ = ["DENSE_ACT_DENSE_FORWARD", "FC_MLP_FORWARD", "FEED_FORWARD_CHUNK", "GATED_ACT_DENSE_FORWARD",
-           "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "RESIDUAL_OUTPUT_FORWARD", "ActDenseActDenseMixin",
-           "ActFcMLPMixin", "ActFeedForwardChunkMixin", "ActGatedActDenseMixin", "ActHFGELUMixin",
-           "ActHFGELUTanhMixin", "ActHFNewGELUMixin", "ActHFSiLUMixin", "ActIntermediateMixin",
-           "disable_training_cache", "enable_lm_loss", "hf_rules", "new_gelu_with_one_temporary", "patch_hf",
-           "rms_norm_rule"]
+           "GATED_MLP_FORWARD", "HF_ACTIVATIONS", "INTERMEDIATE_FORWARD", "RESIDUAL_OUTPUT_FORWARD",
+           "ActDenseActDenseMixin", "ActFcMLPMixin", "ActFeedForwardChunkMixin", "ActGatedActDenseMixin",
+           "ActGatedMLPMixin", "ActHFGELUMixin", "ActHFGELUTanhMixin", "ActHFNewGELUMixin", "ActHFSiLUMixin",
+           "ActIntermediateMixin", "disable_training_cache", "enable_lm_loss", "hf_rules",
+           "new_gelu_with_one_temporary", "patch_hf", "rms_norm_rule"]
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +262,28 @@ def _to_wo_dtype(hidden_states: torch.Tensor, wo: nn.Module) -> torch.Tensor:
     return hidden_states
 
 
+class ActGatedMLPMixin(ActModule):
+    """A gated MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (LLaMA's, and the same code in Mistral,
+    Qwen2/3, Gemma 1/2/3, OLMo 1/2, Granite, Cohere, StableLM, SmolLM3, Helium, Exaone 4, Qwen2-MoE's experts...,
+    the families act_hf has and the generic fallback alike) whose product keeps both operands packed (slots
+    ``<path>:gate_act`` and ``<path>:up``). The activation writes into ``gate_proj``'s output and the product into
+    the activation's (:func:`activation_of_owned`, ``act_product(into_a=True)``) where nothing else can hold them:
+    of the four intermediate-width tensors, at most two are alive at once. The rule converts an MLP only when its
+    ``forward`` is that code (:data:`GATED_MLP_FORWARD`); the submodules are converted by their own rules."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.act_owns_intermediates(x):
+            return super().forward(x)
+        owned = output_is_owned(self.act_fn)
+        gate = activation_of_owned(self.act_fn, self.gate_proj(x), self.gate_proj)
+        return self.down_proj(act_product(gate, self.up_proj(x), self.act_settings("gate_act"),
+                                          self.act_settings("up"), into_a=owned))
+
+
+#: :func:`code_fingerprint` of ``LlamaMLP.forward`` and its copies (transformers 5.x).
+GATED_MLP_FORWARD = "5b8abf7af12a4b42"
+
+
 class ActGatedActDenseMixin(ActModule):
     """T5's gated feed-forward, ``wo(dropout(act(wi_0(x)) * wi_1(x)))`` (flan-T5, mT5, UMT5, ...), its product through
     :func:`act_product`: both operands packed (slots ``<path>:gate_act`` and ``<path>:up``), where autograd's ``mul``
@@ -326,6 +348,7 @@ def _activation_rules() -> list[Rule]:
              lambda m: ActGatedActDenseMixin),
         Rule("activation", lambda m: _is_hf_code(m, ("DenseActDense",), DENSE_ACT_DENSE_FORWARD),
              lambda m: ActDenseActDenseMixin),
+        Rule("linear", lambda m: _is_hf_code(m, ("MLP",), GATED_MLP_FORWARD), lambda m: ActGatedMLPMixin),
     ]
 
 

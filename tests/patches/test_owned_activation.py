@@ -112,6 +112,52 @@ def test_an_owned_activation_writes_its_code_in_the_same_pass_with_the_same_resu
         assert torch.equal(grads[key], grads_ref[key]), key
 
 
+@pytest.mark.filterwarnings("ignore:act_hf has no family:act_hf.ActHFWarning")
+@pytest.mark.parametrize(("model_type", "act"), [("granite", "silu"), ("cohere", "silu"), ("gemma2", "gelu")])
+def test_gated_mlps_on_the_generic_fallback_own_their_activation(model_type, act):
+    """LLaMA's gated MLP code in a model without an act_hf family (Granite, Cohere; Gemma 2's tanh GELU): the
+    fallback converts it as LLaMA's family does, its activation runs in place, and the loss and every gradient
+    equal those of the out-of-place calls that hooks on ``gate_proj`` force, bit for bit, at 3 bits."""
+    from tests.patches.models import fallback_decoder
+
+    torch.manual_seed(0)
+    model, inputs = fallback_decoder(model_type)
+    act_hf.patch(model, bits=3)
+    model.train()
+    mlps = [m for m in model.modules() if type(m).__name__.startswith("Act") and type(m).__name__.endswith("MLP")]
+    assert mlps and all(any(c.__name__ == "ActGatedMLPMixin" for c in type(m).__mro__) for m in mlps)
+
+    def step():  # the activations counted inside the MLPs alone (the fallback's loss path is no mode's to watch)
+        act_hf.manual_seed(0)
+        model.zero_grad(set_to_none=True)
+        calls = _GeluCalls(act)
+
+        def enter(mod, args):
+            calls.__enter__()
+
+        def leave(mod, args, out):
+            calls.__exit__(None, None, None)
+
+        handles = [h for m in mlps for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+        loss = model(**inputs).loss
+        for h in handles:
+            h.remove()
+        loss.backward()
+        return calls.calls, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                            if p.grad is not None}
+
+    calls, loss, grads = step()
+    assert calls == {act: 0, act + "_": len(mlps)}, calls
+    handles = [m.gate_proj.register_forward_hook(lambda mod, args, out: None) for m in mlps]
+    calls_ref, loss_ref, grads_ref = step()
+    for h in handles:
+        h.remove()
+    assert calls_ref == {act: len(mlps), act + "_": 0}, calls_ref
+    assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys()
+    for key in grads:
+        assert torch.equal(grads[key], grads_ref[key]), key
+
+
 def test_transformers_activations_hand_the_in_place_forms_that_fuse():
     """A patched transformers activation whose forward is a torch call hands that call's in-place form, the very
     function the fused path recognises (``FUSED_IN_PLACE``): ``GELUActivation`` exact GELU's, ``GELUTanh``
