@@ -37,6 +37,7 @@ all), and backward multiplies the gradient by the table's value for the code, as
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -548,11 +549,12 @@ def zero_unmasked(values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | 
     return torch.where(keep, values, zero) if out is None else torch.where(keep, values, zero, out=out)
 
 
-#: The activations :func:`activation_inplace_code` writes, by name: torch's in-place form of each.
+#: The activations :func:`activation_inplace_code` writes, by name: torch's in-place form of each (the very functions
+#: act_hf's activation modules hand as their in-place forward, :data:`act_hf.ops.activation.FUSED_IN_PLACE`).
 IN_PLACE_ACTIVATIONS = {
     "gelu": torch._C._nn.gelu_,
-    "gelu_tanh": lambda x: torch._C._nn.gelu_(x, approximate="tanh"),
-    "silu": torch.ops.aten.silu_,
+    "gelu_tanh": functools.partial(torch._C._nn.gelu_, approximate="tanh"),
+    "silu": functools.partial(torch.nn.functional.silu, inplace=True),
 }
 
 

@@ -70,7 +70,7 @@ from torch.autograd.function import once_differentiable
 from .. import fewbit
 from .._chunks import chunk_elements, spans
 from .._constants import reused, zero_scalar
-from ..compress import dequantize, pack_bits, unpack_bits, zero_unmasked
+from ..compress import dequantize, pack_bits, reference, unpack_bits, zero_unmasked
 from ..context import store
 from ..derived import affine_of, note_pending
 from ..errors import ActHFRuntimeError, ActHFValueError
@@ -122,16 +122,13 @@ _QUICK_GELU_COEF = 1.702
 #: code where it can (:func:`_fuses_relu`); the ReLU modules and :func:`act_activation` hand this very function.
 relu_inplace = functools.partial(F.relu, inplace=True)
 
-#: ``aten::gelu_`` (GELU's exact, erf form), GELU's tanh form and SiLU in place: forwards that
-#: :class:`ActActivationFunction` runs together with their codes where it can (:func:`_fuses_activation`); the
-#: activation modules' in-place forms are these very functions (:data:`FUSED_IN_PLACE`).
-gelu_inplace = torch._C._nn.gelu_
-gelu_tanh_inplace = functools.partial(torch._C._nn.gelu_, approximate="tanh")
-silu_inplace = functools.partial(F.silu, inplace=True)
-
-#: Activation name -> the in-place forward run as one ``act_hf::activation_inplace_code`` with its code.
-FUSED_IN_PLACE: dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu": gelu_inplace, "gelu_tanh": gelu_tanh_inplace, "silu": silu_inplace}
+#: Activation name -> the in-place forward run as one ``act_hf::activation_inplace_code`` with its code where it can
+#: (:func:`_fuses_activation`): ``aten::gelu_`` (GELU's exact, erf form), GELU's tanh form and ``F.silu`` in place,
+#: the reference's functions; the activation modules' in-place forms are these very functions.
+FUSED_IN_PLACE: dict[str, Callable[[Tensor], Tensor]] = reference.IN_PLACE_ACTIVATIONS
+gelu_inplace = FUSED_IN_PLACE["gelu"]
+gelu_tanh_inplace = FUSED_IN_PLACE["gelu_tanh"]
+silu_inplace = FUSED_IN_PLACE["silu"]
 
 #: The dtypes whose every value :func:`_kernel_matches_torch` checks: the fused activations run for these alone.
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
